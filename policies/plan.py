@@ -1,0 +1,102 @@
+"""StepPlan: everything one engine step decided, as plain data, and its decision-log line.
+
+The executor in between ``schedule`` and ``commit`` only turns a plan into a duration (and,
+in the real world, tokens). Serialising a plan gives one JSON line of the decision log; two
+runs made the same decisions exactly when their logs are byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PlanEntry:
+    """One request's share of a step: tokens ``[first_position, first_position + num_tokens)``."""
+
+    request_id: str
+    first_position: int
+    num_tokens: int
+    is_prefill: bool  # False: a one-token decode that samples a token
+    samples: bool  # the step ends with a sampled token for this request
+
+    @property
+    def end_position(self) -> int:
+        return self.first_position + self.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step: int
+    entries: list[PlanEntry] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    slot_mapping: list[int] = field(default_factory=list)  # flat, in entry order
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    preempted: list[tuple[str, str]] = field(default_factory=list)  # (request id, mode)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
+    forks: list[tuple[str, list[str]]] = field(default_factory=list)  # parent -> children at commit
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if e.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if not e.is_prefill)
+
+    @property
+    def kind(self) -> str:
+        """``prefill``, ``decode``, ``mixed`` or ``idle`` (nothing to run, e.g. only rejections)."""
+        has_prefill = any(e.is_prefill for e in self.entries)
+        has_decode = any(not e.is_prefill for e in self.entries)
+        if has_prefill and has_decode:
+            return "mixed"
+        if has_prefill:
+            return "prefill"
+        return "decode" if has_decode else "idle"
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.entries or self.swap_out or self.swap_in or self.copies)
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "entries": [
+                [e.request_id, e.first_position, e.num_tokens, "p" if e.is_prefill else "d", int(e.samples)]
+                for e in self.entries
+            ],
+            "block_tables": self.block_tables,
+            "slot_mapping": self.slot_mapping,
+            "copies": [list(c) for c in self.copies],
+            "swap_out": [list(s) for s in self.swap_out],
+            "swap_in": [list(s) for s in self.swap_in],
+            "preempted": [list(p) for p in self.preempted],
+            "rejected": [list(r) for r in self.rejected],
+            "forks": [[p, c] for p, c in self.forks],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepPlan":
+        return cls(
+            step=d["step"],
+            entries=[PlanEntry(r, p, n, k == "p", bool(s)) for r, p, n, k, s in d["entries"]],
+            block_tables={k: list(v) for k, v in d["block_tables"].items()},
+            slot_mapping=list(d["slot_mapping"]),
+            copies=[tuple(c) for c in d["copies"]],
+            swap_out=[tuple(s) for s in d["swap_out"]],
+            swap_in=[tuple(s) for s in d["swap_in"]],
+            preempted=[tuple(p) for p in d["preempted"]],
+            rejected=[tuple(r) for r in d["rejected"]],
+            forks=[(p, list(c)) for p, c in d["forks"]],
+        )

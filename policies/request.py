@@ -1,0 +1,81 @@
+"""Request state as the engine sees it: lengths, progress and status, no tokens or tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Status(str, enum.Enum):
+    WAITING = "waiting"  # never run, or preempted by recompute (num_computed reset to 0)
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its KV sits in the host pool
+    FINISHED = "finished"
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One sequence to generate.
+
+    vLLM semantics for progress: ``num_tokens`` counts the prompt plus every token generated
+    so far; a step computes ``num_tokens - num_computed_tokens`` new tokens (or a chunk of them),
+    and a step that brings ``num_computed_tokens`` up to ``num_tokens`` samples one more token.
+    The last sampled token never needs KV, so a request holds at most
+    ``prompt_tokens + output_tokens - 1`` tokens of KV.
+
+    A request with ``n_samples > 1`` is prefilled once; when that prefill completes the engine
+    forks ``n_samples - 1`` children (``parent`` set) that share every block with it.
+    """
+
+    request_id: str
+    seq_id: int  # engine-wide unique integer; used in block hashes (ints hash deterministically)
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int  # target number of generated tokens (fixed by the trace)
+    priority: int = 0
+    n_samples: int = 1
+    trace_hashes: tuple[int, ...] | None = None  # prefix-block hashes over hash_block_size tokens
+    hash_block_size: int | None = None
+    token_ids: tuple[int, ...] | None = None  # prompt token ids, when the trace has them
+    parent: "Request | None" = None
+    content_id: int = -1  # seq_id of the root request: samples share prompt identity
+    trace_index: int = -1
+
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0  # tokens served from the prefix cache at first admission
+    admitted_step: int = -1
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    reject_reason: str | None = None
+    children: list["Request"] = field(default_factory=list)
+    forked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.content_id < 0:
+            self.content_id = self.seq_id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.num_output_tokens
+
+    @property
+    def max_kv_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens - 1
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the step would not sample a token at the end of a one-token step."""
+        return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (Status.FINISHED, Status.REJECTED, Status.ABORTED)
+
+    @property
+    def remaining_output(self) -> int:
+        return self.output_tokens - self.num_output_tokens

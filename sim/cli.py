@@ -1,0 +1,52 @@
+"""The ``kvsim`` command line: one root group whose subcommands load lazily.
+
+Each subcommand lives beside the package it drives; importing ``kvsim trace`` must not
+import torch, so subcommands are resolved by dotted name only when invoked.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> (module:attribute, one-line help shown without importing the module)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "trace": ("traces.cli:trace", "Inspect, synthesise and convert request traces."),
+    "simulate": ("sim.cli_simulate:simulate", "Replay a trace through the SimPy simulator."),
+    "memory": ("sim.cli_memory:memory", "HBM breakdown and KV block count for a model on a device."),
+    "sweep": ("sim.cli_sweep:sweep", "Run many what-if simulations (local processes or Ray)."),
+    "execute": ("realexec.cli:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
+    "profile": ("realexec.cli:profile", "Measure a backend and fit the cost model's coefficients."),
+    "validate": ("realexec.cli_validate:validate", "Cross-validate the simulator against the real executor."),
+    "report": ("reports.cli:report", "HTML reports from simulate/execute runs."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in SUBCOMMANDS:
+            return None
+        module_name, attr = SUBCOMMANDS[name][0].split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing = (exc.name or "?").split(".")[0]
+            if module_name.split(".")[0] == missing or module_name == exc.name:
+                raise click.ClickException(f"`kvsim {name}` is not available in this build") from None
+            hint = {"torch": "pip install torch==2.13.0", "plotly": "pip install plotly"}.get(missing, f"pip install {missing}")
+            raise click.ClickException(f"`kvsim {name}` needs the package {missing!r}: {hint}") from None
+        return getattr(module, attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, SUBCOMMANDS[name][1]) for name in self.list_commands(ctx)])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvsim")
+def main() -> None:
+    """kvsim: paged KV-cache management and request scheduling, simulated and executed."""

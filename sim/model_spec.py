@@ -1,0 +1,98 @@
+"""Model shapes: what the memory and cost models (and realexec's decoder) need to know.
+
+A model is one TOML file (``sim/models/*.toml``, or any path a user names) with the
+fields of :class:`ModelSpec`. Figures come from each model's published ``config.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from sim.toml_io import load_toml
+
+MODELS_DIR = Path(__file__).parent / "models"
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+# Per-token-head int8 KV quantisation stores one fp32 scale per token, head and K/V
+# (vLLM's AttentionSpec adds 2 * block_size * num_kv_heads * 4 bytes per layer and block).
+INT8_SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int  # longest context the model supports (default max_model_len)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3 normalises q and k per head before RoPE
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name}: num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        for dt in (self.weight_dtype, self.kv_dtype):
+            if dt not in DTYPE_BYTES:
+                raise ValueError(f"model {self.name}: unknown dtype {dt!r} (one of {sorted(DTYPE_BYTES)})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count of a Llama-style decoder with this shape."""
+        h, L = self.hidden_size, self.num_layers
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        mlp = 3 * h * self.intermediate_size
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * (attn + mlp + norms) + embed + h
+
+    def weight_bytes(self) -> int:
+        return self.num_params() * DTYPE_BYTES[self.weight_dtype]
+
+    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
+        """K and V of one token across all layers (int8 adds its per-token-head scales)."""
+        dt = kv_dtype or self.kv_dtype
+        per_layer = 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dt]
+        if dt == "int8":
+            per_layer += 2 * self.num_kv_heads * INT8_SCALE_BYTES
+        return self.num_layers * per_layer
+
+    def bytes_per_block(self, block_size: int, kv_dtype: str | None = None) -> int:
+        """2 x layers x block_size x kv_heads x head_dim x dtype bytes (+ int8 scales)."""
+        return block_size * self.kv_bytes_per_token(kv_dtype)
+
+
+def load_model(name_or_path: str | Path) -> ModelSpec:
+    """A bundled model by name (``llama-2-7b``) or a TOML file by path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = MODELS_DIR / f"{name_or_path}.toml"
+        if not path.exists():
+            known = sorted(p.stem for p in MODELS_DIR.glob("*.toml"))
+            raise ValueError(f"unknown model {name_or_path!r}; bundled: {', '.join(known)}; or give a .toml path")
+    data = load_toml(path)
+    allowed = {f.name for f in fields(ModelSpec)}
+    unknown = set(data) - allowed
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {sorted(unknown)} (allowed: {sorted(allowed)})")
+    data.setdefault("name", path.stem)
+    try:
+        return ModelSpec(**data)
+    except TypeError as exc:
+        raise ValueError(f"{path}: {exc}") from None
