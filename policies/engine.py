@@ -1,0 +1,404 @@
+"""EngineCore: turns request state into one StepPlan per step, and commits its results.
+
+The step algorithm is vLLM V1's (``vllm/v1/core/sched/scheduler.py``), one token budget per
+step with no separate prefill and decode phases:
+
+1. Running requests, in the policy's order, each get their next tokens (a decode token, or
+   a prefill chunk) if the block manager can make room; when it cannot, the policy's victim
+   is preempted (recompute: blocks freed, progress reset; swap: KV moved to the host pool)
+   and allocation is retried. If the victim is the request itself, the pass stops.
+2. Only in a step without preemption: swapped requests come back first, then waiting ones
+   are admitted (with their prefix-cache hits) while the budget, ``max_num_seqs``, the
+   watermark and the pool allow; the first that does not fit stops admission (head of line).
+
+Running out of blocks is an outcome: requests queue, are preempted, or are rejected with a
+reason at arrival when they could never fit. Nothing in here reads a clock except the
+``now`` it is given, so equal inputs give an identical decision log.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass
+
+from policies.block_manager import BlockManager, KVStats
+from policies.config import EngineConfig
+from policies.plan import PlanEntry, StepPlan
+from policies.registry import resolve_block_manager, resolve_scheduler
+from policies.request import Request, Status
+from policies.schedulers import SchedulerPolicy
+
+
+def _construct(cls: type, kind: str, name: str, params: dict, **given):
+    """Instantiate a policy class with the run's parameters, naming any it does not take."""
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    unknown = [k for k in params if k not in accepted and not takes_any]
+    if unknown:
+        raise ValueError(f"{kind} {name!r} does not take parameter(s) {unknown}; it takes {sorted(set(accepted) - {'self'})}")
+    extra = {k: v for k, v in given.items() if k in accepted or takes_any}
+    return cls(**extra, **params)
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    preemptions: int = 0
+    recompute_preemptions: int = 0
+    swap_preemptions: int = 0
+    rejected: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        policy_cls = resolve_scheduler(config.scheduler)
+        self.policy: SchedulerPolicy = _construct(policy_cls, "scheduler", config.scheduler, config.scheduler_params)
+        manager_cls = resolve_block_manager(config.block_manager)
+        self.kv: BlockManager = _construct(
+            manager_cls,
+            "block manager",
+            config.block_manager,
+            config.block_manager_params,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            num_host_blocks=config.num_host_blocks,
+            max_model_len=config.max_model_len,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.counters = EngineCounters()
+        self._next_seq_id = 0
+        self._pending_rejections: list[tuple[str, str]] = []
+
+    # --- requests in and out -----------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        arrival_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        *,
+        priority: int = 0,
+        n_samples: int = 1,
+        trace_hashes: tuple[int, ...] | None = None,
+        hash_block_size: int | None = None,
+        token_ids: tuple[int, ...] | None = None,
+        trace_index: int = -1,
+    ) -> Request:
+        """Queue a request, or reject it with a reason when it can never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        request = Request(
+            request_id=request_id,
+            seq_id=self._new_seq_id(),
+            arrival_s=arrival_s,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            priority=priority,
+            n_samples=n_samples,
+            trace_hashes=trace_hashes,
+            hash_block_size=hash_block_size,
+            token_ids=token_ids,
+            trace_index=trace_index,
+        )
+        self.requests[request_id] = request
+        reason = self._rejection_reason(request)
+        if reason is None:
+            self.waiting.append(request)
+        else:
+            request.status = Status.REJECTED
+            request.reject_reason = reason
+            self.counters.rejected += 1
+            self._pending_rejections.append((request_id, reason))
+        return request
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def _rejection_reason(self, r: Request) -> str | None:
+        cfg = self.config
+        if r.prompt_tokens < 1 or r.output_tokens < 1 or r.n_samples < 1:
+            return "invalid_length"
+        if r.prompt_tokens + r.output_tokens > cfg.max_model_len:
+            return "exceeds_max_model_len"
+        if not self.kv.can_ever_fit(r) or r.max_kv_tokens > (cfg.num_blocks - cfg.watermark_blocks) * cfg.block_size:
+            return "exceeds_kv_pool"
+        if not self.policy.chunked_prefill and r.max_kv_tokens > cfg.max_num_batched_tokens:
+            return "exceeds_token_budget"
+        if cfg.max_waiting and len(self.waiting) >= cfg.max_waiting:
+            return "queue_full"
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; False if it already ended."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self.kv.free(request)
+        elif request.status is Status.SWAPPED:
+            self.swapped.remove(request)
+            self.kv.drop_swapped(request)
+        else:
+            self.waiting.remove(request)
+        request.status = Status.ABORTED
+        self.counters.aborted += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._pending_rejections)
+
+    # --- the step ----------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        cfg = self.config
+        plan = StepPlan(step=self.counters.steps, rejected=self._pending_rejections)
+        self._pending_rejections = []
+        self._budget = cfg.max_num_batched_tokens
+        self._scheduled: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, new tokens), in order
+
+        preempted = self._schedule_running(plan)
+        if not preempted and self.policy.admission_open(len(self.running)):
+            limit = self.policy.admission_limit(cfg.max_num_seqs)
+            self._seats_taken = sum(self._seats(r) for r in self.running)
+            self._admit_swapped(plan, now, limit)
+            self._admit_waiting(now, limit)
+        if not self._scheduled and not self.running and not self.swapped and self.waiting:
+            self._reject_unschedulable(plan)
+
+        self._fill_plan(plan)
+        self.counters.steps += 1
+        return plan
+
+    def _num_new_tokens(self, r: Request, num_hit: int = 0) -> int:
+        remaining = r.num_tokens - r.num_computed_tokens - num_hit
+        n = remaining
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        n = min(n, self._budget)
+        if n < remaining and not self.policy.chunked_prefill:
+            return 0
+        return n
+
+    def _schedule_running(self, plan: StepPlan) -> bool:
+        preempted_any = False
+        for request in list(self.policy.running_order(self.running)):
+            if self._budget <= 0:
+                break
+            if request.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._num_new_tokens(request)
+            if num_new == 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.policy.pick_victim(self.running)
+                self._preempt(victim, plan)
+                preempted_any = True
+                if victim is request:
+                    return True
+            self._scheduled[request.seq_id] = (request, num_new)
+            self._budget -= num_new
+        return preempted_any
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        taken = self._scheduled.pop(victim.seq_id, None)
+        if taken is not None:
+            self._budget += taken[1]
+        # A victim whose copy-on-write is still pending this step has a block whose content
+        # does not exist yet: swapping it out would save garbage, so it is recomputed instead.
+        cow_pending = self.kv.discard_pending_copies(victim)
+        if self.config.preemption_mode == "swap" and not cow_pending and self.kv.can_swap_out(victim):
+            plan.swap_out.extend(self.kv.swap_out(victim))
+            victim.status = Status.SWAPPED
+            self.swapped.appendleft(victim)
+            mode = "swap"
+            self.counters.swap_preemptions += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = Status.WAITING
+            self.waiting.appendleft(victim)
+            mode = "recompute"
+            self.counters.recompute_preemptions += 1
+        victim.num_preemptions += 1
+        self.counters.preemptions += 1
+        plan.preempted.append((victim.request_id, mode))
+
+    def _room_for(self, blocks_needed: int) -> bool:
+        return self.kv.num_available_blocks() - blocks_needed >= self.config.watermark_blocks
+
+    def _admit_swapped(self, plan: StepPlan, now: float, limit: int) -> None:
+        for request in list(self.policy.waiting_order(self.swapped, now)):
+            if self._budget <= 0 or self._seats_taken + self._seats(request) > limit:
+                return
+            num_new = self._num_new_tokens(request)
+            host_blocks = self.kv.swap_in_blocks_needed(request)
+            tokens_after = request.num_computed_tokens + num_new
+            growth = max(0, -(-tokens_after // self.config.block_size) - host_blocks)
+            if num_new == 0 or not self._room_for(host_blocks + growth):
+                return
+            pairs = self.kv.swap_in(request)
+            if pairs is None or not self.kv.allocate_slots(request, num_new):
+                raise AssertionError(f"swap-in of {request.request_id} failed after the room check")
+            plan.swap_in.extend(pairs)
+            self.swapped.remove(request)
+            self._start_running(request, num_new)
+
+    def _admit_waiting(self, now: float, limit: int) -> None:
+        admitted: list[Request] = []
+        for request in self.policy.waiting_order(self.waiting, now):
+            if self._budget <= 0 or self._seats_taken + self._seats(request) > limit:
+                break
+            num_hit = self.kv.lookup(request)
+            num_new = self._num_new_tokens(request, num_hit)
+            if num_new == 0:
+                break
+            if not self._room_for(self.kv.blocks_needed(request, num_new, num_hit)):
+                break
+            if not self.kv.allocate_slots(request, num_new, num_hit):
+                break
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.prefix_hit_tokens = num_hit
+            request.admitted_step = self.counters.steps
+            admitted.append(request)
+            self._start_running(request, num_new)
+        if not admitted:
+            return
+        if self.waiting[0] is admitted[0] and all(a is w for a, w in zip(admitted, self.waiting)):
+            for _ in admitted:
+                self.waiting.popleft()
+        else:
+            chosen = {r.seq_id for r in admitted}
+            self.waiting = deque(r for r in self.waiting if r.seq_id not in chosen)
+
+    @staticmethod
+    def _seats(request: Request) -> int:
+        """Running slots a request will take: its samples fork once its prefill completes."""
+        return request.n_samples if request.parent is None and not request.forked else 1
+
+    def _start_running(self, request: Request, num_new: int) -> None:
+        self._seats_taken += self._seats(request)
+        request.status = Status.RUNNING
+        self.running.append(request)
+        self._scheduled[request.seq_id] = (request, num_new)
+        self._budget -= num_new
+
+    def _reject_unschedulable(self, plan: StepPlan) -> None:
+        """Nothing runs and nothing can be admitted: the head of the queue can never run."""
+        request = self.waiting.popleft()
+        request.status = Status.REJECTED
+        request.reject_reason = "unschedulable"
+        self.counters.rejected += 1
+        plan.rejected.append((request.request_id, "unschedulable"))
+
+    def _fill_plan(self, plan: StepPlan) -> None:
+        bs = self.config.block_size
+        for request, num_new in self._scheduled.values():
+            first = request.num_computed_tokens
+            end = first + num_new
+            samples = end == request.num_tokens
+            is_decode = num_new == 1 and samples and request.num_output_tokens > 0
+            plan.entries.append(PlanEntry(request.request_id, first, num_new, not is_decode, samples))
+            table = self.kv.block_table(request)
+            plan.block_tables[request.request_id] = list(table)
+            slots = plan.slot_mapping
+            pos = first
+            while pos < end:
+                block_end = min(end, (pos // bs + 1) * bs)
+                base = table[pos // bs] * bs - (pos // bs) * bs
+                slots.extend(range(base + pos, base + block_end))
+                pos = block_end
+            request.num_computed_tokens = end
+            if samples and request.n_samples > 1 and request.parent is None and not request.forked:
+                plan.forks.append(
+                    (request.request_id, [f"{request.request_id}#{k}" for k in range(1, request.n_samples)])
+                )
+        plan.copies = self.kv.take_copies()
+
+    def commit(self, plan: StepPlan, now: float) -> list[Request]:
+        """Apply a step's results at time ``now``; returns the requests that finished."""
+        sampled: list[Request] = []
+        for entry in plan.entries:
+            request = self.requests[entry.request_id]
+            if entry.samples and request.status is Status.RUNNING:
+                request.num_output_tokens += 1
+                if request.first_token_s is None:
+                    request.first_token_s = now
+                sampled.append(request)
+        for parent_id, child_ids in plan.forks:
+            parent = self.requests[parent_id]
+            if parent.status is Status.RUNNING:
+                sampled.extend(self._fork(parent, child_ids, now))
+        finished = [r for r in sampled if r.num_output_tokens >= r.output_tokens and r.status is Status.RUNNING]
+        for request in finished:
+            self._finish(request, now)
+        return finished
+
+    def _fork(self, parent: Request, child_ids: list[str], now: float) -> list[Request]:
+        parent.forked = True
+        children = []
+        for child_id in child_ids:
+            child = Request(
+                request_id=child_id,
+                seq_id=self._new_seq_id(),
+                arrival_s=parent.arrival_s,
+                prompt_tokens=parent.prompt_tokens,
+                output_tokens=parent.output_tokens,
+                priority=parent.priority,
+                trace_hashes=parent.trace_hashes,
+                hash_block_size=parent.hash_block_size,
+                token_ids=parent.token_ids,
+                parent=parent,
+                content_id=parent.content_id,
+                trace_index=parent.trace_index,
+                num_computed_tokens=parent.num_computed_tokens,
+                num_output_tokens=parent.num_output_tokens,
+                first_token_s=now,
+                admitted_step=parent.admitted_step,
+                prefix_hit_tokens=parent.prefix_hit_tokens,
+            )
+            self.requests[child_id] = child
+            parent.children.append(child)
+            self.kv.fork(parent, child)
+            if self.kv.has_blocks(child):
+                child.status = Status.RUNNING
+                self.running.append(child)
+            else:  # no room to hold the child's KV: it starts over like a recompute preemption
+                child.num_computed_tokens = 0
+                child.status = Status.WAITING
+                self.waiting.append(child)
+            children.append(child)
+        return children
+
+    def _finish(self, request: Request, now: float) -> None:
+        request.status = Status.FINISHED
+        request.finish_s = now
+        self.running.remove(request)
+        self.kv.free(request)
+        self.counters.finished += 1
+
+    # --- observation -------------------------------------------------------------------
+    def kv_stats(self) -> KVStats:
+        return self.kv.stats(self.running)
+
+    def check_invariants(self) -> None:
+        """Pool bookkeeping and request state agree; raises AssertionError otherwise."""
+        self.kv.check_invariants(self.running)
+        for request in self.running:
+            assert request.status is Status.RUNNING
+            assert len(self.kv.block_table(request)) * self.config.block_size >= request.num_computed_tokens
+        for request in self.waiting:
+            assert request.status is Status.WAITING and not self.kv.has_blocks(request)
+        assert len(self.running) <= self.config.max_num_seqs
+        if not self.has_unfinished():
+            stats = self.kv_stats()
+            assert stats.used == 0, f"engine drained but {stats.used} blocks are still used"

@@ -1,0 +1,57 @@
+"""Pluggable policies: built-ins register by name, user classes load by ``module:Class``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, TypeVar
+
+T = TypeVar("T", bound=type)
+
+SCHEDULERS: dict[str, type] = {}
+BLOCK_MANAGERS: dict[str, type] = {}
+
+
+def _register(table: dict[str, type], kind: str, name: str) -> Callable[[T], T]:
+    def decorate(cls: T) -> T:
+        if name in table and table[name] is not cls:
+            raise ValueError(f"{kind} {name!r} is already registered by {table[name].__qualname__}")
+        table[name] = cls
+        cls.registered_name = name
+        return cls
+
+    return decorate
+
+
+def register_scheduler(name: str) -> Callable[[T], T]:
+    return _register(SCHEDULERS, "scheduler", name)
+
+
+def register_block_manager(name: str) -> Callable[[T], T]:
+    return _register(BLOCK_MANAGERS, "block manager", name)
+
+
+def _resolve(table: dict[str, type], kind: str, spec: str) -> type:
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load {kind} {spec!r}: {exc}") from None
+    _load_builtins()
+    if spec not in table:
+        raise ValueError(f"unknown {kind} {spec!r}; registered: {', '.join(sorted(table))}; or give module:Class")
+    return table[spec]
+
+
+def resolve_scheduler(spec: str) -> type:
+    return _resolve(SCHEDULERS, "scheduler", spec)
+
+
+def resolve_block_manager(spec: str) -> type:
+    return _resolve(BLOCK_MANAGERS, "block manager", spec)
+
+
+def _load_builtins() -> None:
+    importlib.import_module("policies.schedulers")
+    importlib.import_module("policies.paged")
+    importlib.import_module("policies.contiguous")

@@ -1,0 +1,115 @@
+"""Scheduling policies: the hooks that make fcfs, chunked, priority, sjf and static differ.
+
+The step algorithm itself is one (vLLM V1's, in ``policies.engine``): serve running requests
+under one token budget, preempting when a request cannot get a block, then admit waiting
+ones if nothing was preempted. A policy only decides orders, the preemption victim, whether
+prefills may be chunked and when admission is open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from policies.registry import register_scheduler
+from policies.request import Request
+
+
+class SchedulerPolicy:
+    """Base policy = vLLM V1 ``fcfs``: list order, victim = most recently admitted."""
+
+    registered_name = "?"
+    decode_first = False  # serve running decodes before running prefill chunks
+
+    def __init__(self, chunked_prefill: bool = True) -> None:
+        self.chunked_prefill = chunked_prefill
+
+    def running_order(self, running: list[Request]) -> Iterable[Request]:
+        return running
+
+    def waiting_order(self, waiting: Sequence[Request], now: float) -> Iterable[Request]:
+        return waiting
+
+    def pick_victim(self, candidates: list[Request]) -> Request:
+        return candidates[-1]
+
+    def admission_open(self, num_running: int) -> bool:
+        return True
+
+    def admission_limit(self, max_num_seqs: int) -> int:
+        return max_num_seqs
+
+
+@register_scheduler("fcfs")
+class FCFSPolicy(SchedulerPolicy):
+    """Continuous batching, first come first served (vLLM V1 defaults, chunked prefill on)."""
+
+
+@register_scheduler("chunked")
+class ChunkedPrefillPolicy(SchedulerPolicy):
+    """Sarathi-style: every decode first, then prefill chunks fill what is left of the budget."""
+
+    decode_first = True
+
+    def __init__(self) -> None:
+        super().__init__(chunked_prefill=True)
+
+    def running_order(self, running: list[Request]) -> Iterable[Request]:
+        decodes = [r for r in running if not r.is_prefill]
+        return decodes + [r for r in running if r.is_prefill]
+
+
+def _priority_key(r: Request) -> tuple:
+    return (r.priority, r.arrival_s, r.seq_id)
+
+
+@register_scheduler("priority")
+class PriorityPolicy(SchedulerPolicy):
+    """Lower ``priority`` value first, then arrival; the victim is the worst priority, latest arrival."""
+
+    def waiting_order(self, waiting: Sequence[Request], now: float) -> Iterable[Request]:
+        return sorted(waiting, key=_priority_key)
+
+    def pick_victim(self, candidates: list[Request]) -> Request:
+        return max(candidates, key=_priority_key)
+
+
+@register_scheduler("sjf")
+class ShortestJobFirstPolicy(SchedulerPolicy):
+    """Shortest prompt first (or shortest known output with ``oracle``), with aging.
+
+    A request's key is its length in tokens minus ``aging_tokens_per_s`` times how long it has
+    waited, so a long request's key falls until it reaches the head: nothing starves.
+    """
+
+    def __init__(self, oracle: bool = False, aging_tokens_per_s: float = 100.0, chunked_prefill: bool = True) -> None:
+        super().__init__(chunked_prefill=chunked_prefill)
+        if aging_tokens_per_s < 0:
+            raise ValueError(f"sjf: aging_tokens_per_s must be >= 0, not {aging_tokens_per_s}")
+        self.oracle = oracle
+        self.aging = aging_tokens_per_s
+
+    def job_length(self, r: Request) -> int:
+        return r.remaining_output if self.oracle else r.prompt_tokens
+
+    def waiting_order(self, waiting: Sequence[Request], now: float) -> Iterable[Request]:
+        return sorted(waiting, key=lambda r: (self.job_length(r) - self.aging * (now - r.arrival_s), r.arrival_s, r.seq_id))
+
+    def pick_victim(self, candidates: list[Request]) -> Request:
+        return max(candidates, key=lambda r: (self.job_length(r), r.arrival_s, r.seq_id))
+
+
+@register_scheduler("static")
+class StaticBatchingPolicy(SchedulerPolicy):
+    """Form a batch of up to ``batch_size`` requests and run it to completion before admitting more."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__(chunked_prefill=True)
+        if batch_size < 1:
+            raise ValueError(f"static: batch_size must be >= 1, not {batch_size}")
+        self.batch_size = batch_size
+
+    def admission_open(self, num_running: int) -> bool:
+        return num_running == 0
+
+    def admission_limit(self, max_num_seqs: int) -> int:
+        return min(self.batch_size, max_num_seqs)
