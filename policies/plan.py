@@ -66,6 +66,19 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not (self.entries or self.swap_out or self.swap_in or self.copies)
 
+    def check(self, block_size: int) -> None:
+        """Raise AssertionError unless every new token has its own slot inside its block table."""
+        slots = self.slot_mapping
+        assert len(slots) == self.num_tokens, f"step {self.step}: {len(slots)} slots for {self.num_tokens} tokens"
+        assert len(set(slots)) == len(slots), f"step {self.step}: two tokens write the same slot"
+        offset = 0
+        for e in self.entries:
+            table = self.block_tables[e.request_id]
+            for i, pos in enumerate(range(e.first_position, e.end_position)):
+                expected = table[pos // block_size] * block_size + pos % block_size
+                assert slots[offset + i] == expected, f"step {self.step}: {e.request_id} position {pos} has the wrong slot"
+            offset += e.num_tokens
+
     def to_dict(self) -> dict:
         return {
             "step": self.step,
