@@ -1,0 +1,153 @@
+"""Decoder weights by Hugging Face Llama name: seeded random init, or a safetensors checkpoint.
+
+Names follow ``transformers``' Llama/Qwen3 checkpoints (``model.layers.{i}.self_attn.q_proj.weight``
+...), so a real checkpoint loads as is and the seeded weights can be saved and reloaded with the
+same code. Step time does not depend on weight values, so random weights are what timing runs use.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from pathlib import Path
+
+import torch
+
+from sim.model_spec import ModelSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Present in some checkpoints, never needed: RoPE tables are recomputed from rope_theta.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a spec dtype name (int8 has no float weights/KV path here)."""
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported by realexec (one of {sorted(TORCH_DTYPES)})") from None
+
+
+def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder needs, by checkpoint name, with its shape ([out, in] for linears)."""
+    h, d = spec.hidden_size, spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (spec.q_size, h)
+        shapes[p + "self_attn.k_proj.weight"] = (spec.kv_size, h)
+        shapes[p + "self_attn.v_proj.weight"] = (spec.kv_size, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, spec.q_size)
+        if spec.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+# q and k at twice unit scale give attention scores of std ~4 (after 1/sqrt(head_dim)):
+# attention is peaked, as in a trained model, so a token's output hinges on particular earlier
+# tokens and a wrong KV entry changes the generated tokens instead of averaging away.
+_QK_GAIN = 2.0
+
+
+def _init_value(spec: ModelSpec, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+    """("ones", gain) for a norm weight, ("normal", std) for everything else.
+
+    Pre-norm keeps each layer's input at unit RMS whatever the stream's scale, so only the
+    shares matter: every linear gets 1/sqrt(fan_in) (unit-variance outputs), the two residual
+    writers (o_proj, down_proj) a further 1/sqrt(2 * layers), and the embedding the share of one
+    such writer. The stream then ends near RMS 1 at any depth, every layer and the context shape
+    the output (not just the current token's embedding), and fp32 logits have well-separated
+    maxima, so greedy argmax ties are practically impossible.
+    """
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return "ones", _QK_GAIN  # the per-head norm would erase the projections' gain
+    if name.endswith("norm.weight"):
+        return "ones", 1.0
+    residual_share = 1.0 / math.sqrt(2 * spec.num_layers)
+    if name == "model.embed_tokens.weight":
+        return "normal", residual_share
+    std = 1.0 / math.sqrt(shape[1])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std *= residual_share
+    elif name.endswith(("q_proj.weight", "k_proj.weight")) and not spec.qk_norm:
+        std *= _QK_GAIN
+    return "normal", std
+
+
+def random_weights(spec: ModelSpec, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Seeded Gaussian weights, each tensor keyed on (seed, its name).
+
+    Generated on the CPU so the same seed gives the same values on every device, and one
+    tensor at a time so host memory peaks at the largest tensor, not the model.
+    """
+    dtype = dtype or torch_dtype(spec.weight_dtype)
+    weights = {}
+    for name, shape in weight_shapes(spec).items():
+        kind, scale = _init_value(spec, name, shape)
+        if kind == "ones":
+            tensor = torch.full(shape, scale, dtype=dtype)
+        else:
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            tensor = torch.randn(shape, generator=gen, dtype=dtype).mul_(scale)
+        weights[name] = tensor.to(device)
+    return weights
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors files in this directory")
+        return files
+    if not path.exists():
+        raise ValueError(f"{path}: no such file")
+    return [path]
+
+
+def load_weights(path: str | Path, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Weights from a safetensors file, or a directory of shards, checked against ``spec``.
+
+    Every expected tensor must be present with its exact shape; any unknown tensor (an
+    attention bias, a quantisation scale, a layer beyond ``spec.num_layers``) is an error too,
+    because silently ignoring it would run a different model than the checkpoint describes.
+    """
+    from safetensors import safe_open
+
+    dtype = dtype or torch_dtype(spec.weight_dtype)
+    path = Path(path)
+    expected = weight_shapes(spec)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                if _IGNORED.fullmatch(name) or (spec.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                if name not in expected:
+                    raise ValueError(f"{file}: tensor {name!r} is not part of model {spec.name!r} (a different architecture or shape?)")
+                tensor = fh.get_tensor(name)
+                if tuple(tensor.shape) != expected[name]:
+                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, model {spec.name!r} expects {expected[name]}")
+                weights[name] = tensor.to(device=device, dtype=dtype)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{path}: tensor {missing[0]!r}{more} missing; model {spec.name!r} needs it")
+    return weights
+
+
+def save_weights(weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write weights as one safetensors file (host copies, contiguous)."""
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in weights.items()}, str(path))
