@@ -6,7 +6,7 @@ fields of :class:`ModelSpec`. Figures come from each model's published ``config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from sim.toml_io import load_toml
@@ -36,6 +36,7 @@ class ModelSpec:
     kv_dtype: str = "bf16"
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # Qwen3 normalises q and k per head before RoPE
+    qkv_bias: bool = False  # Qwen2/2.5 add a bias to the q, k and v projections
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -57,6 +58,8 @@ class ModelSpec:
         """Parameter count of a Llama-style decoder with this shape."""
         h, L = self.hidden_size, self.num_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
         mlp = 3 * h * self.intermediate_size
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -81,7 +84,7 @@ class ModelSpec:
 def load_model(name_or_path: str | Path) -> ModelSpec:
     """A bundled model by name (``llama-2-7b``) or a TOML file by path."""
     path = Path(name_or_path)
-    if not path.suffix:
+    if path.suffix != ".toml" and len(path.parts) == 1:  # a name ("qwen2.5-7b"), not a path
         path = MODELS_DIR / f"{name_or_path}.toml"
         if not path.exists():
             known = sorted(p.stem for p in MODELS_DIR.glob("*.toml"))
@@ -92,7 +95,24 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {sorted(unknown)} (allowed: {sorted(allowed)})")
     data.setdefault("name", path.stem)
+    missing = [f.name for f in fields(ModelSpec) if f.name not in data and f.default is MISSING]
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {missing}")
+    for f in fields(ModelSpec):
+        if f.name in data and not _is_type(data[f.name], f.type):
+            raise ValueError(f"{path}: field {f.name} must be {f.type}, got {data[f.name]!r}")
     try:
         return ModelSpec(**data)
-    except TypeError as exc:
+    except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+def _is_type(value: object, type_name: str) -> bool:
+    """TOML value check against a field's annotation (a string under ``from __future__ import annotations``)."""
+    if type_name == "bool":
+        return isinstance(value, bool)
+    if type_name == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if type_name == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)

@@ -1,0 +1,221 @@
+"""Device profiles: the hardware figures and calibrated coefficients the cost and memory models read.
+
+A device is one TOML file (``sim/devices/*.toml``, a file in a directory the caller names, or
+any path). Bundled files carry the source of every figure in a comment; ``save_device`` writes
+a profile (e.g. one calibrated by ``kvsim profile``) that ``load_device`` reads back identically.
+
+Layout::
+
+    name = "ascend-910b3"
+    source = "..."                    # provenance, kept when a calibrated copy is saved
+    hbm_bytes = 68719476736           # device memory the runtime reports as total
+    hbm_bandwidth = 1.6e12            # B/s
+    vector_flops = 1.83e13            # FLOP/s of the vector (non-matrix) units
+    host_link_bandwidth = 3.2e10      # B/s one way, device <-> host (swap)
+    interconnect_bandwidth = 1.96e11  # B/s device <-> device (0: none)
+    launch_overhead_s = 3e-6          # fixed cost of one kernel launch
+    runtime_reserve_bytes = 1073741824  # memory the runtime holds outside the framework's allocator
+
+    [matrix_flops]                    # FLOP/s of the matrix units, dense, per input dtype
+    fp16 = ...; bf16 = ...; fp32 = ...; int8 = ...
+
+    [operators.gemm]                  # one table per operator class of the cost model
+    compute_efficiency = 0.7          # achieved fraction of the matrix (or vector) peak
+    memory_efficiency = 0.85          # achieved fraction of the bandwidth it streams over
+    launch_s = 3e-6                   # optional: this operator's fixed cost per launch
+
+    [operators.paged_gather]
+    block_s = 2e-8                    # seconds per KV block touched, per layer
+
+Which keys each operator takes is :data:`OPERATOR_KEYS`; the cost model documents what each
+operator's formula does with them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Iterable
+
+from sim.toml_io import load_toml
+
+DEVICES_DIR = Path(__file__).parent / "devices"
+
+MATRIX_DTYPES = ("fp16", "bf16", "fp32", "int8")
+
+# Operator class -> the coefficients its formula reads (see sim/cost_model.py).
+# ``launch_s`` is optional everywhere it appears and defaults to the device's launch_overhead_s.
+OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
+    "gemm": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "elementwise": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "kv_write": ("memory_efficiency", "launch_s"),
+    "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "attn_decode": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "paged_gather": ("block_s",),
+    "lm_head": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "sampling": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "block_copy": ("memory_efficiency", "launch_s"),
+    "swap": ("memory_efficiency", "launch_s"),
+}
+OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s"})
+
+_SCALAR_FIELDS: dict[str, type] = {
+    "hbm_bytes": int,
+    "hbm_bandwidth": float,
+    "vector_flops": float,
+    "host_link_bandwidth": float,
+    "interconnect_bandwidth": float,
+    "launch_overhead_s": float,
+    "runtime_reserve_bytes": int,
+}
+_MAY_BE_ZERO = frozenset({"interconnect_bandwidth", "launch_overhead_s", "runtime_reserve_bytes"})
+
+
+@dataclass(frozen=True)
+class OperatorCoefficients:
+    """Calibratable coefficients of one operator class.
+
+    ``call_s`` is the fixed cost of one call: a kernel launch (TOML key ``launch_s``), or for
+    ``paged_gather`` one KV block touched in one layer (``block_s``). An efficiency is None
+    where the operator's formula does not read it.
+    """
+
+    call_s: float
+    compute_efficiency: float | None = None
+    memory_efficiency: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    hbm_bytes: int
+    hbm_bandwidth: float
+    matrix_flops: dict[str, float]
+    vector_flops: float
+    host_link_bandwidth: float
+    interconnect_bandwidth: float
+    launch_overhead_s: float
+    runtime_reserve_bytes: int
+    operators: dict[str, OperatorCoefficients]
+    source: str = ""
+
+    def matrix_peak(self, dtype: str) -> float:
+        try:
+            return self.matrix_flops[dtype]
+        except KeyError:
+            raise ValueError(f"device {self.name}: no matrix_flops for dtype {dtype!r}") from None
+
+    def with_operators(self, updates: dict[str, OperatorCoefficients], source: str | None = None) -> DeviceProfile:
+        """A copy with some operators' coefficients replaced (what a calibration produces)."""
+        unknown = set(updates) - set(OPERATOR_KEYS)
+        if unknown:
+            raise ValueError(f"unknown operator(s) {sorted(unknown)}; known: {sorted(OPERATOR_KEYS)}")
+        return replace(self, operators={**self.operators, **updates}, source=self.source if source is None else source)
+
+
+def load_device(name_or_path: str | Path, search_dirs: Iterable[str | Path] = ()) -> DeviceProfile:
+    """A device by TOML path, or by name: ``<dir>/<name>.toml`` in ``search_dirs``, then bundled.
+
+    Put a ``mydevice.toml`` beside a run's config and pass that directory in ``search_dirs``
+    (``kvsim`` commands pass the working directory) to use it by name.
+    """
+    path = _resolve(name_or_path, search_dirs)
+    return _parse(load_toml(path), path)
+
+
+def bundled_devices() -> list[str]:
+    return sorted(p.stem for p in DEVICES_DIR.glob("*.toml"))
+
+
+def save_device(profile: DeviceProfile, path: str | Path) -> Path:
+    """Write ``profile`` as TOML that :func:`load_device` reads back equal to ``profile``."""
+    path = Path(path)
+    lines = [f"name = {_toml_str(profile.name)}", f"source = {_toml_str(profile.source)}"]
+    lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _SCALAR_FIELDS]
+    lines += ["", "[matrix_flops]"]
+    lines += [f"{dt} = {_toml_num(profile.matrix_flops[dt])}" for dt in MATRIX_DTYPES]
+    for op, keys in OPERATOR_KEYS.items():
+        coeffs = profile.operators[op]
+        lines += ["", f"[operators.{op}]"]
+        for key in keys:
+            value = coeffs.call_s if key in ("launch_s", "block_s") else getattr(coeffs, key)
+            lines.append(f"{key} = {_toml_num(value)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _resolve(name_or_path: str | Path, search_dirs: Iterable[str | Path]) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or len(path.parts) > 1:
+        return path
+    candidates = [Path(d) / f"{path}.toml" for d in search_dirs] + [DEVICES_DIR / f"{path}.toml"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"unknown device {str(name_or_path)!r}; bundled: {', '.join(bundled_devices())}; or give a .toml path")
+
+
+def _parse(data: dict, path: Path) -> DeviceProfile:
+    allowed = {f.name for f in fields(DeviceProfile)}
+    _reject_unknown(data, allowed, path, "")
+    values: dict = {"name": str(data.get("name", path.stem)), "source": str(data.get("source", ""))}
+    for key, kind in _SCALAR_FIELDS.items():
+        values[key] = _number(data, key, kind, path, "", allow_zero=key in _MAY_BE_ZERO)
+    matrix = _table(data, "matrix_flops", path)
+    _reject_unknown(matrix, set(MATRIX_DTYPES), path, "matrix_flops.")
+    values["matrix_flops"] = {dt: _number(matrix, dt, float, path, "matrix_flops.") for dt in MATRIX_DTYPES}
+    ops = _table(data, "operators", path)
+    _reject_unknown(ops, set(OPERATOR_KEYS), path, "operators.")
+    values["operators"] = {op: _operator(ops, op, values["launch_overhead_s"], path) for op in OPERATOR_KEYS}
+    return DeviceProfile(**values)
+
+
+def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> OperatorCoefficients:
+    prefix = f"operators.{op}."
+    table = _table(ops, op, path, prefix="operators.")
+    keys = OPERATOR_KEYS[op]
+    _reject_unknown(table, set(keys), path, prefix)
+    if "block_s" in keys:
+        call_s = _number(table, "block_s", float, path, prefix, allow_zero=True)
+    elif "launch_s" in table:
+        call_s = _number(table, "launch_s", float, path, prefix, allow_zero=True)
+    else:
+        call_s = default_launch_s
+    effs = {k: _number(table, k, float, path, prefix) for k in ("compute_efficiency", "memory_efficiency") if k in keys}
+    return OperatorCoefficients(call_s=call_s, **effs)
+
+
+def _table(data: dict, key: str, path: Path, prefix: str = "") -> dict:
+    if key not in data:
+        raise ValueError(f"{path}: missing table [{prefix}{key}]")
+    if not isinstance(data[key], dict):
+        raise ValueError(f"{path}: field {prefix}{key} must be a table")
+    return data[key]
+
+
+def _number(data: dict, key: str, kind: type, path: Path, prefix: str, allow_zero: bool = False) -> float | int:
+    if key not in data:
+        raise ValueError(f"{path}: missing field {prefix}{key}")
+    value = data[key]
+    ok_type = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type:
+        raise ValueError(f"{path}: field {prefix}{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{path}: field {prefix}{key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return kind(value)
+
+
+def _reject_unknown(data: dict, allowed: set[str], path: Path, prefix: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        names = ", ".join(prefix + k for k in unknown)
+        raise ValueError(f"{path}: unknown field(s) {names} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _toml_str(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a valid TOML basic string
+
+
+def _toml_num(value: float | int) -> str:
+    return str(value) if isinstance(value, int) else repr(float(value))

@@ -1,0 +1,160 @@
+"""Bundled model specs and device profiles: published shapes, sources, strict loading, round trips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim.device import (
+    DEVICES_DIR,
+    OPERATOR_KEYS,
+    OperatorCoefficients,
+    bundled_devices,
+    load_device,
+    save_device,
+)
+from sim.model_spec import MODELS_DIR, load_model
+
+# Published parameter counts (model cards / HF "model size").
+KNOWN_SIZES = {
+    "llama-2-7b": (6.74e9, 2),
+    "llama-3-8b": (8.03e9, 2),
+    "qwen2.5-7b": (7.62e9, 2),
+    "qwen3-8b": (8.19e9, 2),
+    "llama-2-13b": (13.0e9, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_SIZES))
+def test_num_params_matches_published_size(name: str) -> None:
+    size, digits = KNOWN_SIZES[name]
+    assert round(load_model(name).num_params() / 1e9, digits) == round(size / 1e9, digits)
+
+
+def test_attention_shapes_follow_the_configs() -> None:
+    kv_heads = {name: load_model(name).num_kv_heads for name in KNOWN_SIZES}
+    assert kv_heads == {"llama-2-7b": 32, "llama-3-8b": 8, "qwen2.5-7b": 4, "qwen3-8b": 8, "llama-2-13b": 40}
+    for name in KNOWN_SIZES:
+        spec = load_model(name)
+        assert spec.head_dim == 128 and spec.num_heads * spec.head_dim == spec.hidden_size
+        assert spec.weight_dtype in ("bf16", "fp16") and spec.kv_dtype == spec.weight_dtype
+        assert spec.source.startswith("https://huggingface.co/")
+    # Llama-2-7B fp16: 2 (K,V) x 32 layers x 32 heads x 128 x 2 bytes = 512 KiB per token.
+    assert load_model("llama-2-7b").kv_bytes_per_token() == 512 * 1024
+    assert load_model("llama-3-8b").kv_bytes_per_token() == 128 * 1024
+
+
+def test_qkv_bias_counts_only_where_the_model_has_it() -> None:
+    qwen = load_model("qwen2.5-7b")
+    assert qwen.qkv_bias and not load_model("llama-3-8b").qkv_bias
+    no_bias = qwen.num_params() - qwen.num_layers * (qwen.q_size + 2 * qwen.kv_size)
+    assert no_bias == 7_615_487_488
+
+
+def test_model_loader_errors_name_file_and_field(tmp_path: Path) -> None:
+    text = (MODELS_DIR / "tiny.toml").read_text()
+    missing = tmp_path / "missing.toml"
+    missing.write_text(text.replace("vocab_size = 4096\n", ""))
+    with pytest.raises(ValueError, match=r"missing\.toml: missing field.*vocab_size"):
+        load_model(missing)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(text.replace("num_layers = 4", 'num_layers = "4"'))
+    with pytest.raises(ValueError, match=r"wrong\.toml: field num_layers must be int"):
+        load_model(wrong)
+    bad_heads = tmp_path / "heads.toml"
+    bad_heads.write_text(text.replace("num_kv_heads = 2", "num_kv_heads = 3"))
+    with pytest.raises(ValueError, match=r"heads\.toml: .*not a multiple"):
+        load_model(bad_heads)
+    with pytest.raises(ValueError, match="unknown model 'nope'.*llama-2-7b"):
+        load_model("nope")
+
+
+EXPECTED_DEVICES = {"ascend-910b2", "ascend-910b3", "ascend-910b4", "ascend-910c", "h100-sxm", "h200", "cpu"}
+
+
+def test_bundled_devices_load_with_sane_figures() -> None:
+    assert set(bundled_devices()) == EXPECTED_DEVICES
+    for name in bundled_devices():
+        dev = load_device(name)
+        assert dev.name == name and dev.source
+        assert set(dev.operators) == set(OPERATOR_KEYS)
+        assert dev.matrix_flops["int8"] >= dev.matrix_flops["bf16"] >= dev.matrix_flops["fp32"] > 0
+        for op, coeffs in dev.operators.items():
+            assert coeffs.call_s >= 0
+            for eff in (coeffs.compute_efficiency, coeffs.memory_efficiency):
+                assert eff is None or 0 < eff <= 1, (name, op)
+    b2, b3, b4 = (load_device(f"ascend-910b{i}") for i in (2, 3, 4))
+    assert b2.matrix_flops["bf16"] > b3.matrix_flops["bf16"] > b4.matrix_flops["bf16"]
+    assert b4.hbm_bytes == b2.hbm_bytes // 2 and b4.hbm_bandwidth < b2.hbm_bandwidth
+    assert load_device("h200").hbm_bandwidth > load_device("h100-sxm").hbm_bandwidth
+
+
+@pytest.mark.parametrize("path", sorted(DEVICES_DIR.glob("*.toml")), ids=lambda p: p.stem)
+def test_every_top_level_figure_has_a_source_comment(path: Path) -> None:
+    lines = path.read_text().splitlines()
+    header_end = next(i for i, line in enumerate(lines) if line.startswith("["))
+    for i, line in enumerate(lines[:header_end]):
+        if "=" in line and not line.startswith(("#", "name", "source")):
+            assert lines[i - 1].startswith("#"), f"{path.name}: {line!r} has no comment above it"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_DEVICES))
+def test_save_device_round_trips(name: str, tmp_path: Path) -> None:
+    dev = load_device(name)
+    assert load_device(save_device(dev, tmp_path / f"{name}.toml")) == dev
+    calibrated = dev.with_operators(
+        {"gemm": OperatorCoefficients(call_s=1.234567891e-6, compute_efficiency=0.6180339887, memory_efficiency=0.91)},
+        source="calibrated in a test",
+    )
+    again = load_device(save_device(calibrated, tmp_path / "calibrated.toml"))
+    assert again == calibrated and again != dev
+    assert again.operators["gemm"].call_s == 1.234567891e-6
+
+
+def test_launch_s_defaults_to_the_device_launch_overhead(tmp_path: Path) -> None:
+    text = (DEVICES_DIR / "ascend-910b3.toml").read_text()
+    dev = load_device(DEVICES_DIR / "ascend-910b3.toml")
+    assert dev.operators["gemm"].call_s == dev.launch_overhead_s
+    custom = tmp_path / "custom.toml"
+    custom.write_text(text.replace("[operators.gemm]\n", "[operators.gemm]\nlaunch_s = 7e-6\n"))
+    assert load_device(custom).operators["gemm"].call_s == 7e-6
+    assert load_device(custom).operators["attn_decode"].call_s == dev.launch_overhead_s
+
+
+def test_device_found_by_name_in_a_search_dir(tmp_path: Path) -> None:
+    text = (DEVICES_DIR / "cpu.toml").read_text().replace('name = "cpu"', 'name = "mybox"')
+    (tmp_path / "mybox.toml").write_text(text)
+    assert load_device("mybox", search_dirs=[tmp_path]).name == "mybox"
+    with pytest.raises(ValueError, match="unknown device 'mybox'.*ascend-910b3"):
+        load_device("mybox")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (("hbm_bandwidth = 1.6e12\n", ""), r"missing field hbm_bandwidth"),
+        (("hbm_bytes = 68719476736", "hbm_bytes = 64.0"), r"field hbm_bytes must be an integer"),
+        (("hbm_bandwidth = 1.6e12", "hbm_bandwidth = 0"), r"field hbm_bandwidth must be > 0"),
+        (("hbm_bandwidth = 1.6e12", "hbm_bandwith = 1.6e12"), r"unknown field\(s\) hbm_bandwith"),
+        (("int8 = 5.898e14\n", ""), r"missing field matrix_flops\.int8"),
+        (("[operators.swap]\nmemory_efficiency = 0.80\n", ""), r"missing table \[operators\.swap\]"),
+        (("[operators.kv_write]\n", "[operators.kv_write]\ncompute_efficiency = 0.5\n"), r"unknown field\(s\) operators\.kv_write\.compute_efficiency"),
+        (("block_s = 2e-8", "block_s = -1.0"), r"field operators\.paged_gather\.block_s must be >= 0"),
+        (("[operators.swap]", "[operators.swapp]"), r"unknown field\(s\) operators\.swapp"),
+    ],
+)
+def test_device_loader_errors_name_file_and_field(edit: tuple[str, str], message: str, tmp_path: Path) -> None:
+    text = (DEVICES_DIR / "ascend-910b3.toml").read_text()
+    assert edit[0] in text
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace(edit[0], edit[1]))
+    with pytest.raises(ValueError, match=r"bad\.toml: " + message):
+        load_device(bad)
+
+
+def test_invalid_toml_is_reported_with_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.toml"
+    bad.write_text("hbm_bytes = = 3\n")
+    with pytest.raises(ValueError, match=r"broken\.toml: invalid TOML"):
+        load_device(bad)
