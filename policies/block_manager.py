@@ -161,6 +161,25 @@ class BlockManager(ABC):
 
     # --- observation -----------------------------------------------------------------
     @abstractmethod
+    def pool_counts(self) -> tuple[int, int, int]:
+        """(used, cached, free) blocks right now, in O(1)."""
+
+    def decode_write_needs_copy(self, request: Request) -> bool:
+        """Would the request's next one-token write land in a shared, partially filled block?"""
+        return False
+
+    growth_uses_pool = True  # each block a table grows by comes out of the pool
+
+    def decode_growth_steps(self, request: Request, num_steps: int) -> range:
+        """Steps (0-based) of a pure-decode stretch at which the request's table grows a block."""
+        first = -request.num_computed_tokens % self.block_size
+        return range(first, num_steps, self.block_size)
+
+    def decode_bookkeeping_steps(self, request: Request, num_steps: int) -> range:
+        """Other steps at which ``allocate_slots`` changes state (a prefix cache registers a full block)."""
+        return range(0)
+
+    @abstractmethod
     def stats(self, live: list[Request]) -> KVStats:
         """Pool occupancy and counters; ``live`` are requests holding device blocks."""
 

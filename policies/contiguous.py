@@ -127,9 +127,14 @@ class ContiguousBlockManager(BlockManager):
         self.used_blocks[request.seq_id] = n
         return list(range(start, start + n))
 
+    growth_uses_pool = False  # a region is reserved whole at admission; its table only lengthens
+
+    def pool_counts(self) -> tuple[int, int, int]:
+        reserved = self.num_blocks - sum(length for _, length in self.extents)
+        return reserved, 0, self.num_blocks - reserved
+
     def stats(self, live: list[Request]) -> KVStats:
-        reserved = sum(n for _, n in self.regions.values())
-        free_blocks = self.num_blocks - reserved
+        reserved, _, free_blocks = self.pool_counts()
         tokens = sum(r.num_computed_tokens for r in live if r.seq_id in self.regions)
         largest = self._largest_extent()
         return KVStats(

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 
 from policies.block_manager import BlockManager, KVStats
 from policies.config import EngineConfig
-from policies.plan import PlanEntry, StepPlan
+from policies.plan import DecodeStretch, PlanEntry, StepPlan
 from policies.registry import resolve_block_manager, resolve_scheduler
 from policies.request import Request, Status
 from policies.schedulers import SchedulerPolicy
+
+PoolCounts = tuple[int, int, int]  # (used, cached, free) blocks
 
 
 def _construct(cls: type, kind: str, name: str, params: dict, **given):
@@ -75,6 +77,11 @@ class EngineCore:
         self.counters = EngineCounters()
         self._next_seq_id = 0
         self._pending_rejections: list[tuple[str, str]] = []
+        # Macro-stepping assumes an all-decode batch keeps its order; a policy that reorders
+        # running requests must say it is safe (``macro_step_safe = True``) to get it.
+        self._macro_step_safe = getattr(
+            self.policy, "macro_step_safe", type(self.policy).running_order is SchedulerPolicy.running_order
+        )
 
     # --- requests in and out -----------------------------------------------------------
     def add_request(
@@ -385,6 +392,92 @@ class EngineCore:
         self.running.remove(request)
         self.kv.free(request)
         self.counters.finished += 1
+
+    # --- macro-stepping ----------------------------------------------------------------
+    def decode_stretch_limit(self) -> int:
+        """How many next steps are certain to be one unchanged pure-decode batch (0: none).
+
+        Certain means: every running request decodes one token, the budget covers them all,
+        nothing is pending (rejections, swapped requests, a copy-on-write), and admission is
+        closed or has nobody to admit. The batch can then only change when a request finishes
+        (the limit stops there) or a request arrives (the caller stops there), and block
+        growth is certain when the pool covers it (``run_decode_stretch`` checks).
+        """
+        if not self._macro_step_safe or not self.running or self.swapped or self._pending_rejections:
+            return 0
+        if len(self.running) > self.config.max_num_batched_tokens:
+            return 0
+        if self.waiting and self.policy.admission_open(len(self.running)):
+            seats = sum(self._seats(r) for r in self.running)
+            if seats < self.policy.admission_limit(self.config.max_num_seqs):
+                return 0
+        limit = None
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens != 1 or r.num_output_tokens == 0:
+                return 0
+            if self.kv.decode_write_needs_copy(r):
+                return 0
+            limit = r.remaining_output if limit is None else min(limit, r.remaining_output)
+        return limit or 0
+
+    def run_decode_stretch(self, num_steps: int, end_times: list[float]) -> tuple[DecodeStretch, list[PoolCounts], list[Request]]:
+        """Decide and commit ``num_steps`` decode steps at once (``num_steps <= decode_stretch_limit()``).
+
+        Block allocation and prefix-cache registration happen in the same order, with the
+        same calls, as step by step; the pool must cover the growth (``num_steps`` is cut
+        to what it covers). Returns the stretch record, (used, cached, free) after each
+        step, and the requests that finished at the last step.
+        """
+        running = list(self.running)
+        events: list[tuple[int, int, bool]] = []
+        for idx, r in enumerate(running):
+            events.extend((i, idx, True) for i in self.kv.decode_growth_steps(r, num_steps))
+            events.extend((i, idx, False) for i in self.kv.decode_bookkeeping_steps(r, num_steps))
+        events.sort()
+        if self.kv.growth_uses_pool:
+            growth_steps = [i for i, _, grows in events if grows]
+            available = self.kv.num_available_blocks()
+            if len(growth_steps) > available:
+                num_steps = growth_steps[available]  # the first step the pool cannot cover
+                events = [e for e in events if e[0] < num_steps]
+        if num_steps < 1:
+            raise ValueError("run_decode_stretch needs at least one step the pool covers")
+        stretch = DecodeStretch(
+            first_step=self.counters.steps,
+            num_steps=num_steps,
+            block_size=self.config.block_size,
+            request_ids=[r.request_id for r in running],
+            start_positions=[r.num_computed_tokens for r in running],
+            start_tables={r.request_id: list(self.kv.block_table(r)) for r in running},
+            growth=[],
+        )
+        stretch_start_counts = self.kv.pool_counts()
+        computed0 = [r.num_computed_tokens for r in running]
+        output0 = [r.num_output_tokens for r in running]
+        counts: list[PoolCounts | None] = [None] * num_steps
+        for i, idx, grows in events:
+            r = running[idx]
+            r.num_computed_tokens, r.num_output_tokens = computed0[idx] + i, output0[idx] + i
+            if not self.kv.allocate_slots(r, 1):
+                raise AssertionError(f"decode stretch: {r.request_id} could not grow at step {i}")
+            if grows:
+                stretch.growth.append((i, r.request_id, self.kv.block_table(r)[-1]))
+            counts[i] = self.kv.pool_counts()
+        previous = stretch_start_counts
+        for i in range(num_steps):
+            counts[i] = previous = counts[i] or previous
+        now = end_times[num_steps - 1]
+        finished = []
+        for idx, r in enumerate(running):
+            r.num_computed_tokens = computed0[idx] + num_steps
+            r.num_output_tokens = output0[idx] + num_steps
+            if r.num_output_tokens >= r.output_tokens:
+                finished.append(r)
+        for r in finished:
+            self._finish(r, now)
+        counts[num_steps - 1] = self.kv.pool_counts()
+        self.counters.steps += num_steps
+        return stretch, counts, finished
 
     # --- observation -------------------------------------------------------------------
     def kv_stats(self) -> KVStats:

@@ -174,9 +174,21 @@ class PagedBlockManager(BlockManager):
         self.num_registered[request.seq_id] = 0
         return list(self.tables[request.seq_id])
 
+    def decode_bookkeeping_steps(self, request: Request, num_steps: int) -> range:
+        if not self.enable_caching:
+            return range(0)
+        return range((-request.num_computed_tokens - 1) % self.block_size, num_steps, self.block_size)
+
+    def decode_write_needs_copy(self, request: Request) -> bool:
+        return self._needs_copy(self.tables.get(request.seq_id, []), request.num_computed_tokens)
+
     # --- observation ---------------------------------------------------------------------
-    def stats(self, live: list[Request]) -> KVStats:
+    def pool_counts(self) -> tuple[int, int, int]:
         free_total = len(self.free_queue)
+        return self.num_blocks - free_total, self.num_cached_idle, free_total - self.num_cached_idle
+
+    def stats(self, live: list[Request]) -> KVStats:
+        used, cached, free = self.pool_counts()
         filled_in_last: dict[int, int] = {}
         for req in live:
             table = self.tables.get(req.seq_id)
@@ -186,9 +198,9 @@ class PagedBlockManager(BlockManager):
                 filled_in_last[last] = max(filled_in_last.get(last, 0), min(max(filled, 0), self.block_size))
         return KVStats(
             num_blocks=self.num_blocks,
-            used=self.num_blocks - free_total,
-            cached=self.num_cached_idle,
-            free=free_total - self.num_cached_idle,
+            used=used,
+            cached=cached,
+            free=free,
             internal_waste_slots=sum(self.block_size - f for f in filled_in_last.values()),
             fragmentation=0.0,
             prefix_query_tokens=self.prefix_query_tokens,

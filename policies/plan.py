@@ -113,3 +113,74 @@ class StepPlan:
             rejected=[tuple(r) for r in d["rejected"]],
             forks=[(p, list(c)) for p, c in d["forks"]],
         )
+
+
+@dataclass(slots=True)
+class DecodeStretch:
+    """Several consecutive pure-decode steps of one unchanged batch, decided at once.
+
+    Written to the decision log as one compact record; ``plans()`` expands it into exactly
+    the StepPlans the engine would have produced one step at a time.
+    """
+
+    first_step: int
+    num_steps: int
+    block_size: int
+    request_ids: list[str]
+    start_positions: list[int]  # each request's first_position at the stretch's first step
+    start_tables: dict[str, list[int]]
+    growth: list[tuple[int, str, int]]  # (step offset, request id, block appended to its table)
+
+    def plans(self):
+        tables = {rid: list(t) for rid, t in self.start_tables.items()}
+        growth = iter(self.growth)
+        pending = next(growth, None)
+        bs = self.block_size
+        for i in range(self.num_steps):
+            while pending is not None and pending[0] == i:
+                tables[pending[1]].append(pending[2])
+                pending = next(growth, None)
+            plan = StepPlan(step=self.first_step + i)
+            for rid, p0 in zip(self.request_ids, self.start_positions):
+                pos = p0 + i
+                table = tables[rid]
+                plan.entries.append(PlanEntry(rid, pos, 1, False, True))
+                plan.block_tables[rid] = list(table)
+                plan.slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            yield plan
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "stretch": self.num_steps,
+                "step": self.first_step,
+                "block_size": self.block_size,
+                "requests": [[r, p] for r, p in zip(self.request_ids, self.start_positions)],
+                "block_tables": self.start_tables,
+                "growth": [list(g) for g in self.growth],
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecodeStretch":
+        return cls(
+            first_step=d["step"],
+            num_steps=d["stretch"],
+            block_size=d["block_size"],
+            request_ids=[r for r, _ in d["requests"]],
+            start_positions=[p for _, p in d["requests"]],
+            start_tables={k: list(v) for k, v in d["block_tables"].items()},
+            growth=[tuple(g) for g in d["growth"]],
+        )
+
+
+def expand_decision_log(lines):
+    """Yield the per-step decision log from one that may hold decode-stretch records."""
+    for line in lines:
+        line = line.rstrip("\n")
+        if line.startswith('{"stretch"'):
+            for plan in DecodeStretch.from_dict(json.loads(line)).plans():
+                yield plan.to_json()
+        elif line:
+            yield line
