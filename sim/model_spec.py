@@ -47,6 +47,11 @@ class ModelSpec:
                 raise ValueError(f"model {self.name}: unknown dtype {dt!r} (one of {sorted(DTYPE_BYTES)})")
 
     @property
+    def activation_dtype(self) -> str:
+        """The dtype hidden states are computed in: the weights', or bf16 under int8 weights."""
+        return "bf16" if self.weight_dtype == "int8" else self.weight_dtype
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
