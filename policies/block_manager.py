@@ -119,6 +119,9 @@ class BlockManager(ABC):
         self._pending_copies = kept
         return dropped
 
+    def has_pending_copies(self) -> bool:
+        return bool(self._pending_copies)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Block copies (src, dst) decided since the last call, for this step's plan."""
         copies, self._pending_copies = self._pending_copies, []

@@ -405,6 +405,8 @@ class EngineCore:
         """
         if not self._macro_step_safe or not self.running or self.swapped or self._pending_rejections:
             return 0
+        if self.kv.has_pending_copies():  # e.g. a contiguous fork's copies go out with the next plan
+            return 0
         if len(self.running) > self.config.max_num_batched_tokens:
             return 0
         if self.waiting and self.policy.admission_open(len(self.running)):
@@ -420,13 +422,16 @@ class EngineCore:
             limit = r.remaining_output if limit is None else min(limit, r.remaining_output)
         return limit or 0
 
-    def run_decode_stretch(self, num_steps: int, end_times: list[float]) -> tuple[DecodeStretch, list[PoolCounts], list[Request]]:
+    def run_decode_stretch(
+        self, num_steps: int, end_times: list[float]
+    ) -> tuple[DecodeStretch, list[PoolCounts], list[Request]] | None:
         """Decide and commit ``num_steps`` decode steps at once (``num_steps <= decode_stretch_limit()``).
 
         Block allocation and prefix-cache registration happen in the same order, with the
         same calls, as step by step; the pool must cover the growth (``num_steps`` is cut
         to what it covers). Returns the stretch record, (used, cached, free) after each
-        step, and the requests that finished at the last step.
+        step, and the requests that finished at the last step; None (nothing done) when the
+        pool cannot cover even the first step's growth.
         """
         running = list(self.running)
         events: list[tuple[int, int, bool]] = []
@@ -441,7 +446,7 @@ class EngineCore:
                 num_steps = growth_steps[available]  # the first step the pool cannot cover
                 events = [e for e in events if e[0] < num_steps]
         if num_steps < 1:
-            raise ValueError("run_decode_stretch needs at least one step the pool covers")
+            return None
         stretch = DecodeStretch(
             first_step=self.counters.steps,
             num_steps=num_steps,

@@ -1,0 +1,243 @@
+"""What a run measures: per-step records, per-request latencies, and the run's summary.
+
+Both step-by-step and macro-stepped runs feed the same collectors; a decode stretch adds
+its steps as arrays. Inter-token gaps are kept as (value, count) pairs because a stretch
+gives every request in the batch the same gaps; expanding them gives the very multiset a
+step-by-step run collects, so percentiles agree exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from policies.plan import StepPlan
+from policies.request import Request, Status
+
+PERCENTILES = (50, 90, 99)
+
+STEP_COLUMNS = (
+    "step",
+    "start_s",
+    "duration_s",
+    "kind",
+    "batch_size",
+    "prefill_tokens",
+    "decode_tokens",
+    "kv_used",
+    "kv_cached",
+    "kv_free",
+    "preempted",
+    "swap_blocks",
+    "copy_blocks",
+    "device_s",
+    "host_s",
+    "memory_bytes",
+)
+
+
+@dataclass
+class StepLog:
+    """Columnar per-step records (one entry per engine step in both stepping modes)."""
+
+    columns: dict[str, list] = field(default_factory=lambda: {c: [] for c in STEP_COLUMNS})
+
+    def add_step(self, plan: StepPlan, start_s: float, duration_s: float, counts: tuple[int, int, int], timing) -> None:
+        c = self.columns
+        c["step"].append(plan.step)
+        c["start_s"].append(start_s)
+        c["duration_s"].append(duration_s)
+        c["kind"].append(plan.kind)
+        c["batch_size"].append(len(plan.entries))
+        c["prefill_tokens"].append(plan.num_prefill_tokens)
+        c["decode_tokens"].append(plan.num_decode_tokens)
+        c["kv_used"].append(counts[0])
+        c["kv_cached"].append(counts[1])
+        c["kv_free"].append(counts[2])
+        c["preempted"].append(len(plan.preempted))
+        c["swap_blocks"].append(len(plan.swap_out) + len(plan.swap_in))
+        c["copy_blocks"].append(len(plan.copies))
+        c["device_s"].append(timing.device_s if timing is not None and timing.device_s is not None else float("nan"))
+        c["host_s"].append(timing.host_s if timing is not None and timing.host_s is not None else float("nan"))
+        c["memory_bytes"].append(timing.memory_bytes if timing is not None and timing.memory_bytes is not None else -1)
+
+    def add_stretch(self, first_step: int, starts: list[float], durations: list[float], batch: int, counts: list) -> None:
+        c = self.columns
+        k = len(durations)
+        c["step"].extend(range(first_step, first_step + k))
+        c["start_s"].extend(starts)
+        c["duration_s"].extend(durations)
+        c["kind"].extend(["decode"] * k)
+        c["batch_size"].extend([batch] * k)
+        c["prefill_tokens"].extend([0] * k)
+        c["decode_tokens"].extend([batch] * k)
+        c["kv_used"].extend(u for u, _, _ in counts)
+        c["kv_cached"].extend(ca for _, ca, _ in counts)
+        c["kv_free"].extend(f for _, _, f in counts)
+        for name in ("preempted", "swap_blocks", "copy_blocks"):
+            c[name].extend([0] * k)
+        c["device_s"].extend([float("nan")] * k)
+        c["host_s"].extend([float("nan")] * k)
+        c["memory_bytes"].extend([-1] * k)
+
+    def __len__(self) -> int:
+        return len(self.columns["step"])
+
+    def array(self, name: str) -> np.ndarray:
+        return np.asarray(self.columns[name])
+
+
+@dataclass
+class TokenTimes:
+    """First-scheduled time, last token time and largest inter-token gap per sequence, plus all gaps."""
+
+    first_scheduled: dict[str, float] = field(default_factory=dict)
+    last_token: dict[str, float] = field(default_factory=dict)
+    max_gap: dict[str, float] = field(default_factory=dict)
+    gap_values: list[np.ndarray] = field(default_factory=list)
+    gap_counts: list[np.ndarray] = field(default_factory=list)
+    _pending_gaps: list[float] = field(default_factory=list)
+
+    def scheduled(self, request_id: str, now: float) -> None:
+        self.first_scheduled.setdefault(request_id, now)
+
+    def token(self, request_id: str, now: float) -> None:
+        last = self.last_token.get(request_id)
+        if last is not None:
+            gap = now - last
+            self._pending_gaps.append(gap)
+            if gap > self.max_gap.get(request_id, 0.0):
+                self.max_gap[request_id] = gap
+        self.last_token[request_id] = now
+
+    def stretch(self, request_ids: list[str], ends: np.ndarray) -> None:
+        """Every request in ``request_ids`` got a token at each of ``ends``."""
+        inner = np.diff(ends)
+        inner_max = float(inner.max()) if len(inner) else 0.0
+        first_end = float(ends[0])
+        for rid in request_ids:
+            gap = first_end - self.last_token[rid]
+            self._pending_gaps.append(gap)
+            worst = max(gap, inner_max)
+            if worst > self.max_gap.get(rid, 0.0):
+                self.max_gap[rid] = worst
+            self.last_token[rid] = float(ends[-1])
+        if len(inner):
+            self.gap_values.append(inner)
+            self.gap_counts.append(np.full(len(inner), len(request_ids), dtype=np.int64))
+
+    def all_gaps(self) -> np.ndarray:
+        values = self.gap_values + [np.asarray(self._pending_gaps, dtype=np.float64)]
+        counts = self.gap_counts + [np.ones(len(self._pending_gaps), dtype=np.int64)]
+        return np.repeat(np.concatenate(values), np.concatenate(counts))
+
+
+def distribution(values) -> dict[str, float | None]:
+    """``{mean, p50, p90, p99}`` of ``values`` (None entries when empty)."""
+    arr = np.sort(np.asarray(values, dtype=np.float64))  # sorted: the mean does not depend on order
+    if arr.size == 0:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    pct = np.percentile(arr, PERCENTILES)
+    return {"mean": float(arr.mean()), **{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)}}
+
+
+REQUEST_COLUMNS = (
+    "request_id",
+    "trace_index",
+    "parent",
+    "status",
+    "reject_reason",
+    "arrival_s",
+    "prompt_tokens",
+    "output_tokens",
+    "generated_tokens",
+    "first_scheduled_s",
+    "first_token_s",
+    "finish_s",
+    "queue_s",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "max_itl_s",
+    "preemptions",
+    "prefix_hit_tokens",
+)
+
+
+def request_rows(requests: list[Request], times: TokenTimes) -> list[dict]:
+    """One row per sequence (samples of n > 1 requests are rows of their own)."""
+    rows = []
+    for r in requests:
+        sched = times.first_scheduled.get(r.request_id)
+        first, fin = r.first_token_s, r.finish_s
+        rows.append(
+            {
+                "request_id": r.request_id,
+                "trace_index": r.trace_index,
+                "parent": r.parent.request_id if r.parent is not None else "",
+                "status": r.status.value,
+                "reject_reason": r.reject_reason or "",
+                "arrival_s": r.arrival_s,
+                "prompt_tokens": r.prompt_tokens,
+                "output_tokens": r.output_tokens,
+                "generated_tokens": r.num_output_tokens,
+                "first_scheduled_s": sched,
+                "first_token_s": first,
+                "finish_s": fin,
+                "queue_s": None if sched is None else sched - r.arrival_s,
+                "ttft_s": None if first is None else first - r.arrival_s,
+                "tpot_s": (fin - first) / (r.num_output_tokens - 1)
+                if fin is not None and first is not None and r.num_output_tokens > 1
+                else None,
+                "e2e_s": None if fin is None else fin - r.arrival_s,
+                "max_itl_s": times.max_gap.get(r.request_id),
+                "preemptions": r.num_preemptions,
+                "prefix_hit_tokens": r.prefix_hit_tokens,
+            }
+        )
+    return rows
+
+
+def summarize(requests: list[Request], times: TokenTimes, steps: StepLog, num_blocks: int, kv_stats) -> dict:
+    """The run's headline figures (the ``summary.json`` keys, less config and wall time)."""
+    roots = [r for r in requests if r.parent is None]
+    done = [r for r in roots if r.status is Status.FINISHED and all(c.status is Status.FINISHED for c in r.children)]
+    rejected = [r for r in roots if r.status is Status.REJECTED]
+    finished_seqs = [r for r in requests if r.status is Status.FINISHED]
+    durations = steps.array("duration_s")
+    starts = steps.array("start_s")
+    end = float(starts[-1] + durations[-1]) if len(durations) else 0.0
+    first_arrival = min((r.arrival_s for r in roots), default=0.0)
+    makespan = max(end - first_arrival, 0.0)
+    output_tokens = sum(r.num_output_tokens for r in finished_seqs)
+    used = steps.array("kv_used")
+    busy = float(durations.sum()) if len(durations) else 0.0
+    return {
+        "requests_completed": len(done),
+        "requests_rejected": len(rejected),
+        "duration_s": makespan,
+        "throughput_tok_s": output_tokens / makespan if makespan > 0 else 0.0,
+        "request_rate_rps": len(done) / makespan if makespan > 0 else 0.0,
+        "ttft_s": distribution([r.first_token_s - r.arrival_s for r in roots if r.first_token_s is not None]),
+        "tpot_s": distribution(
+            [(r.finish_s - r.first_token_s) / (r.num_output_tokens - 1) for r in finished_seqs if r.num_output_tokens > 1]
+        ),
+        "itl_s": distribution(times.all_gaps()),
+        "e2e_s": distribution([max([r.finish_s] + [c.finish_s for c in r.children]) - r.arrival_s for r in done]),
+        "preemptions": sum(r.num_preemptions for r in requests),
+        "prefix_hit_rate": kv_stats.prefix_hit_tokens / kv_stats.prefix_query_tokens if kv_stats.prefix_query_tokens else 0.0,
+        "num_kv_blocks": num_blocks,
+        "peak_kv_blocks_used": int(used.max()) if len(used) else 0,
+        "mean_kv_usage": float((used * durations).sum() / busy / num_blocks) if busy > 0 else 0.0,
+        "output_tokens": output_tokens,
+        "steps": len(steps),
+        "rejection_reasons": _count(r.reject_reason for r in rejected),
+    }
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return dict(sorted(out.items()))

@@ -1,0 +1,111 @@
+"""A run's files (summary.json, requests.csv, steps.csv) and its printed summary table.
+
+``kvsim simulate`` and ``kvsim execute`` write the same files, so reports and scripts read
+either world the same way. ``decisions.jsonl`` is streamed during the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from sim.metrics import REQUEST_COLUMNS, STEP_COLUMNS, StepLog
+
+SUMMARY = "summary.json"
+REQUESTS = "requests.csv"
+STEPS = "steps.csv"
+DECISIONS = "decisions.jsonl"
+
+
+def _clean(value):
+    """JSON has no NaN: write null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_summary(out_dir: Path, summary: dict) -> Path:
+    path = out_dir / SUMMARY
+    path.write_text(json.dumps(_clean(summary), indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def write_requests(out_dir: Path, rows: list[dict]) -> Path:
+    path = out_dir / REQUESTS
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=REQUEST_COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+    return path
+
+
+def write_steps(out_dir: Path, steps: StepLog) -> Path:
+    path = out_dir / STEPS
+    with path.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(STEP_COLUMNS)
+        writer.writerows(zip(*(steps.columns[c] for c in STEP_COLUMNS)))
+    return path
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / SUMMARY).read_text())
+
+
+def read_csv(path: Path) -> dict[str, list[str]]:
+    """Columns of a CSV as lists of strings (callers convert what they need)."""
+    with Path(path).open(newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader)
+        columns: dict[str, list[str]] = {h: [] for h in header}
+        for row in reader:
+            for h, v in zip(header, row):
+                columns[h].append(v)
+    return columns
+
+
+def _ms(dist: dict, key: str) -> str:
+    v = dist.get(key)
+    return "n/a" if v is None else f"{v * 1e3:.2f}"
+
+
+def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
+    """A summary table in the style of vLLM's serving benchmark."""
+    width = 50
+    lines = [f"{' ' + title + ' ':=^{width}}"]
+
+    def row(label: str, value) -> None:
+        lines.append(f"{label:<40}{value:>10}")
+
+    row("Successful requests:", summary["requests_completed"])
+    row("Rejected requests:", summary["requests_rejected"])
+    row("Duration (s):", f"{summary['duration_s']:.2f}")
+    row("Total generated tokens:", summary.get("output_tokens", "n/a"))
+    row("Request throughput (req/s):", f"{summary['request_rate_rps']:.2f}")
+    row("Output token throughput (tok/s):", f"{summary['throughput_tok_s']:.2f}")
+    row("Preemptions:", summary["preemptions"])
+    row("Prefix cache hit rate (%):", f"{100 * summary['prefix_hit_rate']:.2f}")
+    row("KV blocks (peak used / total):", f"{summary['peak_kv_blocks_used']}/{summary['num_kv_blocks']}")
+    row("Mean KV usage (%):", f"{100 * summary['mean_kv_usage']:.1f}")
+    for key, heading, name in (
+        ("ttft_s", "Time to First Token", "TTFT"),
+        ("tpot_s", "Time per Output Token (excl. 1st token)", "TPOT"),
+        ("itl_s", "Inter-token Latency", "ITL"),
+        ("e2e_s", "End-to-end Latency", "E2EL"),
+    ):
+        lines.append(f"{heading:-^{width}}")
+        dist = summary[key]
+        row(f"Mean {name} (ms):", _ms(dist, "mean"))
+        row(f"Median {name} (ms):", _ms(dist, "p50"))
+        row(f"P90 {name} (ms):", _ms(dist, "p90"))
+        row(f"P99 {name} (ms):", _ms(dist, "p99"))
+    lines.append("=" * width)
+    if "wall_s" in summary:
+        lines.append(f"wall time {summary['wall_s']:.2f} s, {summary.get('steps', '?')} steps")
+    return "\n".join(lines)

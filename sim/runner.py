@@ -1,0 +1,60 @@
+"""Run a trace through the engine with some step timer and write the run's directory.
+
+``kvsim simulate`` (cost model), ``kvsim execute`` (real executor) and ``kvsim validate``
+(both, and a replay) all come through here, so every run directory has the same files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sim.outputs import DECISIONS, write_requests, write_steps, write_summary
+from sim.run_config import ResolvedRun
+from sim.simulator import SimOptions, SimRun, simulate
+from sim.step_timer import StepTimer
+from traces.schema import Trace
+
+
+def run_trace(
+    resolved: ResolvedRun,
+    trace: Trace,
+    timer: StepTimer,
+    out_dir: Path | None,
+    *,
+    exact: bool | None = None,
+    check: bool = False,
+    progress: bool = False,
+    label: str = "simulate",
+    extra_summary: dict | None = None,
+) -> tuple[SimRun, dict]:
+    """Replay ``trace`` with ``timer``; with ``out_dir``, write summary/requests/steps/decisions there."""
+    engine = resolved.new_engine()
+    decisions = None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        decisions = (out_dir / DECISIONS).open("w")
+    bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, leave=False, mininterval=0.5)
+    try:
+        options = SimOptions(
+            exact=resolved.config.exact if exact is None else exact,
+            check=check,
+            decisions=decisions,
+            on_progress=bar.update,
+        )
+        run = simulate(trace, engine, timer, options)
+    finally:
+        bar.close()
+        if decisions is not None:
+            decisions.close()
+    summary = run.summary()
+    summary.update(extra_summary or {})
+    summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
+    summary["config"] = resolved.to_dict()
+    summary["memory"] = resolved.memory.to_dict()
+    if out_dir is not None:
+        write_summary(out_dir, summary)
+        write_requests(out_dir, run.request_rows())
+        write_steps(out_dir, run.steps)
+    return run, summary

@@ -1,0 +1,209 @@
+"""The SimPy driver: the one loop both worlds share.
+
+Three SimPy pieces: an arrival process that replays the trace's arrival times, the engine
+process (schedule -> step timer -> timeout -> commit), and the host link, a resource that
+swap transfers hold. The step timer fills the slot between schedule and commit: the cost
+model here, the real executor in ``realexec``, or recorded durations for a replay.
+
+Time is kept twice on purpose: SimPy's clock orders the processes, while the engine's
+clock is the exact running sum of step durations. Arrivals become visible to a step by
+comparing trace times with that sum, so a run does not depend on how SimPy orders events
+that fall on the same instant, and step-by-step and macro-stepped runs see identical times.
+
+Macro-stepping: when ``EngineCore.decode_stretch_limit`` says the next steps are one
+unchanged all-decode batch, the timer predicts all of them at once (``decode_stretch_times``)
+and the stretch runs as one event, cut short before the next arrival. ``exact=True`` turns
+this off; both give the same per-request metrics and, once expanded, the same decision log.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+import numpy as np
+import simpy
+
+from policies.engine import EngineCore
+from policies.plan import StepPlan
+from policies.request import Request
+from policies.trace_feed import add_trace_request
+from sim.metrics import StepLog, TokenTimes, request_rows, summarize
+from sim.step_timer import StepTimer, StepTiming
+from traces.schema import Trace
+
+
+@dataclass
+class SimOptions:
+    exact: bool = False  # no macro-stepping
+    check: bool = False  # verify engine invariants and each plan after every step
+    decisions: TextIO | None = None  # where the decision log goes (one JSON line a step or stretch)
+    on_progress: Callable[[int], None] | None = None  # called with newly ended requests
+    max_steps: int = 0  # safety cap; 0 = none
+
+
+@dataclass
+class SimRun:
+    """Everything a run produced: the engine (its requests and counters) and what was measured."""
+
+    engine: EngineCore
+    steps: StepLog
+    times: TokenTimes
+    wall_s: float
+    stretches: int = 0
+    plans: list[StepPlan] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[Request]:
+        return list(self.engine.requests.values())
+
+    def summary(self) -> dict:
+        out = summarize(self.requests, self.times, self.steps, self.engine.config.num_blocks, self.engine.kv_stats())
+        out["wall_s"] = self.wall_s
+        out["macro_stretches"] = self.stretches
+        return out
+
+    def request_rows(self) -> list[dict]:
+        return request_rows(self.requests, self.times)
+
+
+class Simulation:
+    def __init__(self, trace: Trace, engine: EngineCore, timer: StepTimer, options: SimOptions | None = None) -> None:
+        self.trace = trace
+        self.engine = engine
+        self.timer = timer
+        self.options = options or SimOptions()
+        self.env = simpy.Environment()
+        self.host_link = simpy.Resource(self.env, capacity=1)
+        self.steps = StepLog()
+        self.times = TokenTimes()
+        self.clock = 0.0
+        self.next_index = 0
+        self.stretches = 0
+        self._wake: simpy.Event | None = None
+        self._arrivals = trace.arrival_s.tolist()
+        predict_stretch = getattr(timer, "decode_stretch_times", None)
+        self._predict_stretch = None if self.options.exact else predict_stretch
+
+    # --- SimPy processes ---------------------------------------------------------------
+    def _arrival_process(self):
+        """Replay arrival times; wake the engine when a request lands on an idle engine."""
+        for arrival in self._arrivals:
+            if arrival > self.env.now:
+                yield self.env.timeout(arrival - self.env.now)
+            if self._wake is not None and not self._wake.triggered:
+                self._wake.succeed()
+
+    def _engine_process(self):
+        engine, n = self.engine, len(self._arrivals)
+        while True:
+            self._admit_arrivals()
+            if not engine.has_unfinished():
+                if self.next_index >= n:
+                    return
+                upcoming = self._arrivals[self.next_index]
+                if upcoming > self.env.now:  # else the arrival process has already passed it
+                    self._wake = self.env.event()
+                    yield self._wake
+                    self._wake = None
+                self.clock = max(self.clock, upcoming)
+                continue
+            if self._predict_stretch is not None:
+                stretched = yield from self._try_stretch()
+                if stretched:
+                    continue
+            yield from self._step()
+            if self.options.max_steps and len(self.steps) > self.options.max_steps:
+                raise RuntimeError(f"simulation exceeded {self.options.max_steps} steps")
+
+    # --- pieces of the loop ----------------------------------------------------------------
+    def _admit_arrivals(self) -> None:
+        arrivals, n = self._arrivals, len(self._arrivals)
+        while self.next_index < n and arrivals[self.next_index] <= self.clock:
+            request = add_trace_request(self.engine, self.trace, self.next_index)
+            self.timer.add_request(request)
+            self.next_index += 1
+
+    def _advance_to(self, target: float):
+        self.clock = target
+        if target > self.env.now:
+            yield self.env.timeout(target - self.env.now)
+
+    def _step(self):
+        engine, start = self.engine, self.clock
+        plan = engine.schedule(start)
+        timing: StepTiming | None = None
+        duration = 0.0
+        if not plan.is_empty:
+            timing = self.timer.step(plan)
+            duration = timing.duration_s
+            swap_s = timing.operators.get("swap", 0.0)
+            if swap_s > 0:
+                with self.host_link.request() as link:
+                    yield link
+                    yield self.env.timeout(swap_s)
+        yield from self._advance_to(start + duration)
+        for entry in plan.entries:
+            self.times.scheduled(entry.request_id, start)
+        ended = engine.commit(plan, self.clock)
+        for entry in plan.entries:
+            if entry.samples:
+                self.times.token(entry.request_id, self.clock)
+        for parent_id, child_ids in plan.forks:
+            for child_id in child_ids:
+                self.times.scheduled(child_id, start)
+                self.times.token(child_id, self.clock)
+        self.steps.add_step(plan, start, duration, engine.kv.pool_counts(), timing)
+        self._log(plan.to_json())
+        if self.options.check:
+            engine.check_invariants()
+            plan.check(engine.config.block_size)
+        self._progress(len(ended) + len(plan.rejected))
+
+    def _try_stretch(self):
+        engine = self.engine
+        limit = engine.decode_stretch_limit()
+        if limit < 2:
+            return False
+        running = engine.running
+        context = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))
+        durations = self._predict_stretch(context, limit)
+        ends = np.cumsum(np.concatenate(([self.clock], durations)))[1:]
+        if self.next_index < len(self._arrivals):
+            # step i starts at ends[i-1] and must not see a new arrival
+            limit = 1 + int(np.searchsorted(ends[:-1], self._arrivals[self.next_index], side="left"))
+        result = engine.run_decode_stretch(limit, ends)
+        if result is None:
+            return False
+        stretch, counts, finished = result
+        k = stretch.num_steps
+        starts = [self.clock] + ends[: k - 1].tolist()
+        self.times.stretch(stretch.request_ids, ends[:k])
+        self.steps.add_stretch(stretch.first_step, starts, durations[:k].tolist(), len(stretch.request_ids), counts)
+        self._log(stretch.to_json())
+        self.stretches += 1
+        yield from self._advance_to(float(ends[k - 1]))
+        if self.options.check:
+            engine.check_invariants()
+        self._progress(len(finished))
+        return True
+
+    def _log(self, line: str) -> None:
+        if self.options.decisions is not None:
+            self.options.decisions.write(line + "\n")
+
+    def _progress(self, ended: int) -> None:
+        if ended and self.options.on_progress is not None:
+            self.options.on_progress(ended)
+
+    def run(self) -> SimRun:
+        started = time.perf_counter()
+        self.env.process(self._arrival_process())
+        done = self.env.process(self._engine_process())
+        self.env.run(until=done)
+        return SimRun(self.engine, self.steps, self.times, time.perf_counter() - started, self.stretches)
+
+
+def simulate(trace: Trace, engine: EngineCore, timer: StepTimer, options: SimOptions | None = None) -> SimRun:
+    return Simulation(trace, engine, timer, options).run()
