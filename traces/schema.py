@@ -40,9 +40,34 @@ class Ragged:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    @classmethod
+    def from_lengths(cls, values: np.ndarray, lengths: np.ndarray) -> "Ragged":
+        """Wrap already-flat ``values`` whose consecutive rows have ``lengths``."""
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = np.asarray(values, dtype=np.int64)
+        if offsets[-1] != len(values):
+            raise ValueError(f"lengths sum to {offsets[-1]} but there are {len(values)} values")
+        return cls(values=values, offsets=offsets)
+
     def take(self, index: np.ndarray) -> "Ragged":
-        """Rows ``index`` (any order, repeats allowed) as a new Ragged."""
-        return Ragged.from_rows([self.row(int(i)) for i in index])
+        """Rows ``index`` (any order, repeats allowed) as a new Ragged (vectorised gather)."""
+        index = np.asarray(index, dtype=np.int64)
+        starts = self.offsets[index]
+        lengths = self.offsets[index + 1] - starts
+        out = Ragged.from_lengths(np.zeros(int(lengths.sum()), dtype=np.int64), lengths)
+        # position p of output row r reads values[starts[r] + (p - out.offsets[r])]
+        gather = np.arange(len(out.values), dtype=np.int64) + np.repeat(starts - out.offsets[:-1], lengths)
+        return Ragged(values=self.values[gather], offsets=out.offsets)
+
+    def to_rows(self) -> list[list[int]]:
+        """Python lists, one per row (for JSON output)."""
+        flat = self.values.tolist()
+        bounds = self.offsets.tolist()
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def equals(self, other: "Ragged") -> bool:
+        return np.array_equal(self.offsets, other.offsets) and np.array_equal(self.values, other.values)
 
 
 @dataclass(frozen=True)
@@ -84,3 +109,55 @@ class Trace:
 
     def tokens_of(self, i: int) -> np.ndarray | None:
         return None if self.token_ids is None else self.token_ids.row(i)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Names of the columns this trace has (required ones first)."""
+        optional = ("prefix_hashes", "token_ids", "session_id", "priority", "n_samples")
+        return ("arrival_s", "prompt_tokens", "output_tokens") + tuple(
+            name for name in optional if getattr(self, name) is not None
+        )
+
+    def equals(self, other: "Trace") -> bool:
+        """Bit-exact equality of every column and of the metadata."""
+        if (self.source, self.hash_block_size, self.notes, self.columns) != (
+            other.source,
+            other.hash_block_size,
+            other.notes,
+            other.columns,
+        ):
+            return False
+        for name in self.columns:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if isinstance(mine, Ragged):
+                if not mine.equals(theirs):
+                    return False
+            elif mine.dtype != theirs.dtype or mine.tobytes() != theirs.tobytes():
+                return False
+        return True
+
+    def validate(self) -> None:
+        """Raise ValueError unless the trace keeps the schema's promises (see the class doc)."""
+        n = len(self.arrival_s)
+        for name in self.columns:
+            column = getattr(self, name)
+            if len(column) != n:
+                raise ValueError(f"column {name} has {len(column)} rows, arrival_s has {n}")
+        if n == 0:
+            raise ValueError("a trace needs at least one request")
+        if not np.all(np.isfinite(self.arrival_s)) or self.arrival_s[0] != 0 or np.any(np.diff(self.arrival_s) < 0):
+            raise ValueError("arrival_s must be finite, non-decreasing and start at 0")
+        for name in ("prompt_tokens", "output_tokens", "n_samples"):
+            column = getattr(self, name)
+            if column is not None and column.min() < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if (self.prefix_hashes is None) != (self.hash_block_size is None):
+            raise ValueError("prefix_hashes and hash_block_size come together")
+        if self.prefix_hashes is not None:
+            if self.hash_block_size < 1:
+                raise ValueError("hash_block_size must be >= 1")
+            expected = -(-self.prompt_tokens // self.hash_block_size)
+            if not np.array_equal(self.prefix_hashes.lengths(), expected):
+                raise ValueError("each request needs ceil(prompt_tokens / hash_block_size) prefix hashes")
+        if self.token_ids is not None and not np.array_equal(self.token_ids.lengths(), self.prompt_tokens):
+            raise ValueError("each request needs prompt_tokens token ids")
