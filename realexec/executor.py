@@ -1,0 +1,231 @@
+"""The real step timer: runs each StepPlan through the paged decoder on a backend and measures it.
+
+The engine decides everything (batch, positions, blocks, slots, swaps, copies, forks); the
+executor only carries the plan out and owns what the engine does not track: token ids. Its
+per-request token list (prompt + generated) is the truth a plan's positions index into, so a
+request re-planned from position 0 after a recompute preemption is fed the very same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from policies.plan import PlanEntry, StepPlan
+from policies.request import Request
+from realexec.backends.base import AttentionMetadata, KernelBackend
+from realexec.model import Attend, DecoderModel
+from realexec.prompts import prompt_tokens
+from realexec.weights import torch_dtype
+from sim.model_spec import ModelSpec
+from sim.step_timer import StepTiming
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepInputs:
+    """Device tensors for one forward pass, plus which requests sample from which rows."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # int64 [S]: the last new token of each sampling entry
+    sampling_ids: list[str]  # request id of each sample row
+
+
+class Executor:
+    """Implements ``sim.step_timer.StepTimer`` on a real device.
+
+    ``check=True`` verifies each plan against the block tables it carries (slot mapping, block
+    ids in range) before running it; off by default so it never inflates measured host time.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: KernelBackend,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        seed: int = 0,
+        weights_path: str | Path | None = None,
+        kv_dtype: str | None = None,
+        check: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.block_size = block_size
+        self.seed = seed
+        self.check = check
+        self.kv_dtype = torch_dtype(kv_dtype or spec.kv_dtype)
+        self.model = DecoderModel.build(spec, backend.device, seed, weights_path)
+        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, self.kv_dtype)
+        self.kv_caches: KVCaches = backend.allocate_kv_cache(*shape)
+        host_shape = (spec.num_layers, num_host_blocks, *shape[2:])
+        self.host_caches: KVCaches = backend.allocate_host_cache(*host_shape) if num_host_blocks else []
+        self._tokens: dict[str, list[int]] = {}  # prompt + generated, per request
+        self._prompt_lens: dict[str, int] = {}
+
+    # ---- StepTimer -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._tokens:
+            raise ValueError(f"request {request.request_id} was already added to the executor")
+        tokens = prompt_tokens(request, self.spec.vocab_size, self.seed)
+        self._tokens[request.request_id] = tokens
+        self._prompt_lens[request.request_id] = len(tokens)
+
+    def step(self, plan: StepPlan) -> StepTiming:
+        """Apply the plan's block moves, run its tokens, sample, fork; return the measured time.
+
+        Block moves run in the order swap_out, swap_in, copies, all before the forward pass:
+        a device block swapped out may have been freed and handed straight to a swap-in or a
+        copy destination in the same plan, so its contents must leave first; and a copy-on-write
+        source may be a block that is only now swapped back in, so copies read after swap-ins.
+        The forward pass then writes this step's new K/V into blocks that hold the right data.
+        """
+        if self.check:
+            self._check_plan(plan)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            inputs = self._build_inputs(plan) if plan.entries else None
+            host_s = time.perf_counter() - start
+            operators: dict[str, float] = {}
+            if plan.swap_out or plan.swap_in:
+                operators["swap"] = self.backend.elapsed(lambda: self._swap(plan))[1]
+            if plan.copies:
+                operators["copy"] = self.backend.elapsed(lambda: self.backend.copy_blocks(self.kv_caches, plan.copies))[1]
+            if inputs is not None:
+                sampled, operators["forward"] = self.backend.elapsed(lambda: self._forward_and_sample(inputs))
+                start = time.perf_counter()
+                for request_id, token in zip(inputs.sampling_ids, sampled.tolist()):
+                    self._tokens[request_id].append(token)
+                host_s += time.perf_counter() - start
+        for parent, children in plan.forks:
+            self._fork(parent, children)
+        device_s = sum(operators.values())
+        return StepTiming(
+            duration_s=device_s + host_s,
+            device_s=device_s,
+            host_s=host_s,
+            memory_bytes=self.backend.memory_in_use(),
+            operators=operators,
+        )
+
+    # ---- queries ---------------------------------------------------------------------
+
+    def tokens(self, request_id: str) -> list[int]:
+        """Tokens generated so far for ``request_id`` (a forked child's include the parent's)."""
+        return self._tokens[request_id][self._prompt_lens[request_id] :]
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _entry_tokens(self, entry: PlanEntry) -> list[int]:
+        known = self._tokens.get(entry.request_id)
+        if known is None:
+            raise ValueError(f"plan names request {entry.request_id!r}, which was never added nor forked")
+        if entry.end_position > len(known) or entry.end_position > self.spec.max_position:
+            raise ValueError(
+                f"request {entry.request_id}: plan asks for positions [{entry.first_position}, {entry.end_position}) "
+                f"but {len(known)} tokens are known (model max_position {self.spec.max_position})"
+            )
+        if entry.samples and entry.end_position != len(known):
+            raise ValueError(
+                f"request {entry.request_id}: entry samples after position {entry.end_position - 1}, "
+                f"but the next token to generate is position {len(known)}"
+            )
+        return known[entry.first_position : entry.end_position]
+
+    def _build_inputs(self, plan: StepPlan) -> StepInputs:
+        if len(plan.slot_mapping) != plan.num_tokens:
+            raise ValueError(f"step {plan.step}: {len(plan.slot_mapping)} slots for {plan.num_tokens} tokens")
+        ids: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        sample_rows: list[int] = []
+        sampling_ids: list[str] = []
+        for entry in plan.entries:
+            ids += self._entry_tokens(entry)
+            positions += range(entry.first_position, entry.end_position)
+            query_start.append(query_start[-1] + entry.num_tokens)
+            if entry.samples:
+                sample_rows.append(query_start[-1] - 1)
+                sampling_ids.append(entry.request_id)
+        tables = [plan.block_tables[e.request_id] for e in plan.entries]
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        seq_lens = [e.end_position for e in plan.entries]
+
+        def dev(values, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.backend.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            query_start_loc=dev(query_start, torch.int32),
+            seq_lens=dev(seq_lens, torch.int32),
+            block_tables=dev(padded, torch.int32),
+            slot_mapping=dev(plan.slot_mapping, torch.int64),
+            query_lens_list=[e.num_tokens for e in plan.entries],
+            seq_lens_list=seq_lens,
+            block_size=self.block_size,
+        )
+        return StepInputs(dev(ids, torch.int64), dev(positions, torch.int64), meta, dev(sample_rows, torch.int64), sampling_ids)
+
+    def _paged_attend(self, meta: AttentionMetadata) -> Attend:
+        """Write the layer's new K/V into its paged cache, then attend over the cache."""
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            key_cache, value_cache = self.kv_caches[layer]
+            self.backend.write_kv(k.to(self.kv_dtype), v.to(self.kv_dtype), key_cache, value_cache, meta.slot_mapping)
+            return self.backend.attention(q.to(self.kv_dtype), key_cache, value_cache, meta, self.model.scale)
+
+        return attend
+
+    def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:
+        """Greedy token ids [S] (on device) for the sampling rows; logits only for those rows."""
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self._paged_attend(inputs.meta))
+        if not inputs.sampling_ids:
+            return inputs.sample_rows
+        return self.model.logits(hidden[inputs.sample_rows]).argmax(dim=-1)
+
+    def _swap(self, plan: StepPlan) -> None:
+        if plan.swap_out:
+            self.backend.swap(self.kv_caches, self.host_caches, plan.swap_out)
+        if plan.swap_in:
+            self.backend.swap(self.host_caches, self.kv_caches, plan.swap_in)
+
+    def _fork(self, parent: str, children: list[str]) -> None:
+        """Each child continues from a copy of the parent's tokens, this step's sample included."""
+        for child in children:
+            if child in self._tokens:
+                raise ValueError(f"fork of {parent}: child {child} already exists")
+            self._tokens[child] = list(self._tokens[parent])
+            self._prompt_lens[child] = self._prompt_lens[parent]
+
+    def _check_plan(self, plan: StepPlan) -> None:
+        """The plan's slot mapping agrees with its block tables, and every block id is in range."""
+        bs = self.block_size
+        slots = iter(plan.slot_mapping)
+        for entry in plan.entries:
+            table = plan.block_tables.get(entry.request_id)
+            if table is None:
+                raise ValueError(f"step {plan.step}: no block table for {entry.request_id}")
+            if len(table) * bs < entry.end_position:
+                raise ValueError(f"step {plan.step}: {entry.request_id}'s {len(table)} blocks cannot hold {entry.end_position} tokens")
+            for pos in range(entry.first_position, entry.end_position):
+                expected = table[pos // bs] * bs + pos % bs
+                got = next(slots, None)
+                if got != expected:
+                    raise ValueError(f"step {plan.step}: {entry.request_id} position {pos} has slot {got}, its block table gives {expected}")
+        device_ids = [b for e in plan.entries for b in plan.block_tables[e.request_id]]
+        device_ids += [b for pair in plan.copies for b in pair] + [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
+        host_ids = [h for _, h in plan.swap_out] + [h for h, _ in plan.swap_in]
+        for kind, ids, limit in (("device", device_ids, self.num_blocks), ("host", host_ids, self.num_host_blocks)):
+            bad = [b for b in ids if not 0 <= b < limit]
+            if bad:
+                raise ValueError(f"step {plan.step}: {kind} block id {bad[0]} out of range [0, {limit})")
