@@ -1,0 +1,346 @@
+"""Cost model: a deterministic step time for a StepPlan, one roofline per operator class.
+
+Every operator ``op`` is timed as::
+
+    time = max(flops / (peak * compute_efficiency), bytes / (bandwidth * memory_efficiency)) + calls * call_s
+
+with ``peak``/``bandwidth`` the device roofs the operator runs on, and ``compute_efficiency``,
+``memory_efficiency`` and ``call_s`` (TOML ``launch_s``, or ``block_s`` for paged_gather) read from the
+device profile's ``[operators.<op>]`` table. Work is summed over all layers of one step.
+
+Notation: ``L`` layers, ``h`` hidden size, ``q = heads*head_dim``, ``kv = kv_heads*head_dim``,
+``I`` MLP size, ``V`` vocabulary, ``a``/``w`` activation/weight dtype bytes, ``c`` KV bytes of one token
+in one layer (K and V, + int8 scales), ``P = h(q+2kv) + qh + 3hI`` matmul weights of one layer,
+``T`` = num_tokens, ``S`` = num_sampled, other names as in :class:`StepFeatures`, ``[x]`` = 1 if x > 0 else 0.
+Roofs: *matrix* = ``matrix_flops[activation dtype]``, *vector* = ``vector_flops``, *HBM* =
+``hbm_bandwidth``, *host* = ``host_link_bandwidth``. Per operator, ``flops | bytes | calls``:
+
+- ``gemm`` (matrix, HBM; QKV, O, gate_up, down):
+  ``2 T L P | [T] L P w + a T L (4h + 2q + 2kv + 3I) | 4 L [T]``
+- ``elementwise`` (vector, HBM; fused add+RMSNorm x2, RoPE, q/k norms if the model has them,
+  SiLU-and-mul, the embedding gather and the final norm), with ``g = q + kv`` and ``k`` = 1 under qk_norm:
+  ``T (L (8h + (3 + 4k) g + 5I) + 10h) | a T (L (8h + (2 + 2k) g + 3I) + 6h) | (4L + 2 + k L) [T]``
+- ``kv_write`` (HBM): ``- | T L (2 kv a + c) | L [T]``
+- ``attn_prefill`` (matrix, HBM): ``4 q L attn_pairs | L (prefill_ctx_tokens c + 2 q a prefill_tokens) | L [prefill_tokens]``
+- ``attn_decode`` (matrix, HBM): ``4 q L decode_ctx_tokens | L (decode_ctx_tokens c + 2 q a decode_seqs) | L [decode_seqs]``
+- ``paged_gather`` (block-table walk; ``call_s`` = ``block_s``): ``- | - | L blocks_touched``
+- ``lm_head`` (matrix, HBM): ``2 S h V | [S] V h w + S (h a + 4 V) | [S]``
+- ``sampling`` (vector, HBM; fp32 softmax and draw): ``5 S V | 12 S V | 3 [S]``
+- ``block_copy`` (HBM; read + write): ``- | 2 copy_blocks block_bytes | 2 L [copy_blocks]``
+- ``swap`` (host): ``- | swap_blocks block_bytes | 2 L [swap_blocks]``
+
+Mixed batches count one attention launch per layer for each of prefill and decode, as separate
+kernels would. Small block sizes cost through ``paged_gather``: more blocks for the same tokens.
+
+``predict`` sums every operator except ``swap``: swap traffic crosses the host link and the simulator
+accounts for it separately through :meth:`CostModel.swap_time`. Block copies (copy-on-write) are part
+of the step. :meth:`CostModel.fit` recovers the coefficients from measured operator times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Sequence, Union
+
+import numpy as np
+
+from policies.plan import StepPlan
+from policies.request import Request
+from sim.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
+from sim.model_spec import DTYPE_BYTES, ModelSpec
+from sim.step_timer import StepTiming
+
+Num = Union[float, np.ndarray]
+
+OPERATORS: tuple[str, ...] = tuple(OPERATOR_KEYS)
+MATRIX_OPERATORS = frozenset({"gemm", "attn_prefill", "attn_decode", "lm_head"})  # the rest use vector_flops
+STEP_OPERATORS: tuple[str, ...] = tuple(op for op in OPERATORS if op != "swap")
+
+LOGIT_BYTES = 4  # logits and probabilities are fp32
+SAMPLING_FLOPS_PER_LOGIT = 5  # temperature, max, exp, sum, divide
+SAMPLING_PASSES = 3  # softmax read + write, then the draw reads the probabilities
+SAMPLING_LAUNCHES = 3
+
+
+@dataclass
+class StepFeatures:
+    """What a step's cost depends on. Every field is a float, or a numpy array over many steps."""
+
+    num_tokens: Num  # query tokens computed this step (prefill + decode)
+    num_seqs: Num  # entries in the batch
+    num_sampled: Num  # entries that sample a token (LM head rows)
+    prefill_tokens: Num  # query tokens of prefill entries
+    attn_pairs: Num  # sum over prefill entries of n*c + n(n+1)/2 (c cached, n new: causal)
+    decode_seqs: Num  # decode entries (one query token each)
+    decode_ctx_tokens: Num  # sum over decode entries of the context read (after the new token)
+    prefill_ctx_tokens: Num  # sum over prefill entries of the KV tokens read (cached + new)
+    blocks_touched: Num  # sum over entries of ceil(context after the step / block_size)
+    copy_blocks: Num  # copy-on-write block copies
+    swap_blocks: Num  # blocks moved between device and host (in + out)
+
+
+class OperatorWork(NamedTuple):
+    """One operator's work in a step: what its roofline and fixed costs multiply."""
+
+    flops: Num
+    bytes: Num
+    calls: Num  # kernel launches; for paged_gather, KV blocks touched summed over layers
+
+
+_FEATURE_NAMES = tuple(f.name for f in fields(StepFeatures))
+
+
+def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
+    """The features of one plan (plain floats)."""
+    values = dict.fromkeys(_FEATURE_NAMES, 0.0)
+    for e in plan.entries:
+        n, end = e.num_tokens, e.end_position
+        values["num_tokens"] += n
+        values["num_seqs"] += 1
+        values["num_sampled"] += e.samples
+        values["blocks_touched"] += -(-end // block_size)
+        if e.is_prefill:
+            values["prefill_tokens"] += n
+            values["attn_pairs"] += n * e.first_position + n * (n + 1) // 2
+            values["prefill_ctx_tokens"] += end
+        else:
+            values["decode_seqs"] += 1
+            values["decode_ctx_tokens"] += end
+    values["copy_blocks"] = float(len(plan.copies))
+    values["swap_blocks"] = float(len(plan.swap_in) + len(plan.swap_out))
+    return StepFeatures(**{k: float(v) for k, v in values.items()})
+
+
+def _on(x: Num) -> Num:
+    """1 where the operator runs at all (x > 0), else 0: gates launch counts and weight reads."""
+    return x > 0
+
+
+class CostModel:
+    """Per-operator rooflines for one model on one device at one block size and KV dtype."""
+
+    def __init__(self, model: ModelSpec, device: DeviceProfile, block_size: int, kv_dtype: str | None = None) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.model, self.device, self.block_size = model, device, block_size
+        self.kv_dtype = kv_dtype or model.kv_dtype
+        if self.kv_dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r} (one of {sorted(DTYPE_BYTES)})")
+        m = model
+        L, h, q, kv, inter = m.num_layers, m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
+        self._L = L
+        self._a = DTYPE_BYTES[m.activation_dtype]
+        self._w = DTYPE_BYTES[m.weight_dtype]
+        self._layer_matmul_params = h * (q + 2 * kv) + q * h + 3 * h * inter
+        self._gemm_act_elems = 4 * h + 2 * q + 2 * kv + 3 * inter
+        k = int(m.qk_norm)
+        self._elem_moved = L * (8 * h + (2 + 2 * k) * (q + kv) + 3 * inter) + 6 * h
+        self._elem_flops = L * (8 * h + (3 + 4 * k) * (q + kv) + 5 * inter) + 10 * h
+        self._elem_launches = 4 * L + 2 + k * L
+        self._kv_token_layer = m.kv_bytes_per_token(self.kv_dtype) / L  # c
+        self._block_bytes = m.bytes_per_block(block_size, self.kv_dtype)
+        self._rates = {op: self._unit_costs(op) for op in OPERATORS}
+
+    def unit_costs(self, op: str) -> tuple[float, float, float]:
+        """(seconds per flop, seconds per byte, seconds per call) of an operator; 0 for an unread roof."""
+        return self._rates[op]
+
+    def _unit_costs(self, op: str) -> tuple[float, float, float]:
+        coeffs = self.device.operators[op]
+        peak, bandwidth = self.roofs(op)
+        per_flop = 0.0 if coeffs.compute_efficiency is None else 1.0 / (peak * coeffs.compute_efficiency)
+        per_byte = 0.0 if coeffs.memory_efficiency is None else 1.0 / (bandwidth * coeffs.memory_efficiency)
+        return per_flop, per_byte, coeffs.call_s
+
+    def roofs(self, op: str) -> tuple[float, float]:
+        """(peak FLOP/s, bandwidth B/s) that an operator's efficiencies scale."""
+        peak = self.device.matrix_peak(self.model.activation_dtype) if op in MATRIX_OPERATORS else self.device.vector_flops
+        return peak, (self.device.host_link_bandwidth if op == "swap" else self.device.hbm_bandwidth)
+
+    # --- work ------------------------------------------------------------------------------
+    def operator_work(self, f: StepFeatures) -> dict[str, OperatorWork]:
+        """FLOPs, bytes and calls of every operator (the table in the module docstring)."""
+        m, L, a, w, c = self.model, self._L, self._a, self._w, self._kv_token_layer
+        q, kv, h, vocab = m.q_size, m.kv_size, m.hidden_size, m.vocab_size
+        T, S = f.num_tokens, f.num_sampled
+        return {
+            "gemm": OperatorWork(
+                flops=2 * T * L * self._layer_matmul_params,
+                bytes=_on(T) * L * self._layer_matmul_params * w + a * T * L * self._gemm_act_elems,
+                calls=4 * L * _on(T),
+            ),
+            "elementwise": OperatorWork(
+                flops=T * self._elem_flops, bytes=a * T * self._elem_moved, calls=self._elem_launches * _on(T)
+            ),
+            "kv_write": OperatorWork(flops=0.0, bytes=T * L * (2 * kv * a + c), calls=L * _on(T)),
+            "attn_prefill": OperatorWork(
+                flops=4 * q * L * f.attn_pairs,
+                bytes=L * (f.prefill_ctx_tokens * c + 2 * q * a * f.prefill_tokens),
+                calls=L * _on(f.prefill_tokens),
+            ),
+            "attn_decode": OperatorWork(
+                flops=4 * q * L * f.decode_ctx_tokens,
+                bytes=L * (f.decode_ctx_tokens * c + 2 * q * a * f.decode_seqs),
+                calls=L * _on(f.decode_seqs),
+            ),
+            "paged_gather": OperatorWork(flops=0.0, bytes=0.0, calls=L * f.blocks_touched),
+            "lm_head": OperatorWork(
+                flops=2 * S * h * vocab, bytes=_on(S) * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), calls=_on(S)
+            ),
+            "sampling": OperatorWork(
+                flops=SAMPLING_FLOPS_PER_LOGIT * S * vocab,
+                bytes=SAMPLING_PASSES * LOGIT_BYTES * S * vocab,
+                calls=SAMPLING_LAUNCHES * _on(S),
+            ),
+            "block_copy": OperatorWork(
+                flops=0.0, bytes=2 * f.copy_blocks * self._block_bytes, calls=2 * L * _on(f.copy_blocks)
+            ),
+            "swap": OperatorWork(flops=0.0, bytes=f.swap_blocks * self._block_bytes, calls=2 * L * _on(f.swap_blocks)),
+        }
+
+    # --- time ------------------------------------------------------------------------------
+    def operator_times(self, f: StepFeatures) -> dict[str, Num]:
+        """Seconds per operator (arrays in, arrays out)."""
+        times = {}
+        for op, (flops, nbytes, calls) in self.operator_work(f).items():
+            per_flop, per_byte, per_call = self._rates[op]
+            compute, memory = flops * per_flop, nbytes * per_byte
+            # np.maximum costs a microsecond on scalars; most operators of a decode stretch are scalar.
+            vector = isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray)
+            times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
+        return times
+
+    def predict(self, f: StepFeatures) -> Num:
+        """Step time: every operator but swap (see the module docstring)."""
+        times = self.operator_times(f)
+        total = sum(times[op] for op in STEP_OPERATORS)
+        return float(total) if np.ndim(total) == 0 else total
+
+    def step_time(self, plan: StepPlan) -> float:
+        """Seconds for one plan, copy-on-write copies included (swap excluded: :meth:`swap_time`)."""
+        return float(self.predict(features_from_plan(plan, self.block_size)))
+
+    def swap_time(self, num_blocks: int) -> float:
+        """Host-link transfer of ``num_blocks`` blocks (all layers' K and V), either direction."""
+        only_swap = StepFeatures(**{**dict.fromkeys(_FEATURE_NAMES, 0.0), "swap_blocks": float(num_blocks)})
+        return float(self.operator_times(only_swap)["swap"])
+
+    def decode_stretch_times(self, context_lens: np.ndarray, num_steps: int) -> np.ndarray:
+        """Times of ``num_steps`` pure-decode steps of one unchanged batch.
+
+        Step ``i`` (0-based) writes each sequence's token at position ``context_lens + i`` and reads
+        ``context_lens + i + 1`` tokens; the features are arrays over steps, fed to the same
+        operator code as :meth:`step_time`.
+        """
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        if ctx.size == 0:
+            return np.zeros(num_steps)
+        n = float(ctx.size)
+        after = np.arange(1, num_steps + 1, dtype=np.int64)  # step i reads context_lens + after[i]
+        f = StepFeatures(
+            num_tokens=n,
+            num_seqs=n,
+            num_sampled=n,
+            prefill_tokens=0.0,
+            attn_pairs=0.0,
+            decode_seqs=n,
+            decode_ctx_tokens=(float(ctx.sum()) + n * after).astype(np.float64),
+            prefill_ctx_tokens=0.0,
+            blocks_touched=_stretch_blocks(ctx, after, self.block_size),
+            copy_blocks=0.0,
+            swap_blocks=0.0,
+        )
+        return self.predict(f)
+
+    # --- calibration -----------------------------------------------------------------------
+    def fit(
+        self, features: StepFeatures, seconds: np.ndarray, operators: Sequence[str], max_iterations: int = 50
+    ) -> dict[str, OperatorCoefficients]:
+        """Least-squares coefficients of ``operators`` from measured times.
+
+        ``seconds[k]`` is the measured time of the named operators together (e.g. one attention
+        kernel: ``["attn_decode", "paged_gather"]``) over all layers for the step described by
+        sample ``k`` of ``features`` (array fields). Each operator's time is linear in its unknowns
+        (seconds per flop, per byte, per call) once it is known which roof binds each sample, so the
+        fit alternates: assign roofs with the current coefficients, solve a relative-error least
+        squares, repeat until the assignment is stable. Unknowns the samples cannot identify (no
+        calls, or a roof that binds no sample, e.g. compute in decode attention) keep the
+        profile's values. Returns coefficients for :meth:`DeviceProfile.with_operators`.
+        """
+        seconds = np.asarray(seconds, dtype=np.float64)
+        if seconds.ndim != 1 or not np.all(seconds > 0):
+            raise ValueError("seconds must be a 1-D array of positive times")
+        unknown = set(operators) - set(OPERATORS)
+        if unknown:
+            raise ValueError(f"unknown operator(s) {sorted(unknown)}; known: {list(OPERATORS)}")
+        all_work = self.operator_work(features)
+        size = seconds.size
+        work = {
+            op: [np.broadcast_to(np.asarray(x, dtype=np.float64), (size,)) for x in (w.flops, w.bytes, w.calls)]
+            for op, w in all_work.items()
+            if op in operators
+        }
+        rates = {op: list(self._rates[op]) for op in operators}
+        columns = [(op, j) for op in operators for j in range(3) if np.any(work[op][j] > 0)]
+        previous_regimes = None
+        for _ in range(max_iterations):
+            regimes = {op: work[op][0] * rates[op][0] >= work[op][1] * rates[op][1] for op in operators}
+            if previous_regimes is not None and all(np.array_equal(regimes[op], previous_regimes[op]) for op in operators):
+                break
+            previous_regimes = regimes
+            active = list(columns)
+            while active:
+                values = {col: self._fit_column(work[col[0]], regimes[col[0]], col[1]) for col in columns}
+                fixed = sum((values[col] * rates[col[0]][col[1]] for col in columns if col not in active), np.zeros(size))
+                design = np.column_stack([values[col] for col in active]) / seconds[:, None]
+                solution = np.linalg.lstsq(design, (seconds - fixed) / seconds, rcond=None)[0]
+                if np.all(solution > 0):
+                    for (op, j), value in zip(active, solution):
+                        rates[op][j] = float(value)
+                    break
+                active = [col for col, value in zip(active, solution) if value > 0]
+        return {op: self._coefficients(op, rates[op]) for op in operators}
+
+    @staticmethod
+    def _fit_column(work: list[np.ndarray], compute_bound: np.ndarray, j: int) -> np.ndarray:
+        if j == 0:
+            return np.where(compute_bound, work[0], 0.0)
+        if j == 1:
+            return np.where(compute_bound, 0.0, work[1])
+        return work[2]
+
+    def _coefficients(self, op: str, rate: list[float]) -> OperatorCoefficients:
+        current = self.device.operators[op]
+        peak, bandwidth = self.roofs(op)
+        compute = None if current.compute_efficiency is None else 1.0 / (rate[0] * peak)
+        memory = None if current.memory_efficiency is None else 1.0 / (rate[1] * bandwidth)
+        return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory)
+
+
+def _stretch_blocks(ctx: np.ndarray, after: np.ndarray, block_size: int) -> np.ndarray:
+    """sum_j ceil((ctx_j + s) / block_size) for every s in ``after`` (s >= 1), in O(n + block_size + steps).
+
+    With ctx_j = q_j B + r_j and s - 1 = m B + t: ceil((ctx_j + s) / B) = q_j + 1 + m + [r_j >= B - t],
+    so a step's total needs only sum(q), and how many r_j reach B - t (a suffix count of r's histogram).
+    Equal to summing per-entry ceilings as :func:`features_from_plan` does (tested).
+    """
+    q, r = np.divmod(ctx, block_size)
+    m, t = np.divmod(after - 1, block_size)
+    at_least = np.zeros(block_size + 1, dtype=np.int64)
+    at_least[:block_size] = np.cumsum(np.bincount(r, minlength=block_size)[::-1])[::-1]
+    return (float(q.sum()) + ctx.size * (1 + m) + at_least[block_size - t]).astype(np.float64)
+
+
+class CostModelTimer:
+    """The simulator's step timer: every step's duration is the cost model's prediction."""
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+
+    def add_request(self, request: Request) -> None:
+        """Predictions need no per-request state."""
+
+    def step(self, plan: StepPlan) -> StepTiming:
+        times = self.cost_model.operator_times(features_from_plan(plan, self.cost_model.block_size))
+        operators = {op: float(times[op]) for op in STEP_OPERATORS}
+        return StepTiming(duration_s=sum(operators.values()), operators=operators)

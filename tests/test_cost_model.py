@@ -1,0 +1,283 @@
+"""Cost model: features from plans, roofline sanity, the vectorised decode stretch, and calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+import timeit
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.plan import PlanEntry, StepPlan
+from sim.cost_model import (
+    OPERATORS,
+    CostModel,
+    CostModelTimer,
+    StepFeatures,
+    features_from_plan,
+)
+from sim.device import OperatorCoefficients, load_device
+from sim.model_spec import load_model
+
+FEATURE_NAMES = [f.name for f in dataclasses.fields(StepFeatures)]
+
+
+def decode_plan(contexts: list[int], step: int = 0) -> StepPlan:
+    """One decode token per sequence, written at position ``context``."""
+    return StepPlan(step=step, entries=[PlanEntry(f"r{i}", c, 1, False, True) for i, c in enumerate(contexts)])
+
+
+def prefill_plan(num_tokens: int, cached: int = 0) -> StepPlan:
+    return StepPlan(step=0, entries=[PlanEntry("p", cached, num_tokens, True, True)])
+
+
+def features(**values: float) -> StepFeatures:
+    return StepFeatures(**{name: float(values.get(name, 0.0)) for name in FEATURE_NAMES})
+
+
+@pytest.fixture(scope="module")
+def llama_910b() -> CostModel:
+    llama_bf16 = dataclasses.replace(load_model("llama-2-7b"), weight_dtype="bf16", kv_dtype="bf16")
+    return CostModel(llama_bf16, load_device("ascend-910b3"), block_size=128)
+
+
+def test_features_of_a_mixed_plan() -> None:
+    plan = StepPlan(
+        step=3,
+        entries=[
+            PlanEntry("chunk", 100, 50, True, False),  # a middle prefill chunk: 100 cached, 50 new
+            PlanEntry("last", 0, 20, True, True),  # a whole short prompt that samples
+            PlanEntry("d1", 300, 1, False, True),
+            PlanEntry("d2", 7, 1, False, True),
+        ],
+        copies=[(1, 2)],
+        swap_out=[(3, 0), (4, 1)],
+        swap_in=[(5, 6)],
+    )
+    f = features_from_plan(plan, block_size=16)
+    assert (f.num_tokens, f.num_seqs, f.num_sampled) == (72, 4, 3)
+    assert (f.prefill_tokens, f.decode_seqs) == (70, 2)
+    assert f.attn_pairs == (50 * 100 + 50 * 51 / 2) + (20 * 21 / 2)
+    assert f.prefill_ctx_tokens == 150 + 20 and f.decode_ctx_tokens == 301 + 8
+    assert f.blocks_touched == 10 + 2 + 19 + 1  # ceil(150/16), ceil(20/16), ceil(301/16), ceil(8/16)
+    assert (f.copy_blocks, f.swap_blocks) == (1, 3)
+    assert all(isinstance(getattr(f, name), float) for name in FEATURE_NAMES)
+
+
+def test_decode_at_batch_one_streams_the_weights(llama_910b: CostModel) -> None:
+    cm = llama_910b
+    t = cm.step_time(decode_plan([0]))
+    streamed = cm.model.weight_bytes() / cm.device.hbm_bandwidth  # ideal: every weight read once at peak
+    assert 8e-3 < t < 12e-3 and t > streamed
+    work = cm.operator_work(features_from_plan(decode_plan([0]), cm.block_size))
+    gemm_compute, gemm_memory = (x * r for x, r in zip(work["gemm"][:2], cm.unit_costs("gemm")[:2]))
+    assert gemm_memory > 100 * gemm_compute
+    assert cm.operator_times(features_from_plan(decode_plan([0]), cm.block_size))["gemm"] > 0.85 * t
+
+
+def test_prefill_of_2048_tokens_is_compute_bound(llama_910b: CostModel) -> None:
+    cm = llama_910b
+    f = features_from_plan(prefill_plan(2048), cm.block_size)
+    work = cm.operator_work(f)
+    for op in ("gemm", "attn_prefill", "lm_head"):
+        per_flop, per_byte, _ = cm.unit_costs(op)
+        if op != "lm_head":  # one sampled row: the LM head is a GEMV
+            assert work[op].flops * per_flop > work[op].bytes * per_byte, op
+    flops = sum(work[op].flops for op in ("gemm", "attn_prefill"))
+    assert cm.step_time(prefill_plan(2048)) > flops / cm.device.matrix_flops["bf16"]
+    # A 2048-token prefill costs far less than 2048 decode steps' weight reads: batching pays.
+    assert cm.step_time(prefill_plan(2048)) < 0.2 * 2048 * cm.step_time(decode_plan([0]))
+
+
+def test_time_grows_with_context(llama_910b: CostModel) -> None:
+    times = [llama_910b.step_time(decode_plan([c] * 32)) for c in (0, 512, 2048, 8192)]
+    assert times == sorted(times) and times[-1] > 1.5 * times[0]
+    chunk = [llama_910b.step_time(prefill_plan(512, cached)) for cached in (0, 1024, 4096)]
+    assert chunk == sorted(chunk) and chunk[0] < chunk[-1]
+
+
+def test_smaller_blocks_touch_more_blocks_and_cost_more() -> None:
+    model, device = load_model("llama-3-8b"), load_device("ascend-910b3")
+    plan = decode_plan([2000 + i for i in range(64)])
+    blocks = {bs: features_from_plan(plan, bs).blocks_touched for bs in (16, 32, 64, 128)}
+    times = {bs: CostModel(model, device, bs).step_time(plan) for bs in (16, 32, 64, 128)}
+    assert blocks[16] > blocks[32] > blocks[64] > blocks[128]
+    assert times[16] > times[32] > times[64] > times[128]
+
+
+def test_int8_kv_reads_fewer_bytes() -> None:
+    model, device = load_model("llama-3-8b"), load_device("ascend-910b3")
+    plan = decode_plan([4000] * 64)
+    bf16, int8 = CostModel(model, device, 128), CostModel(model, device, 128, kv_dtype="int8")
+    f = features_from_plan(plan, 128)
+    kv_read = {name: cm.operator_work(f)["attn_decode"].bytes for name, cm in (("bf16", bf16), ("int8", int8))}
+    query_io = model.num_layers * 2 * model.q_size * 2 * 64  # query in + output out, bf16, per step
+    assert (kv_read["int8"] - query_io) / (kv_read["bf16"] - query_io) == pytest.approx(264 / 512, rel=1e-12)
+    assert int8.step_time(plan) < bf16.step_time(plan)
+
+
+def test_h200_is_faster_than_910b4() -> None:
+    model = load_model("qwen3-8b")
+    for plan in (decode_plan([1000] * 16), prefill_plan(2048)):
+        fast = CostModel(model, load_device("h200"), 128).step_time(plan)
+        slow = CostModel(model, load_device("ascend-910b4"), 128).step_time(plan)
+        assert fast < slow
+
+
+def test_copies_count_swaps_do_not(llama_910b: CostModel) -> None:
+    base = decode_plan([100, 200])
+    with_copy = dataclasses.replace(base, copies=[(1, 2)])
+    with_swap = dataclasses.replace(base, swap_out=[(1, 0)] * 4)
+    assert llama_910b.step_time(with_copy) > llama_910b.step_time(base)
+    assert llama_910b.step_time(with_swap) == llama_910b.step_time(base)
+    block = llama_910b.model.bytes_per_block(128)
+    one = llama_910b.swap_time(1)
+    assert one >= block / llama_910b.device.host_link_bandwidth
+    per_block = block / (llama_910b.device.host_link_bandwidth * llama_910b.device.operators["swap"].memory_efficiency)
+    assert llama_910b.swap_time(8) - one == pytest.approx(7 * per_block, rel=1e-12)
+    assert llama_910b.swap_time(0) == 0.0
+    assert llama_910b.step_time(StepPlan(step=0)) == 0.0
+
+
+def test_timer_reports_the_step_time_and_its_split(llama_910b: CostModel) -> None:
+    timer = CostModelTimer(llama_910b)
+    plan = StepPlan(step=0, entries=[PlanEntry("p", 0, 300, True, True), PlanEntry("d", 40, 1, False, True)], copies=[(3, 4)])
+    timing = timer.step(plan)
+    assert timing.duration_s == llama_910b.step_time(plan)
+    assert timing.duration_s == pytest.approx(sum(timing.operators.values()), rel=1e-15)
+    assert "swap" not in timing.operators and timing.operators["block_copy"] > 0
+
+
+def test_operator_times_work_on_arrays(llama_910b: CostModel) -> None:
+    rng = np.random.default_rng(7)
+    size = 50
+    arrays = {name: rng.integers(0, 3, size) * rng.integers(1, 5000, size).astype(float) for name in FEATURE_NAMES}
+    batched = llama_910b.operator_times(StepFeatures(**arrays))
+    for k in range(size):
+        one = llama_910b.operator_times(StepFeatures(**{name: float(arrays[name][k]) for name in FEATURE_NAMES}))
+        for op in OPERATORS:
+            assert np.broadcast_to(batched[op], (size,))[k] == pytest.approx(one[op], rel=1e-12, abs=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    contexts=st.lists(st.integers(0, 20_000), min_size=1, max_size=48),
+    num_steps=st.integers(1, 150),
+    block_size=st.sampled_from([1, 7, 16, 32, 64, 128, 256]),
+    setup=st.sampled_from([("llama-2-7b", "ascend-910b3", None), ("qwen3-8b", "h200", "int8"), ("tiny", "cpu", None)]),
+)
+def test_decode_stretch_equals_step_by_step(contexts: list[int], num_steps: int, block_size: int, setup: tuple) -> None:
+    model, device, kv_dtype = setup
+    cm = CostModel(load_model(model), load_device(device), block_size, kv_dtype=kv_dtype)
+    stretch = cm.decode_stretch_times(np.array(contexts), num_steps)
+    stepwise = np.array([cm.step_time(decode_plan([c + i for c in contexts], step=i)) for i in range(num_steps)])
+    assert stretch.shape == (num_steps,)
+    np.testing.assert_allclose(stretch, stepwise, rtol=1e-12, atol=0)
+
+
+def test_decode_stretch_of_an_empty_batch_is_free(llama_910b: CostModel) -> None:
+    assert np.array_equal(llama_910b.decode_stretch_times(np.array([], dtype=int), 5), np.zeros(5))
+
+
+def test_decode_stretch_is_fast(llama_910b: CostModel) -> None:
+    contexts = np.random.default_rng(1).integers(10, 4000, 128)
+    seconds = min(timeit.repeat(lambda: llama_910b.decode_stretch_times(contexts, 100), number=200, repeat=5)) / 200
+    assert seconds < 500e-6  # ~40 us on an idle core; generous for loaded CI machines
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    base=st.fixed_dictionaries({name: st.integers(0, 50_000) for name in FEATURE_NAMES}),
+    name=st.sampled_from([n for n in FEATURE_NAMES if n != "swap_blocks"]),
+    extra=st.integers(1, 10_000),
+)
+def test_more_of_any_feature_never_takes_less_time(llama_910b: CostModel, base: dict, name: str, extra: int) -> None:
+    more = {**base, name: base[name] + extra}
+    assert llama_910b.predict(features(**more)) >= llama_910b.predict(features(**base))
+
+
+def test_no_operator_beats_its_roofline(llama_910b: CostModel) -> None:
+    f = features_from_plan(StepPlan(step=0, entries=[PlanEntry("p", 64, 1000, True, True), PlanEntry("d", 900, 1, False, True)]), 128)
+    times, work = llama_910b.operator_times(f), llama_910b.operator_work(f)
+    for op in OPERATORS:
+        peak, bandwidth = llama_910b.roofs(op)
+        assert times[op] >= max(work[op].flops / peak, work[op].bytes / bandwidth), op
+
+
+def _sweep(size: int, seed: int) -> StepFeatures:
+    """Features spanning memory- and compute-bound regimes of every operator."""
+    rng = np.random.default_rng(seed)
+    tokens = np.exp(rng.uniform(0, np.log(8192), size)).round()
+    ctx = np.exp(rng.uniform(np.log(16), np.log(200_000), size)).round()
+    return StepFeatures(
+        num_tokens=tokens,
+        num_seqs=np.minimum(tokens, 64),
+        num_sampled=np.minimum(tokens, 64),
+        prefill_tokens=tokens,
+        attn_pairs=tokens * ctx / 2 + tokens,
+        decode_seqs=np.minimum(tokens, 256),
+        decode_ctx_tokens=ctx * rng.uniform(1, 64, size),
+        prefill_ctx_tokens=ctx,
+        blocks_touched=ctx / rng.choice([16, 32, 64, 128], size),
+        copy_blocks=rng.integers(1, 64, size).astype(float),
+        swap_blocks=rng.integers(1, 64, size).astype(float),
+    )
+
+
+@pytest.mark.parametrize("operators", [["gemm"], ["attn_decode", "paged_gather"], ["attn_prefill"], ["block_copy"], ["swap"], ["sampling"]])
+def test_fit_recovers_the_coefficients_that_made_the_times(operators: list[str]) -> None:
+    model, default = load_model("llama-3-8b"), load_device("ascend-910b3")
+    truth = {
+        op: OperatorCoefficients(
+            call_s=default.operators[op].call_s * 2.5,
+            compute_efficiency=None if default.operators[op].compute_efficiency is None else 0.43,
+            memory_efficiency=None if default.operators[op].memory_efficiency is None else 0.61,
+        )
+        for op in operators
+    }
+    true_model = CostModel(model, default.with_operators(truth), 128)
+    f = _sweep(400, seed=3)
+    seconds = sum(true_model.operator_times(f)[op] for op in operators)
+    fitted = CostModel(model, default, 128).fit(f, seconds, operators)
+    work = true_model.operator_work(f)
+    for op in operators:
+        per_flop, per_byte, _ = true_model.unit_costs(op)
+        # A roof is identifiable only where it binds some sample; decode attention (about 4 FLOP
+        # per KV byte) and sampling are never compute-bound, so those efficiencies stay as profiled.
+        compute_binds = np.any(work[op].flops * per_flop > work[op].bytes * per_byte)
+        expected = {
+            "call_s": truth[op].call_s,
+            "compute_efficiency": truth[op].compute_efficiency if compute_binds else default.operators[op].compute_efficiency,
+            "memory_efficiency": truth[op].memory_efficiency,
+        }
+        for key, value in expected.items():
+            got = getattr(fitted[op], key)
+            assert (value is None) == (got is None), (op, key)
+            if value is not None:
+                assert got == pytest.approx(value, rel=1e-6), (op, key)
+    assert {op for op in operators if np.any(work[op].flops * true_model.unit_costs(op)[0] > work[op].bytes * true_model.unit_costs(op)[1])} == (
+        {"gemm", "attn_prefill"} & set(operators)
+    )
+    calibrated = CostModel(model, default.with_operators(fitted), 128)
+    np.testing.assert_allclose(sum(calibrated.operator_times(f)[op] for op in operators), seconds, rtol=1e-6)
+
+
+def test_fit_tolerates_measurement_noise() -> None:
+    model, device = load_model("llama-3-8b"), load_device("ascend-910b3")
+    truth = OperatorCoefficients(call_s=5e-6, compute_efficiency=0.55, memory_efficiency=0.75)
+    f = _sweep(600, seed=11)
+    seconds = CostModel(model, device.with_operators({"gemm": truth}), 128).operator_times(f)["gemm"]
+    noisy = seconds * np.random.default_rng(5).lognormal(0.0, 0.03, seconds.size)
+    fitted = CostModel(model, device, 128).fit(f, noisy, ["gemm"])["gemm"]
+    assert fitted.compute_efficiency == pytest.approx(0.55, rel=0.03)
+    assert fitted.memory_efficiency == pytest.approx(0.75, rel=0.03)
+
+
+def test_fit_rejects_bad_input(llama_910b: CostModel) -> None:
+    f = _sweep(10, seed=0)
+    with pytest.raises(ValueError, match="positive times"):
+        llama_910b.fit(f, np.zeros(10), ["gemm"])
+    with pytest.raises(ValueError, match="unknown operator"):
+        llama_910b.fit(f, np.ones(10), ["matmul"])
