@@ -74,8 +74,6 @@ def test_clamp_fits_the_context_and_cuts_hashes_consistently() -> None:
     # requests 2 and 4 both cut block [1, 2, 4] to 1 token: the same fresh id, new to the trace
     assert rows[2] == rows[4] and rows[2][:2] == [1, 2] and rows[2][2] not in {1, 2, 3, 4, 5, 7}
     assert t.notes[-1] == "clamped to max_model_len 10: 5 requests shortened"
-    # cut to another length, the block is different content again
-    assert traces.clamp(small(), 11).prefix_hashes.to_rows()[2][2] not in {1, 2, 3, 4, 5, 7, rows[2][2]}
 
 
 def test_clamp_on_a_block_boundary_keeps_ids() -> None:
