@@ -14,9 +14,13 @@ prefix + new chunk), decode and mixed batches; metadata says which it is.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -34,6 +38,61 @@ class AttentionMetadata:
     query_lens_list: list[int]  # host copies: kernels take these as Python lists
     seq_lens_list: list[int]
     block_size: int
+    # Per-step values a backend derives from this metadata (padded gather indices, masks, kernel
+    # plans). Every layer attends with the same metadata, so deriving them once per step instead
+    # of once per layer is where the per-layer cost goes down; backends key it by their own name.
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        slot_dtype: torch.dtype = torch.int64,
+    ) -> "AttentionMetadata":
+        """Metadata of one step from host lists: new tokens are each sequence's last ``query_lens[b]``.
+
+        ``block_tables[b]`` lists the blocks of sequence ``b`` in order and must cover its
+        ``seq_lens[b]`` tokens; rows are padded with block 0 to a common width.
+        """
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError(
+                f"query_lens, seq_lens and block_tables disagree on the batch size: "
+                f"{len(query_lens)}, {len(seq_lens)}, {len(block_tables)}"
+            )
+        for b, (q, s, row) in enumerate(zip(query_lens, seq_lens, block_tables)):
+            if not 1 <= q <= s:
+                raise ValueError(f"sequence {b}: need 1 <= query_len <= seq_len, got query_len={q}, seq_len={s}")
+            if len(row) * block_size < s:
+                raise ValueError(f"sequence {b}: {len(row)} blocks of {block_size} cannot hold seq_len={s}")
+        width = max(len(row) for row in block_tables)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for b, row in enumerate(block_tables):
+            tables[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        q_lens = torch.tensor(list(query_lens), dtype=torch.int64)
+        s_lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+        first_row = torch.cumsum(q_lens, 0) - q_lens
+        positions = (s_lens - q_lens)[seq_of_token] + torch.arange(int(q_lens.sum())) - first_row[seq_of_token]
+        slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+        return cls(
+            query_start_loc=torch.cat([q_lens.new_zeros(1), torch.cumsum(q_lens, 0)]).to(device, torch.int32),
+            seq_lens=s_lens.to(device, torch.int32),
+            block_tables=tables.to(device),
+            slot_mapping=slots.to(device, slot_dtype),
+            query_lens_list=list(query_lens),
+            seq_lens_list=list(seq_lens),
+            block_size=block_size,
+        )
+
+    def memo(self, key: str, derive: Callable[[], T]) -> T:
+        """``derive()`` once per step: the first layer computes it, the others reuse it."""
+        if key not in self.scratch:
+            self.scratch[key] = derive()
+        return self.scratch[key]
 
     @property
     def num_seqs(self) -> int:

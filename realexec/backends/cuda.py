@@ -1,0 +1,120 @@
+"""The cuda backend: portable paged kernels, with FlashInfer's paged attention when it is installed.
+
+FlashInfer (``BatchPrefillWithPagedKVCacheWrapper``) reads our ND cache directly as its "NHD"
+paged layout, takes any page size, handles prefill, chunked prefill, decode and mixed batches in
+one call with the query aligned to the end of the context (its causal mask is bottom-right), and
+plans once per step for all layers. flash-attn's paged KV would need a page size that is a
+multiple of 256, which rules out the block sizes kvsim studies, so it is not used.
+FlashInfer runs fp16/bf16; fp32 and anything it cannot take falls back to the portable path.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from realexec.backends.base import AttentionMetadata
+from realexec.backends.cache_ops import KVCaches, allocate_caches, swap_blocks
+from realexec.backends.errors import BackendUnavailable
+from realexec.backends.portable import TorchBackend
+
+R = TypeVar("R")
+
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_SIZES = (64, 128, 256)
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k workspace
+
+
+class CudaBackend(TorchBackend):
+    name = "cuda"
+
+    def __init__(self, device: str | None = None, paged_kernel: str = "auto") -> None:
+        """``paged_kernel``: "auto" (FlashInfer if importable), "flashinfer" (required) or "torch"."""
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(
+                f"cuda backend unavailable: torch {torch.__version__} sees no CUDA device"
+                + ("" if torch.version.cuda else " (this torch build has no CUDA support)")
+            )
+        if paged_kernel not in ("auto", "flashinfer", "torch"):
+            raise ValueError(f"paged_kernel must be 'auto', 'flashinfer' or 'torch', got {paged_kernel!r}")
+        self.device = torch.device(device or "cuda")
+        self._flashinfer = None if paged_kernel == "torch" else _import_flashinfer(required=paged_kernel == "flashinfer")
+        self.paged_kernel = "flashinfer" if self._flashinfer is not None else "torch"
+        self._wrapper: Any = None
+        self._planned_for: tuple[weakref.ref[AttentionMetadata], tuple] | None = None
+
+    def allocate_host_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+    ) -> KVCaches:
+        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=True)
+
+    def swap(self, src_caches: KVCaches, dst_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:
+        swap_blocks(src_caches, dst_caches, pairs, non_blocking=True)
+
+    def attention(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        if (
+            self._flashinfer is None
+            or query.dtype not in FLASHINFER_DTYPES
+            or key_cache.dtype != query.dtype
+            or query.shape[-1] not in FLASHINFER_HEAD_SIZES
+        ):
+            return super().attention(query, key_cache, value_cache, meta, scale)
+        self._plan_flashinfer(query, key_cache, meta, scale)
+        return self._wrapper.run(query.contiguous(), (key_cache, value_cache))
+
+    def _plan_flashinfer(self, query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+        """Plan once per step: every layer of the step shares the plan (FlashInfer's intended use)."""
+        problem = (query.shape[1], key_cache.shape[2], query.shape[2], query.dtype, scale)
+        if self._planned_for is not None and self._planned_for[0]() is meta and self._planned_for[1] == problem:
+            return
+        if self._wrapper is None:
+            workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            self._wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        block_size = meta.block_size
+        seq_lens = meta.seq_lens.to(torch.int32)
+        num_pages = (seq_lens + block_size - 1) // block_size
+        used = torch.arange(meta.block_tables.shape[1], device=self.device)[None, :] < num_pages[:, None]
+        self._wrapper.plan(
+            meta.query_start_loc.to(torch.int32),
+            torch.cat([num_pages.new_zeros(1), torch.cumsum(num_pages, 0, dtype=torch.int32)]),
+            meta.block_tables[used].to(torch.int32),  # row-major: each sequence's pages in order
+            seq_lens - (num_pages - 1) * block_size,
+            query.shape[1],
+            key_cache.shape[2],
+            query.shape[2],
+            block_size,
+            causal=True,
+            sm_scale=scale,
+            q_data_type=query.dtype,
+            kv_data_type=key_cache.dtype,
+        )
+        self._planned_for = (weakref.ref(meta), problem)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def memory_in_use(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def elapsed(self, fn: Callable[[], R]) -> tuple[R, float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end) / 1e3
+
+
+def _import_flashinfer(required: bool) -> Any:
+    try:
+        import flashinfer
+    except ImportError as err:
+        if required:
+            raise BackendUnavailable(f"cuda backend: FlashInfer requested but not importable ({err})") from err
+        return None
+    return flashinfer

@@ -1,0 +1,177 @@
+"""Paged KV in portable PyTorch: the cpu backend's kernels and the cuda backend's fallback.
+
+Attention gathers each sequence's blocks into a padded batch and runs one masked
+``scaled_dot_product_attention`` per batch: no Python loop over tokens or sequences. Two things
+keep the padding cheap:
+
+- decode sequences (one query token) and prefill/chunked sequences go to separate SDPA calls, so
+  a 512-token prefill does not pad 31 decode queries to 512 rows each;
+- grouped-query heads are folded into the query-row axis (``[B, Hkv, q*G, D]`` against
+  ``[B, Hkv, L, D]``), so K and V are never repeated per query head.
+
+The index tensors and masks depend only on the step's metadata, so they are derived once per
+step (``AttentionMetadata.memo``) and reused by every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from realexec.backends.base import AttentionMetadata, KernelBackend
+from realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """Sequences attended by one SDPA call, padded to common query and context lengths."""
+
+    query_rows: torch.Tensor  # long [B * max_q]: the query row each padded slot reads (padding repeats the last)
+    out_rows: torch.Tensor  # long [n]: output rows of the real slots, in slot order
+    real: torch.Tensor | None  # bool [B * max_q]: which slots are real; None when none is padding
+    block_table: torch.Tensor  # long [B, max_blocks]: each sequence's blocks, trimmed to the longest
+    mask: torch.Tensor  # bool [B, 1, max_q * group, max_blocks * block_size]: True = may attend
+    max_q: int
+
+
+def plan_padded_batches(meta: AttentionMetadata, group: int) -> list[PaddedBatch]:
+    """Split the step into a decode batch and a prefill batch (either may be absent)."""
+    decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
+    prefill = [b for b, q in enumerate(meta.query_lens_list) if q > 1]
+    return [_padded_batch(meta, seqs, group) for seqs in (decode, prefill) if seqs]
+
+
+def _padded_batch(meta: AttentionMetadata, seqs: list[int], group: int) -> PaddedBatch:
+    device = meta.block_tables.device
+    q_host = [meta.query_lens_list[b] for b in seqs]
+    s_host = [meta.seq_lens_list[b] for b in seqs]
+    max_q = max(q_host)
+    max_blocks = math.ceil(max(s_host) / meta.block_size)
+    ids = torch.tensor(seqs, dtype=torch.long, device=device)
+    q_lens = torch.tensor(q_host, dtype=torch.long, device=device)
+    s_lens = torch.tensor(s_host, dtype=torch.long, device=device)
+
+    slot = torch.arange(max_q, device=device)
+    clamped = torch.minimum(slot[None, :], q_lens[:, None] - 1)  # padding slots repeat the last query
+    query_rows = (meta.query_start_loc[ids].long()[:, None] + clamped).reshape(-1)
+    # Query i of a sequence sits at position (seq_len - q_len + i) and sees everything up to it.
+    own_pos = (s_lens - q_lens)[:, None] + clamped  # [B, max_q]
+    kv_pos = torch.arange(max_blocks * meta.block_size, device=device)
+    mask = (kv_pos[None, None, :] <= own_pos[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
+    if all(q == max_q for q in q_host):
+        real, out_rows = None, query_rows
+    else:
+        real = (slot[None, :] < q_lens[:, None]).reshape(-1)
+        out_rows = query_rows[real]
+    return PaddedBatch(
+        query_rows=query_rows,
+        out_rows=out_rows,
+        real=real,
+        block_table=meta.block_tables[ids, :max_blocks].long(),
+        mask=mask,
+        max_q=max_q,
+    )
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, max_blocks * block_size, D] (a strided view) of the blocks in ``block_table`` [B, max_blocks].
+
+    Whole blocks are gathered (one contiguous ``block_size * Hkv * D`` copy each) and the head
+    axis is only transposed in the view: SDPA reads the strided rows directly, which measured
+    faster than making them contiguous or gathering per head.
+    """
+    batch = block_table.shape[0]
+    return cache[block_table].view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of packed ``query`` [T, H, D] over the caches, by padded SDPA batches."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    dtype = compute_dtype or query.dtype
+    out = torch.empty_like(query)
+    for batch in meta.memo(f"portable.padded_batches.g{group}", lambda: plan_padded_batches(meta, group)):
+        nseq = batch.block_table.shape[0]
+        q = query[batch.query_rows].view(nseq, batch.max_q, num_kv_heads, group, head_size)
+        q = q.permute(0, 2, 1, 3, 4).reshape(nseq, num_kv_heads, batch.max_q * group, head_size)
+        k = gather_blocks(key_cache, batch.block_table)
+        v = gather_blocks(value_cache, batch.block_table)
+        o = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=batch.mask, scale=scale)
+        o = o.view(nseq, num_kv_heads, batch.max_q, group, head_size).permute(0, 2, 1, 3, 4)
+        o = o.reshape(nseq * batch.max_q, num_heads, head_size)
+        out.index_copy_(0, batch.out_rows, (o if batch.real is None else o[batch.real]).to(query.dtype))
+    return out
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter [T, Hkv, D] tokens into the caches at flat slot indices."""
+    if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
+        raise TypeError(f"K/V dtype {key.dtype}/{value.dtype} differs from the cache's {key_cache.dtype}")
+    slots = slot_mapping.long()
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
+
+
+def token_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat slot of every token of every sequence, sequences concatenated: long [sum(seq_lens)]."""
+    lens = seq_lens.long()
+    total = int(lens.sum())
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens, output_size=total)
+    first = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(total, device=lens.device) - first[seq]
+    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
+
+
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = token_slots(block_tables, seq_lens, key_cache.shape[1])
+    return (
+        key_cache.view(-1, *key_cache.shape[2:]).index_select(0, slots),
+        value_cache.view(-1, *value_cache.shape[2:]).index_select(0, slots),
+    )
+
+
+class TorchBackend(KernelBackend):
+    """The kernels shared by the cpu and cuda backends; subclasses add device timing, memory and pinning."""
+
+    # Where SDPA has no fast kernel for a dtype, attention math runs in this one instead.
+    compute_dtypes: dict[torch.dtype, torch.dtype] = {}
+
+    def allocate_kv_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+    ) -> KVCaches:
+        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, self.device)
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def attention(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return paged_attention(query, key_cache, value_cache, meta, scale, self.compute_dtypes.get(query.dtype))
+
+    def gather_kv(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_kv(key_cache, value_cache, block_tables, seq_lens)
+
+    def copy_blocks(self, kv_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:
+        copy_blocks(kv_caches, pairs)
