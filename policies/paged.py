@@ -106,6 +106,13 @@ class PagedBlockManager(BlockManager):
     def allocate_slots(self, request: Request, num_new_tokens: int, num_hit_tokens: int = 0) -> bool:
         seq = request.seq_id
         table = self.tables.get(seq)
+        if num_new_tokens == 1 and table is not None and not num_hit_tokens:
+            # The hot path: one decode token landing inside an unshared block that it does not
+            # fill (nothing to allocate, copy or register) changes nothing.
+            pos = request.num_computed_tokens
+            bs = self.block_size
+            if pos % bs and (not self.enable_caching or (pos + 1) % bs) and self.ref_cnt[table[pos // bs]] == 1:
+                return True
         if self.blocks_needed(request, num_new_tokens, num_hit_tokens) > len(self.free_queue):
             return False
         if table is None:
@@ -153,8 +160,18 @@ class PagedBlockManager(BlockManager):
         self.num_registered.pop(seq, None)
         self.hashes.pop(seq, None)
         if table:
+            # Blocks are hashed when allocated, before the step computes them; a request freed
+            # in between (preempted after its allocation this step) never wrote them.
+            for block in table[request.num_computed_tokens // self.block_size :]:
+                self._forget_hash(block)
             for block in reversed(table):  # tail blocks first: they are evicted first
                 self._release(block)
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cache_map[h]
+            self.block_hash[block] = None
 
     def fork(self, parent: Request, child: Request) -> None:
         table = self.tables[parent.seq_id]
