@@ -316,14 +316,17 @@ class EngineCore:
             is_decode = num_new == 1 and samples and request.num_output_tokens > 0
             plan.entries.append(PlanEntry(request.request_id, first, num_new, not is_decode, samples))
             table = self.kv.block_table(request)
-            plan.block_tables[request.request_id] = list(table)
+            plan.block_tables[request.request_id] = table[:]
             slots = plan.slot_mapping
-            pos = first
-            while pos < end:
-                block_end = min(end, (pos // bs + 1) * bs)
-                base = table[pos // bs] * bs - (pos // bs) * bs
-                slots.extend(range(base + pos, base + block_end))
-                pos = block_end
+            if num_new == 1:
+                slots.append(table[first // bs] * bs + first % bs)
+            else:
+                pos = first
+                while pos < end:
+                    block_end = min(end, (pos // bs + 1) * bs)
+                    base = table[pos // bs] * bs - (pos // bs) * bs
+                    slots.extend(range(base + pos, base + block_end))
+                    pos = block_end
             request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.parent is None and not request.forked:
                 plan.forks.append(

@@ -341,6 +341,16 @@ class CostModelTimer:
         """Predictions need no per-request state."""
 
     def step(self, plan: StepPlan) -> StepTiming:
+        """The step's predicted time, plus its swap traffic, which holds the host link first."""
         times = self.cost_model.operator_times(features_from_plan(plan, self.cost_model.block_size))
         operators = {op: float(times[op]) for op in STEP_OPERATORS}
-        return StepTiming(duration_s=sum(operators.values()), operators=operators)
+        duration = sum(operators.values())
+        swapped = len(plan.swap_out) + len(plan.swap_in)
+        if swapped:
+            operators["swap"] = self.cost_model.swap_time(swapped)
+            duration += operators["swap"]
+        return StepTiming(duration_s=duration, operators=operators)
+
+    def decode_stretch_times(self, context_lens: np.ndarray, num_steps: int) -> np.ndarray:
+        """Macro-stepping hook for the simulator: see :meth:`CostModel.decode_stretch_times`."""
+        return self.cost_model.decode_stretch_times(context_lens, num_steps)

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+import traces
 from policies.config import EngineConfig
 from policies.engine import EngineCore
 from sim.device import DeviceProfile, load_device
 from sim.memory import MemoryPlan, plan_memory
 from sim.model_spec import ModelSpec, load_model
 from sim.toml_io import load_toml
+from traces.schema import Trace
 
 GIB = 2**30
 
@@ -121,3 +123,10 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         long_prefill_token_threshold=config.long_prefill_token_threshold,
     )
     return ResolvedRun(config, model, device, memory, engine_config)
+
+
+def load_run_trace(config: RunConfig) -> Trace:
+    """The run's trace: a file (in ``trace_format`` or detected), or a bundled sample by name."""
+    if config.trace_format:
+        return traces.load(config.trace, config.trace_format)
+    return traces.load_named(config.trace)

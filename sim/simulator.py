@@ -155,7 +155,8 @@ class Simulation:
                 self.times.scheduled(child_id, start)
                 self.times.token(child_id, self.clock)
         self.steps.add_step(plan, start, duration, engine.kv.pool_counts(), timing)
-        self._log(plan.to_json())
+        if self.options.decisions is not None:
+            self.options.decisions.write(plan.to_json() + "\n")
         if self.options.check:
             engine.check_invariants()
             plan.check(engine.config.block_size)
@@ -181,17 +182,14 @@ class Simulation:
         starts = [self.clock] + ends[: k - 1].tolist()
         self.times.stretch(stretch.request_ids, ends[:k])
         self.steps.add_stretch(stretch.first_step, starts, durations[:k].tolist(), len(stretch.request_ids), counts)
-        self._log(stretch.to_json())
+        if self.options.decisions is not None:
+            self.options.decisions.write(stretch.to_json() + "\n")
         self.stretches += 1
         yield from self._advance_to(float(ends[k - 1]))
         if self.options.check:
             engine.check_invariants()
         self._progress(len(finished))
         return True
-
-    def _log(self, line: str) -> None:
-        if self.options.decisions is not None:
-            self.options.decisions.write(line + "\n")
 
     def _progress(self, ended: int) -> None:
         if ended and self.options.on_progress is not None:

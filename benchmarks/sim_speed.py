@@ -1,0 +1,83 @@
+"""Simulator speed on whole real traces (run by hand; results go to docs/benchmarks.md).
+
+    python benchmarks/sim_speed.py [--repeats 3] [--profile]
+
+Azure conv (19,366 requests) and Mooncake conversation (12,031 requests, prompts up to 126k
+tokens) with Llama-2-7B-shaped and Qwen2.5-7B-shaped models on a 910B profile, fcfs + paged.
+Reports the median wall time of the simulation alone (trace loaded, files not written) and
+of the file writing, over ``--repeats`` runs, in a single process on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import traces
+from sim.cost_model import CostModel, CostModelTimer
+from sim.outputs import write_requests, write_steps
+from sim.run_config import RunConfig, resolve
+from sim.simulator import SimOptions, simulate
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+CASES = {
+    "azure_conv": (SHARED / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv",
+                   RunConfig(model="llama-2-7b", device="ascend-910b3", scheduler="fcfs", block_manager="paged")),
+    "mooncake_conv": (SHARED / "mooncake_fast25" / "conversation_trace.jsonl",
+                      RunConfig(model="qwen2.5-7b", device="ascend-910b3", scheduler="fcfs", block_manager="paged",
+                                max_model_len=131072)),
+}
+
+
+def run_once(trace, config: RunConfig, exact: bool = False):
+    resolved = resolve(config)
+    timer = CostModelTimer(CostModel(resolved.model, resolved.device, config.block_size, resolved.memory.kv_dtype))
+    started = time.perf_counter()
+    run = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact))
+    sim_s = time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        write_requests(Path(tmp), run.request_rows())
+        write_steps(Path(tmp), run.steps)
+        write_s = time.perf_counter() - started
+    return run, sim_s, write_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="cProfile one run of each case")
+    parser.add_argument("--exact", action="store_true", help="step by step (no macro-stepping)")
+    args = parser.parse_args()
+    for name, (path, config) in CASES.items():
+        if not path.exists():
+            print(f"{name}: {path} not found, skipped")
+            continue
+        trace = traces.load(path)
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            run_once(trace, config, args.exact)
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+            continue
+        results = [run_once(trace, config, args.exact) for _ in range(args.repeats)]
+        run = results[0][0]
+        summary = run.summary()
+        sims = [s for _, s, _ in results]
+        writes = [w for _, _, w in results]
+        print(
+            f"{name}: {len(trace)} requests, {summary['steps']} steps in {summary['macro_stretches']} stretches, "
+            f"{summary['requests_completed']} completed, {summary['requests_rejected']} rejected, "
+            f"simulated {summary['duration_s']:.0f} s; wall median {statistics.median(sims):.2f} s "
+            f"(runs: {', '.join(f'{s:.2f}' for s in sims)}), files {statistics.median(writes):.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
