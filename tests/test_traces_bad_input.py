@@ -44,6 +44,7 @@ def mooncake_row(ts: int, inp: object, out: object, hashes: object) -> str:
         ("2023-11-16 18:15:47.0000000,10,0\n", "GeneratedTokens", "is zero (must be >= 1) (0)"),
         ("2023-11-16 18:15:47.0000000,10,\n", "GeneratedTokens", "is empty"),
         ("yesterday,10,4\n", "TIMESTAMP", "is not a datetime ('yesterday')"),
+        ("2023-11-16 18:15:47.0000000,1e30,44\n", "ContextTokens", "is too large (1e+30)"),
     ],
 )
 def test_bad_csv_cell_names_file_line_and_field(tmp_path: Path, row: str, field: str, message: str) -> None:
@@ -90,6 +91,11 @@ def test_earliest_bad_row_is_reported(tmp_path: Path) -> None:
 def test_empty_inputs(tmp_path: Path, text: str, line: int, message: str) -> None:
     err = error_of(write(tmp_path, "e.csv", text), format="azure")
     assert (err.line, err.message) == (line, message)
+
+
+def test_undetectable_json_first_line(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, "l.jsonl", "[1, 2]\n"))
+    assert (err.line, err.message) == (1, "the first JSON line is not an object")
 
 
 def test_missing_column_names_it(tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def trace() -> None:
     """Inspect, synthesise and convert request traces."""
 
 
-@trace.command()
+@trace.command(short_help="Rows, rate, burstiness, lengths and prefix reuse of a trace.")
 @click.argument("path")
 @_load_options
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
@@ -125,7 +125,7 @@ def _describe(stats: TraceStats, block: int | None) -> str:
     return "\n".join(lines)
 
 
-@trace.command()
+@trace.command(short_help="Generate a seeded synthetic trace.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output file (canonical JSONL).")
 @click.option("--rate", type=float, required=True, help="Requests per second.")
 @click.option("--duration", type=float, help="Seconds of arrivals to generate.")
@@ -179,7 +179,7 @@ def _window(text: str | None) -> tuple[float, float] | None:
     return bounds
 
 
-@trace.command()
+@trace.command(short_help="Convert and transform a trace into kvsim's canonical JSONL.")
 @click.argument("in_path", metavar="IN")
 @click.argument("out_path", metavar="OUT", type=click.Path(dir_okay=False))
 @_load_options

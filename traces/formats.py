@@ -146,14 +146,20 @@ def first_line(text: str) -> tuple[int, str]:
     raise AssertionError("read_text guarantees a non-blank line")
 
 
+def looks_like_json(line: str) -> bool:
+    return line.startswith(("{", "["))
+
+
 def detect(path: Path, text: str) -> str:
     """The format name, judged from the CSV header or the first JSON object."""
     number, line = first_line(text)
-    if line.startswith("{"):
+    if looks_like_json(line):
         try:
             first = json.loads(line)
         except json.JSONDecodeError as exc:
             raise TraceFormatError(str(path), number, None, f"malformed JSON ({exc.msg})") from None
+        if not isinstance(first, dict):
+            raise TraceFormatError(str(path), number, None, "the first JSON line is not an object")
         if first.get("format") == CANONICAL_TAG:
             return "kvsim"
         keys, kind = set(first), "jsonl"

@@ -6,7 +6,17 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from traces.canonical import read_canonical
-from traces.formats import FORMAT_ALIASES, FORMATS, detect, first_line, generic_layout, read_csv, read_jsonl, read_text
+from traces.formats import (
+    FORMAT_ALIASES,
+    FORMATS,
+    detect,
+    first_line,
+    generic_layout,
+    looks_like_json,
+    read_csv,
+    read_jsonl,
+    read_text,
+)
 from traces.rows import to_trace
 from traces.schema import Trace
 
@@ -64,5 +74,5 @@ def _resolve_format(path: Path, text: str, format: str | None, has_mapping: bool
             raise ValueError(f"unknown format {format!r}; known: {', '.join(list(FORMATS) + list(FORMAT_ALIASES))}")
         return name
     if has_mapping:
-        return "jsonl" if first_line(text)[1].startswith("{") else "csv"
+        return "jsonl" if looks_like_json(first_line(text)[1]) else "csv"
     return detect(path, text)

@@ -21,6 +21,7 @@ SCALAR_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens", "session_id", "
 RAGGED_COLUMNS = ("prefix_hashes", "token_ids")
 REQUIRED_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens")
 # smallest allowed value of each integer column (None: any integer)
+_LARGEST_EXACT = 2.0**53  # float64 holds every integer up to here
 _INT_MINIMUM = {"prompt_tokens": 1, "output_tokens": 1, "n_samples": 1, "session_id": None, "priority": None}
 
 
@@ -50,10 +51,6 @@ class RawRows:
 
 def to_trace(raw: RawRows, *, source: str, hash_block_size: int | None, skip_bad: bool) -> Trace:
     """Validate, drop or reject bad rows, sort by arrival and build the trace."""
-    if len(raw.lines) == 0:
-        raise TraceFormatError(raw.path, None, None, "no data rows")
-    if "prefix_hashes" in raw.ragged and hash_block_size is None:
-        raise ValueError(f"{raw.path}: prefix hashes need a hash block size")
     _check_values(raw, hash_block_size)
     keep = np.ones(len(raw.lines), dtype=bool) if raw.excluded is None else ~raw.excluded
     notes = list(raw.notes)
@@ -101,6 +98,7 @@ def _check_values(raw: RawRows, hash_block_size: int | None) -> None:
             finite = np.isfinite(values)
             _add(raw, ~finite & active, column, "is NaN or infinite", values)
             _add(raw, finite & (values != np.floor(values)) & active, column, "is not an integer", values)
+            _add(raw, finite & (np.abs(values) > _LARGEST_EXACT) & active, column, "is too large", values)
         if minimum is not None:
             _add(raw, (values < 0) & active, column, "is negative", values)
             _add(raw, (values == 0) & active, column, f"is zero (must be >= {minimum})", values)
