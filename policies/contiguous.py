@@ -77,7 +77,7 @@ class ContiguousBlockManager(BlockManager):
                 return False
             self.regions[seq] = (start, n)
             self.used_blocks[seq] = 0
-            if request.num_computed_tokens == 0:
+            if request.num_preemptions == 0:
                 self.prefix_query_tokens += request.num_tokens
         start, n = self.regions[seq]
         tokens = request.num_computed_tokens + num_new_tokens

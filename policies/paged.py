@@ -118,7 +118,7 @@ class PagedBlockManager(BlockManager):
         if table is None:
             table = self.tables[seq] = []
             self.num_registered[seq] = 0
-            if request.num_computed_tokens == 0:
+            if request.num_preemptions == 0:  # as vLLM's hit rate: re-admissions are not queries
                 self.prefix_query_tokens += request.num_tokens
                 self.prefix_hit_tokens += num_hit_tokens
         if num_hit_tokens:
