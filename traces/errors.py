@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -52,7 +53,7 @@ class RowProblems:
     def add(self, row: int, problem: Problem) -> None:
         self.by_row.setdefault(row, problem)
 
-    def add_rows(self, rows, field_name: str | None, reason: str, details=None) -> None:
+    def add_rows(self, rows: Iterable[int], field_name: str | None, reason: str, details: Sequence[str] | None = None) -> None:
         """Record the same kind of problem for many rows; ``details[k]`` belongs to ``rows[k]``."""
         for k, row in enumerate(rows):
             self.add(int(row), Problem(field_name, reason, "" if details is None else details[k]))
@@ -64,7 +65,7 @@ class RowProblems:
         row = min(self.by_row)
         return row, self.by_row[row]
 
-    def skip_notes(self, lines) -> list[str]:
+    def skip_notes(self, lines: Sequence[int]) -> list[str]:
         """One note per kind: how many rows were skipped and the first line it happened on."""
         counts: Counter[str] = Counter()
         first_line: dict[str, int] = {}

@@ -51,8 +51,7 @@ class Layout:
 class Format:
     name: str
     container: str  # "csv" or "jsonl"
-    layout: Layout | None  # None: generic, the caller supplies it
-    description: str
+    layout: Layout | None  # None: generic (the caller supplies it) or canonical (its header does)
     after_read: Callable[[RawRows], None] | None = field(default=None, compare=False)
 
     def signature(self) -> frozenset[str]:
@@ -83,12 +82,13 @@ def _mooncake_grid(raw: RawRows) -> None:
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
+        # Azure LLM inference trace 2023: datetimes with 7-digit fractions, no zone
         Format(
             "azure",
             "csv",
             Layout({"arrival_s": "TIMESTAMP", "prompt_tokens": "ContextTokens", "output_tokens": "GeneratedTokens"}, "datetime"),
-            "Azure LLM inference trace 2023 (TIMESTAMP, ContextTokens, GeneratedTokens)",
         ),
+        # Mooncake FAST'25: timestamp in ms, hash_ids over 512-token blocks
         Format(
             "mooncake",
             "jsonl",
@@ -98,15 +98,15 @@ FORMATS: dict[str, Format] = {
                 hash_block_size=512,
                 optional=frozenset({"prefix_hashes"}),
             ),
-            "Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids over 512-token blocks)",
             _mooncake_grid,
         ),
+        # Splitwise / Vidur processed traces: arrived_at in seconds
         Format(
             "splitwise",
             "csv",
             Layout({"arrival_s": "arrived_at", "prompt_tokens": "num_prefill_tokens", "output_tokens": "num_decode_tokens"}),
-            "Splitwise/Vidur CSV (arrived_at s, num_prefill_tokens, num_decode_tokens)",
         ),
+        # BurstGPT: Timestamp in seconds; v2 files add a Session ID column
         Format(
             "burstgpt",
             "csv",
@@ -114,12 +114,11 @@ FORMATS: dict[str, Format] = {
                 {"arrival_s": "Timestamp", "prompt_tokens": "Request tokens", "output_tokens": "Response tokens", "session_id": "Session ID"},
                 optional=frozenset({"session_id"}),
             ),
-            "BurstGPT CSV (Timestamp s, Request tokens, Response tokens; failed rows left out)",
             _burstgpt_failures,
         ),
-        Format("csv", "csv", None, "any CSV, with a column mapping and a time unit"),
-        Format("jsonl", "jsonl", None, "any JSONL, with a column mapping and a time unit"),
-        Format("kvsim", "jsonl", None, "kvsim canonical JSONL (header line, then one request a line)"),
+        Format("csv", "csv", None),  # any CSV, with a column mapping and a time unit
+        Format("jsonl", "jsonl", None),  # any JSONL, with a column mapping and a time unit
+        Format("kvsim", "jsonl", None),  # kvsim's canonical JSONL (traces.canonical)
     )
 }
 FORMAT_ALIASES = {"vidur": "splitwise"}
