@@ -18,7 +18,6 @@ class SchedulerPolicy:
     """Base policy = vLLM V1 ``fcfs``: list order, victim = most recently admitted."""
 
     registered_name = "?"
-    decode_first = False  # serve running decodes before running prefill chunks
 
     def __init__(self, chunked_prefill: bool = True) -> None:
         self.chunked_prefill = chunked_prefill
@@ -48,7 +47,7 @@ class FCFSPolicy(SchedulerPolicy):
 class ChunkedPrefillPolicy(SchedulerPolicy):
     """Sarathi-style: every decode first, then prefill chunks fill what is left of the budget."""
 
-    decode_first = True
+    macro_step_safe = True  # an all-decode batch keeps list order
 
     def __init__(self) -> None:
         super().__init__(chunked_prefill=True)

@@ -58,9 +58,10 @@ class StepLog:
         c["preempted"].append(len(plan.preempted))
         c["swap_blocks"].append(len(plan.swap_out) + len(plan.swap_in))
         c["copy_blocks"].append(len(plan.copies))
-        c["device_s"].append(timing.device_s if timing is not None and timing.device_s is not None else float("nan"))
-        c["host_s"].append(timing.host_s if timing is not None and timing.host_s is not None else float("nan"))
-        c["memory_bytes"].append(timing.memory_bytes if timing is not None and timing.memory_bytes is not None else -1)
+        # measured figures exist only in real runs; None (an empty CSV cell) elsewhere
+        c["device_s"].append(None if timing is None else timing.device_s)
+        c["host_s"].append(None if timing is None else timing.host_s)
+        c["memory_bytes"].append(None if timing is None else timing.memory_bytes)
 
     def add_stretch(self, first_step: int, starts: list[float], durations: list[float], batch: int, counts: list) -> None:
         c = self.columns
@@ -77,9 +78,8 @@ class StepLog:
         c["kv_free"].extend(f for _, _, f in counts)
         for name in ("preempted", "swap_blocks", "copy_blocks"):
             c[name].extend([0] * k)
-        c["device_s"].extend([float("nan")] * k)
-        c["host_s"].extend([float("nan")] * k)
-        c["memory_bytes"].extend([-1] * k)
+        for name in ("device_s", "host_s", "memory_bytes"):
+            c[name].extend([None] * k)
 
     def __len__(self) -> int:
         return len(self.columns["step"])

@@ -1,0 +1,149 @@
+"""The simulator: macro-stepping changes nothing, runs are deterministic, and the classic
+results of paged KV management come out of it on real traces."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import traces
+from policies.plan import expand_decision_log
+from sim.cli import main
+from sim.cost_model import CostModel, CostModelTimer
+from sim.run_config import RunConfig, resolve
+from sim.simulator import SimOptions, simulate
+
+
+def run(trace, exact: bool, check: bool = False, **overrides):
+    resolved = resolve(RunConfig(**overrides))
+    timer = CostModelTimer(CostModel(resolved.model, resolved.device, resolved.config.block_size, resolved.memory.kv_dtype))
+    log = io.StringIO()
+    result = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact, check=check, decisions=log))
+    return result, log.getvalue()
+
+
+def comparable(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k not in ("wall_s", "macro_stretches")}
+
+
+@pytest.mark.parametrize(
+    "sample, rows, overrides",
+    [
+        ("azure_conv_10min", 400, dict(block_manager="paged", num_blocks=900, block_size=16)),
+        ("mooncake_500", 120, dict(block_manager="prefix", num_blocks=2000, max_model_len=131072, model="qwen2.5-7b")),
+        ("azure_conv_10min", 300, dict(block_manager="contiguous", num_blocks=3000, block_size=16, max_model_len=4096)),
+        ("azure_conv_10min", 300, dict(block_manager="prefix", scheduler="chunked", num_blocks=300, block_size=16,
+                                       preemption_mode="swap", max_num_batched_tokens=512)),
+    ],
+)
+def test_macro_stepping_is_exact(sample, rows, overrides):
+    trace = traces.first(traces.load_named(sample), rows)
+    exact, exact_log = run(trace, exact=True, **overrides)
+    macro, macro_log = run(trace, exact=False, **overrides)
+    assert macro.stretches > 0, "the case must exercise macro-stepping"
+    assert macro.request_rows() == exact.request_rows()
+    assert comparable(macro.summary()) == comparable(exact.summary())
+    assert list(expand_decision_log(macro_log.splitlines())) == exact_log.splitlines()
+    assert macro.steps.columns == exact.steps.columns
+    assert len(macro_log.splitlines()) < len(exact_log.splitlines())
+
+
+def test_forks_and_preemption_under_check():
+    """Parallel samples (copy-on-write) and a pool too small, with every invariant checked each step."""
+    trace = traces.synthesize(
+        n_requests=60, rate=40.0, prompt=traces.Uniform(50, 400), output=traces.Uniform(5, 120),
+        n_samples=3, seed=3,
+    )
+    result, _ = run(trace, exact=False, check=True, model="tiny", device="cpu", block_manager="prefix",
+                    block_size=16, num_blocks=120, max_model_len=1024, preemption_mode="swap", swap_space_gb=0.001)
+    summary = result.summary()
+    assert summary["requests_completed"] == 60
+    assert summary["preemptions"] > 0
+    assert result.engine.kv_stats().copies > 0
+
+
+def test_same_seed_same_outputs(tmp_path):
+    args = ["simulate", "--trace", "demo", "--model", "llama-2-7b", "--num-blocks", "40", "--block-size", "16", "--quiet"]
+    runner = CliRunner()
+    for name in ("a", "b"):
+        result = runner.invoke(main, [*args, "--out", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+    for file in ("decisions.jsonl", "requests.csv", "steps.csv"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes()
+
+
+def test_simulate_cli_writes_the_run(tmp_path):
+    result = CliRunner().invoke(main, ["simulate", "--trace", "demo", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "Successful requests:" in result.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("requests_completed", "requests_rejected", "duration_s", "throughput_tok_s", "request_rate_rps",
+                "preemptions", "prefix_hit_rate", "num_kv_blocks", "peak_kv_blocks_used", "mean_kv_usage", "wall_s",
+                "config"):
+        assert key in summary, key
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
+    assert summary["requests_completed"] == len(traces.load_named("demo"))
+    assert summary["config"]["model"] == "llama-2-7b"
+    header = (tmp_path / "requests.csv").read_text().splitlines()[0]
+    assert header.startswith("request_id,trace_index")
+    assert len((tmp_path / "steps.csv").read_text().splitlines()) == summary["steps"] + 1
+
+
+def test_simulate_cli_bad_input_is_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["simulate", "--trace", "demo", "--model", "nope", "--out", str(tmp_path)])
+    assert result.exit_code != 0
+    assert "unknown model 'nope'" in result.output
+    assert "Traceback" not in result.output
+
+
+# --- the classic results ------------------------------------------------------------------
+
+
+def test_paged_beats_contiguous_at_equal_memory():
+    """Worst-case reservations waste most of the pool: paging runs more requests at once."""
+    trace = traces.first(traces.load_named("azure_conv_10min"), 600)
+    common = dict(num_blocks=2000, block_size=16, max_model_len=4096)
+    paged, _ = run(trace, exact=False, block_manager="paged", **common)
+    contiguous, _ = run(trace, exact=False, block_manager="contiguous", **common)
+    batch_paged = paged.steps.array("batch_size").max()
+    batch_contiguous = contiguous.steps.array("batch_size").max()
+    assert batch_contiguous <= 2000 * 16 // 4096
+    assert batch_paged > 2 * batch_contiguous
+    assert paged.summary()["throughput_tok_s"] > contiguous.summary()["throughput_tok_s"]
+    assert paged.summary()["ttft_s"]["p50"] < contiguous.summary()["ttft_s"]["p50"]
+
+
+def test_int8_kv_doubles_the_blocks():
+    fp16 = resolve(RunConfig(model="llama-2-7b", kv_dtype="fp16"))
+    int8 = resolve(RunConfig(model="llama-2-7b", kv_dtype="int8"))
+    ratio = int8.engine_config.num_blocks / fp16.engine_config.num_blocks
+    assert ratio == pytest.approx(512 / 264, rel=2e-3)  # int8 K/V plus fp32 per-token-head scales
+
+
+def test_prefix_caching_cuts_prefill_and_ttft_on_mooncake():
+    trace = traces.first(traces.load_named("mooncake_500"), 150)
+    common = dict(model="qwen2.5-7b", max_model_len=131072, num_blocks=4000)
+    cached, _ = run(trace, exact=False, block_manager="prefix", **common)
+    plain, _ = run(trace, exact=False, block_manager="paged", **common)
+    assert cached.summary()["prefix_hit_rate"] > 0.2
+    assert cached.steps.array("prefill_tokens").sum() < 0.85 * plain.steps.array("prefill_tokens").sum()
+    assert cached.summary()["ttft_s"]["p50"] < plain.summary()["ttft_s"]["p50"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pool_too_small_survives_with_preemptions(mode):
+    trace = traces.first(traces.load_named("azure_conv_10min"), 300)
+    result, _ = run(trace, exact=False, block_manager="paged", num_blocks=400, block_size=16, max_model_len=4096,
+                    preemption_mode=mode, swap_space_gb=1.0)
+    summary = result.summary()
+    assert summary["preemptions"] > 0
+    assert summary["requests_completed"] + summary["requests_rejected"] == 300
+    assert result.engine.kv_stats().used == 0
+    if mode == "swap":
+        assert result.engine.counters.swap_preemptions > 0
+        assert result.steps.array("swap_blocks").sum() > 0
