@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("sim.cli_memory:memory", "HBM breakdown and KV block count for a model on a device."),
     "sweep": ("sim.cli_sweep:sweep", "Run many what-if simulations (local processes or Ray)."),
     "execute": ("realexec.cli:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
-    "profile": ("realexec.cli:profile", "Measure a backend and fit the cost model's coefficients."),
+    "profile": ("realexec.cli_profile:profile", "Measure a backend and fit the cost model's coefficients."),
     "validate": ("realexec.cli_validate:validate", "Cross-validate the simulator against the real executor."),
     "report": ("reports.cli:report", "HTML reports from simulate/execute runs."),
 }
