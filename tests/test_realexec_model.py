@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 from policies.request import Request  # noqa: E402
 from realexec.model import DecoderModel  # noqa: E402
 from realexec.prompts import prompt_tokens  # noqa: E402
-from realexec.reference import causal_attention, dense_generate  # noqa: E402
+from realexec.reference import causal_attend, dense_generate  # noqa: E402
 from realexec.weights import load_weights, random_weights, save_weights, weight_shapes  # noqa: E402
 from sim.model_spec import load_model  # noqa: E402
 
@@ -26,8 +26,7 @@ def model() -> DecoderModel:
 
 def dense_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
     n = len(ids)
-    hidden = model.forward(torch.tensor(ids), torch.arange(n), lambda _l, q, k, v: causal_attention(q, k, v, model.scale))
-    return model.logits(hidden)
+    return model.logits(model.forward(torch.tensor(ids), torch.arange(n), causal_attend(model, n)))
 
 
 def test_forward_shapes_and_dtypes(model: DecoderModel) -> None:
@@ -35,7 +34,7 @@ def test_forward_shapes_and_dtypes(model: DecoderModel) -> None:
 
     def attend(layer, q, k, v):
         seen.append((layer, q.shape, k.shape, v.shape, q.dtype))
-        return causal_attention(q, k, v, model.scale)
+        return causal_attend(model, 7)(layer, q, k, v)
 
     hidden = model.forward(torch.arange(7), torch.arange(7), attend)
     assert hidden.shape == (7, TINY.hidden_size) and hidden.dtype == torch.float32
@@ -57,7 +56,7 @@ def test_activations_stay_well_conditioned_through_depth() -> None:
     """A 48-layer stack ends with the residual stream at RMS ~1 and distinct, separated argmaxes."""
     deep = DecoderModel.build(dataclasses.replace(TINY, num_layers=48), seed=5)
     ids = torch.randint(0, TINY.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    hidden = deep.forward(torch.tensor(ids), torch.arange(128), lambda _l, q, k, v: causal_attention(q, k, v, deep.scale))
+    hidden = deep.forward(torch.tensor(ids), torch.arange(128), causal_attend(deep, 128))
     rms = hidden.pow(2).mean().sqrt().item()
     assert 0.3 < rms < 3.0, rms
     top2 = deep.logits(hidden).topk(2, dim=-1).values
