@@ -178,7 +178,7 @@ class EngineCore:
             self._admit_swapped(plan, now, limit)
             self._admit_waiting(now, limit)
         if not self._scheduled and not self.running and not self.swapped and self.waiting:
-            self._reject_unschedulable(plan)
+            self._reject_unschedulable(plan, now)
 
         self._fill_plan(plan)
         self.counters.steps += 1
@@ -299,9 +299,10 @@ class EngineCore:
         self._scheduled[request.seq_id] = (request, num_new)
         self._budget -= num_new
 
-    def _reject_unschedulable(self, plan: StepPlan) -> None:
-        """Nothing runs and nothing can be admitted: the head of the queue can never run."""
-        request = self.waiting.popleft()
+    def _reject_unschedulable(self, plan: StepPlan, now: float) -> None:
+        """Nothing runs and nothing can be admitted: the head of the policy's queue can never run."""
+        request = next(iter(self.policy.waiting_order(self.waiting, now)))
+        self.waiting.remove(request)
         request.status = Status.REJECTED
         request.reject_reason = "unschedulable"
         self.counters.rejected += 1
