@@ -137,8 +137,11 @@ class EngineCore:
             return "exceeds_max_model_len"
         if not self.kv.can_ever_fit(r) or r.max_kv_tokens > (cfg.num_blocks - cfg.watermark_blocks) * cfg.block_size:
             return "exceeds_kv_pool"
-        if not self.policy.chunked_prefill and r.max_kv_tokens > cfg.max_num_batched_tokens:
+        step_cap = min(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
+        if not self.policy.chunked_prefill and r.max_kv_tokens > step_cap:
             return "exceeds_token_budget"
+        if r.n_samples > self.policy.admission_limit(cfg.max_num_seqs):
+            return "exceeds_max_num_seqs"
         if cfg.max_waiting and len(self.waiting) >= cfg.max_waiting:
             return "queue_full"
         return None
