@@ -383,7 +383,8 @@ class EngineCore:
             self.requests[child_id] = child
             parent.children.append(child)
             self.kv.fork(parent, child)
-            if self.kv.has_blocks(child):
+            # A child whose one output token is the one just sampled finishes at this commit, room or not.
+            if self.kv.has_blocks(child) or child.remaining_output == 0:
                 child.status = Status.RUNNING
                 self.running.append(child)
             else:  # no room to hold the child's KV: it starts over like a recompute preemption
