@@ -17,6 +17,8 @@ from sim.run_config import RunConfig, load_run_config
 RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--trace",), "trace", {"help": "Trace file, or a bundled sample name (demo, azure_conv_10min, mooncake_500)."}),
     (("--format", "trace_format"), "trace_format", {"help": "Trace format (default: detected from content)."}),
+    (("--rate-scale",), "rate_scale", {"type": float, "help": "Arrivals this many times as frequent (what-if traffic)."}),
+    (("--max-requests",), "max_requests", {"type": int, "help": "Replay only the first N requests."}),
     (("--model",), "model", {"help": "Model name (sim/models) or TOML path."}),
     (("--device",), "device", {"help": "Device name (sim/devices, or NAME.toml in the working directory) or TOML path."}),
     (("--scheduler",), "scheduler", {"help": "fcfs | chunked | priority | sjf | static | module:Class."}),

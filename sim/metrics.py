@@ -21,6 +21,7 @@ STEP_COLUMNS = (
     "step",
     "start_s",
     "duration_s",
+    "timed",
     "kind",
     "batch_size",
     "prefill_tokens",
@@ -48,6 +49,7 @@ class StepLog:
         c["step"].append(plan.step)
         c["start_s"].append(start_s)
         c["duration_s"].append(duration_s)
+        c["timed"].append(int(timing is not None))  # 0: nothing to run (only rejections)
         c["kind"].append(plan.kind)
         c["batch_size"].append(len(plan.entries))
         c["prefill_tokens"].append(plan.num_prefill_tokens)
@@ -69,6 +71,7 @@ class StepLog:
         c["step"].extend(range(first_step, first_step + k))
         c["start_s"].extend(starts)
         c["duration_s"].extend(durations)
+        c["timed"].extend([1] * k)
         c["kind"].extend(["decode"] * k)
         c["batch_size"].extend([batch] * k)
         c["prefill_tokens"].extend([0] * k)

@@ -26,6 +26,8 @@ GIB = 2**30
 class RunConfig:
     trace: str = "demo"  # a path, or the name of a bundled sample
     trace_format: str | None = None
+    rate_scale: float = 1.0  # what-if: arrivals this many times as frequent (2.0 = twice the traffic)
+    max_requests: int = 0  # replay only the first N requests; 0 = all
     model: str = "llama-2-7b"
     device: str = "ascend-910b3"
     scheduler: str = "fcfs"
@@ -56,7 +58,9 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
+    """A RunConfig from TOML; a ``[validation]`` table (thresholds for ``kvsim validate``) is read separately."""
     data = load_toml(path)
+    data.pop("validation", None)
     allowed = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(data) - allowed)
     if unknown:
@@ -126,7 +130,11 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
 
 
 def load_run_trace(config: RunConfig) -> Trace:
-    """The run's trace: a file (in ``trace_format`` or detected), or a bundled sample by name."""
-    if config.trace_format:
-        return traces.load(config.trace, config.trace_format)
-    return traces.load_named(config.trace)
+    """The run's trace: a file (in ``trace_format`` or detected) or a bundled sample by name,
+    cut to ``max_requests`` and with its rate scaled by ``rate_scale``."""
+    trace = traces.load(config.trace, config.trace_format) if config.trace_format else traces.load_named(config.trace)
+    if config.max_requests:
+        trace = traces.first(trace, config.max_requests)
+    if config.rate_scale != 1.0:
+        trace = traces.scale_rate(trace, config.rate_scale)
+    return trace

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -27,9 +28,12 @@ def run_trace(
     check: bool = False,
     progress: bool = False,
     label: str = "simulate",
-    extra_summary: dict | None = None,
+    summary_extras: Callable[[SimRun], dict] | None = None,
 ) -> tuple[SimRun, dict]:
-    """Replay ``trace`` with ``timer``; with ``out_dir``, write summary/requests/steps/decisions there."""
+    """Replay ``trace`` with ``timer``; with ``out_dir``, write summary/requests/steps/decisions there.
+
+    ``summary_extras`` adds what only the caller knows (e.g. measured memory) to the summary.
+    """
     engine = resolved.new_engine()
     decisions = None
     if out_dir is not None:
@@ -49,7 +53,8 @@ def run_trace(
         if decisions is not None:
             decisions.close()
     summary = run.summary()
-    summary.update(extra_summary or {})
+    if summary_extras is not None:
+        summary.update(summary_extras(run))
     summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
     summary["config"] = resolved.to_dict()
     summary["memory"] = resolved.memory.to_dict()

@@ -29,3 +29,31 @@ class StepTimer(Protocol):
 
     def step(self, plan: StepPlan) -> StepTiming:
         """Execute or predict one plan."""
+
+
+class ReplayTimer:
+    """Replays recorded step durations in order: the simulator re-run with a real run's times.
+
+    With a ``predict`` function it also records what that model says of each replayed plan,
+    so a cost model can be scored on exactly the plans the device ran.
+    """
+
+    def __init__(self, durations: list[float], predict=None) -> None:
+        self.durations = durations
+        self.predict = predict
+        self.predicted: list[float] = []
+        self.kinds: list[str] = []
+        self._next = 0
+
+    def add_request(self, request: Request) -> None:
+        """Recorded durations need no per-request state."""
+
+    def step(self, plan: StepPlan) -> StepTiming:
+        if self._next >= len(self.durations):
+            raise RuntimeError(f"replay asked for step {self._next}, but only {len(self.durations)} were recorded")
+        duration = self.durations[self._next]
+        self._next += 1
+        if self.predict is not None:
+            self.predicted.append(self.predict(plan))
+            self.kinds.append(plan.kind)
+        return StepTiming(duration_s=duration)

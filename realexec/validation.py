@@ -1,0 +1,162 @@
+"""Cross-validation of the simulator against a real run of the same trace.
+
+Three questions, each answered from run objects and written to ``validation.json``:
+
+1. Decisions: replaying the real run's measured step durations through the simulator must
+   reproduce its decision log line for line (the engine is the same code; only ``dt`` came
+   from elsewhere). The first diverging step is reported with both plans.
+2. Timing: the cost model predicts each step the device ran (same plans, so errors are the
+   model's alone), and a free-running simulation of the trace is compared with the real run
+   on latency percentiles, throughput and makespan.
+3. Memory: the memory model's KV pool and peak device memory against what was allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from sim.simulator import SimRun
+from sim.toml_io import load_toml
+
+
+@dataclass
+class Thresholds:
+    """Pass limits (relative errors as fractions). A ``[validation]`` table in the run's TOML overrides them."""
+
+    step_mape: float = 0.10
+    ttft_p50: float = 0.10
+    tpot_p50: float = 0.10
+    e2e_p50: float = 0.25
+    throughput: float = 0.25
+    kv_pool_bytes: float = 0.01
+
+    @classmethod
+    def from_toml(cls, path: Path | None) -> "Thresholds":
+        if path is None:
+            return cls()
+        table = load_toml(path).get("validation", {})
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(table) - allowed)
+        if unknown:
+            raise ValueError(f"{path}: [validation] has unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        return cls(**table)
+
+
+def rel_error(estimate: float | None, truth: float | None) -> float | None:
+    if estimate is None or truth is None or truth == 0:
+        return None
+    return abs(estimate - truth) / abs(truth)
+
+
+def compare_decisions(real_lines: list[str], replay_lines: list[str]) -> dict:
+    for step, (real, replay) in enumerate(zip(real_lines, replay_lines)):
+        if real != replay:
+            return {
+                "identical": False,
+                "steps_compared": step + 1,
+                "first_divergence": {"step": step, "real": json.loads(real), "sim": json.loads(replay)},
+            }
+    if len(real_lines) != len(replay_lines):
+        step = min(len(real_lines), len(replay_lines))
+        longer = real_lines if len(real_lines) > step else replay_lines
+        side = "real" if longer is real_lines else "sim"
+        return {
+            "identical": False,
+            "steps_compared": step,
+            "first_divergence": {"step": step, side: json.loads(longer[step]), "real" if side == "sim" else "sim": None},
+        }
+    return {"identical": True, "steps_compared": len(real_lines), "first_divergence": None}
+
+
+def _error_stats(predicted: np.ndarray, measured: np.ndarray) -> dict:
+    if len(measured) == 0:
+        return {"mape": None, "p90_abs_error_s": None, "steps": 0}
+    abs_err = np.abs(predicted - measured)
+    return {
+        "mape": float(np.mean(abs_err / measured)),
+        "p90_abs_error_s": float(np.percentile(abs_err, 90)),
+        "steps": int(len(measured)),
+    }
+
+
+def step_errors(predicted: list[float], measured: list[float], kinds: list[str]) -> dict:
+    """Per-step error of predictions for the very steps the device ran, overall and by kind."""
+    p, m, k = np.asarray(predicted), np.asarray(measured), np.asarray(kinds)
+    out = _error_stats(p, m)
+    out["by_kind"] = {kind: _error_stats(p[k == kind], m[k == kind]) for kind in ("prefill", "decode", "mixed") if np.any(k == kind)}
+    return out
+
+
+def latency_errors(real: dict, sim: dict) -> dict:
+    out = {}
+    for metric in ("ttft_s", "tpot_s", "e2e_s"):
+        out[metric] = {
+            q: {"real": real[metric][q], "sim": sim[metric][q], "rel_error": rel_error(sim[metric][q], real[metric][q])}
+            for q in ("p50", "p99")
+        }
+    return out
+
+
+def _pair(real: float | None, sim: float | None) -> dict:
+    return {"real": real, "sim": sim, "rel_error": rel_error(sim, real)}
+
+
+def _check(name: str, value: float | None, threshold: float, group: str) -> dict:
+    return {"name": name, "value": value, "threshold": threshold, "passed": value is not None and value <= threshold, "group": group}
+
+
+def validate_runs(
+    real: SimRun,
+    real_summary: dict,
+    sim_summary: dict,
+    decisions: dict,
+    predicted_steps: list[float],
+    step_kinds: list[str],
+    predicted_kv_pool_bytes: int,
+    predicted_peak_bytes: int,
+    thresholds: Thresholds,
+) -> dict:
+    """Assemble ``validation.json``: every comparison, and each threshold's verdict."""
+    timed = [t == 1 for t in real.steps.columns["timed"]]
+    measured_steps = [d for d, t in zip(real.steps.columns["duration_s"], timed) if t]
+    per_step = step_errors(predicted_steps, measured_steps, step_kinds)
+    latency = latency_errors(real_summary, sim_summary)
+    measured = real_summary.get("measured", {})
+    predicted_pool, predicted_peak = predicted_kv_pool_bytes, predicted_peak_bytes
+    memory = {
+        "kv_pool_bytes": {"predicted": predicted_pool, "measured": measured.get("kv_pool_bytes"),
+                          "rel_error": rel_error(predicted_pool, measured.get("kv_pool_bytes"))},
+        "peak_device_bytes": {"predicted": predicted_peak, "measured": measured.get("peak_memory_bytes"),
+                              "rel_error": rel_error(predicted_peak, measured.get("peak_memory_bytes"))},
+        "peak_kv_blocks_used": {"real": real_summary["peak_kv_blocks_used"], "sim": sim_summary["peak_kv_blocks_used"]},
+        "preemptions": {"real": real_summary["preemptions"], "sim": sim_summary["preemptions"]},
+    }
+    timing = {
+        "per_step": per_step,
+        "latency": latency,
+        "throughput_tok_s": _pair(real_summary["throughput_tok_s"], sim_summary["throughput_tok_s"]),
+        "makespan_s": _pair(real_summary["duration_s"], sim_summary["duration_s"]),
+    }
+    t = thresholds
+    checks = [
+        {"name": "decision_identity", "value": 0.0 if decisions["identical"] else 1.0, "threshold": 0.0,
+         "passed": decisions["identical"], "group": "decisions"},
+        _check("step_mape", per_step["mape"], t.step_mape, "timing"),
+        _check("ttft_p50_rel_error", latency["ttft_s"]["p50"]["rel_error"], t.ttft_p50, "latency"),
+        _check("tpot_p50_rel_error", latency["tpot_s"]["p50"]["rel_error"], t.tpot_p50, "latency"),
+        _check("e2e_p50_rel_error", latency["e2e_s"]["p50"]["rel_error"], t.e2e_p50, "latency"),
+        _check("throughput_rel_error", timing["throughput_tok_s"]["rel_error"], t.throughput, "latency"),
+        _check("kv_pool_bytes_rel_error", memory["kv_pool_bytes"]["rel_error"], t.kv_pool_bytes, "memory"),
+    ]
+    return {
+        "passed": all(c["passed"] for c in checks),
+        "checks": checks,
+        "decision_identity": decisions,
+        "timing": timing,
+        "memory": memory,
+        "thresholds": asdict(thresholds),
+    }
