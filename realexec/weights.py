@@ -60,48 +60,41 @@ def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 _QK_GAIN = 2.0
 
 
-def _init_value(spec: ModelSpec, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
-    """("ones", gain) for a norm weight, ("normal", std) for everything else.
+def _random_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of the seeded init, keyed on (seed, name).
 
     Pre-norm keeps each layer's input at unit RMS whatever the stream's scale, so only the
-    shares matter: every linear gets 1/sqrt(fan_in) (unit-variance outputs), the two residual
+    shares matter: every linear gets std 1/sqrt(fan_in) (unit-variance outputs), the two residual
     writers (o_proj, down_proj) a further 1/sqrt(2 * layers), and the embedding the share of one
     such writer. The stream then ends near RMS 1 at any depth, every layer and the context shape
     the output (not just the current token's embedding), and fp32 logits have well-separated
-    maxima, so greedy argmax ties are practically impossible.
+    maxima, so greedy argmax ties are practically impossible. Norm weights are ones.
     """
     if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return "ones", _QK_GAIN  # the per-head norm would erase the projections' gain
+        return torch.full(shape, _QK_GAIN, dtype=dtype)  # the per-head norm would erase the projections' gain
     if name.endswith("norm.weight"):
-        return "ones", 1.0
+        return torch.ones(shape, dtype=dtype)
     residual_share = 1.0 / math.sqrt(2 * spec.num_layers)
     if name == "model.embed_tokens.weight":
-        return "normal", residual_share
-    std = 1.0 / math.sqrt(shape[1])
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        std *= residual_share
-    elif name.endswith(("q_proj.weight", "k_proj.weight")) and not spec.qk_norm:
-        std *= _QK_GAIN
-    return "normal", std
+        std = residual_share
+    else:
+        std = 1.0 / math.sqrt(shape[1])
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std *= residual_share
+        elif name.endswith(("q_proj.weight", "k_proj.weight")) and not spec.qk_norm:
+            std *= _QK_GAIN
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.randn(shape, generator=gen, dtype=dtype).mul_(std)
 
 
 def random_weights(spec: ModelSpec, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Seeded Gaussian weights, each tensor keyed on (seed, its name).
+    """Seeded Gaussian weights (see ``_random_tensor``), by checkpoint name, on ``device``.
 
     Generated on the CPU so the same seed gives the same values on every device, and one
     tensor at a time so host memory peaks at the largest tensor, not the model.
     """
     dtype = dtype or torch_dtype(spec.weight_dtype)
-    weights = {}
-    for name, shape in weight_shapes(spec).items():
-        kind, scale = _init_value(spec, name, shape)
-        if kind == "ones":
-            tensor = torch.full(shape, scale, dtype=dtype)
-        else:
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            tensor = torch.randn(shape, generator=gen, dtype=dtype).mul_(scale)
-        weights[name] = tensor.to(device)
-    return weights
+    return {name: _random_tensor(spec, name, shape, seed, dtype).to(device) for name, shape in weight_shapes(spec).items()}
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
