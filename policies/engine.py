@@ -135,7 +135,7 @@ class EngineCore:
             return "invalid_length"
         if r.prompt_tokens + r.output_tokens > cfg.max_model_len:
             return "exceeds_max_model_len"
-        if not self.kv.can_ever_fit(r) or r.max_kv_tokens > (cfg.num_blocks - cfg.watermark_blocks) * cfg.block_size:
+        if not self.kv.can_ever_fit(r) or self.kv.blocks_needed(r, r.max_kv_tokens) > cfg.num_blocks - cfg.watermark_blocks:
             return "exceeds_kv_pool"
         step_cap = min(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
         if not self.policy.chunked_prefill and r.max_kv_tokens > step_cap:
