@@ -147,11 +147,14 @@ def test_swap_out_and_back_in(sc: Scenario) -> None:
     sc.tables["b"] = [2, 1]
     timing = sc.run([("b", 0, 30, True)], swap_out=[(1, 5), (2, 6), (3, 7)], preempted=[("a", "swap")])
     assert "swap" in timing.operators
-    sc.decode(["b"], 2)
-    # Back in to other device blocks; a goes on as if nothing happened.
-    sc.tables["a"] = [30, 31, 32]
-    sc.decode(["a", "b"], 4, swap_in=[(5, 30), (6, 31), (7, 32)])
-    assert sc.ex.tokens("a") == dense_generate(sc.ex.model, prompt_a, 8)
+    sc.decode(["b"], 3)  # b's third block comes from the spare list
+    # In one step b leaves and a comes back into b's blocks: swap-out must run before swap-in.
+    b_out = [(2, 8), (1, 9), (sc.tables["b"][2], 10)]
+    sc.tables["a"] = [2, 1, 3]
+    sc.decode(["a"], 2, swap_out=b_out, swap_in=[(5, 2), (6, 1), (7, 3)])
+    sc.tables["b"] = [30, 31, 32]
+    sc.decode(["a", "b"], 3, swap_in=[(8, 30), (9, 31), (10, 32)])
+    assert sc.ex.tokens("a") == dense_generate(sc.ex.model, prompt_a, 9)
     assert sc.ex.tokens("b") == dense_generate(sc.ex.model, prompt_b, 7)
 
 
