@@ -52,7 +52,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         slot_dtype: torch.dtype = torch.int64,
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Metadata of one step from host lists: new tokens are each sequence's last ``query_lens[b]``.
 
         ``block_tables[b]`` lists the blocks of sequence ``b`` in order and must cover its
@@ -128,13 +128,23 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> None:
         """Scatter new ``key``/``value`` [T, num_kv_heads, head_size] into the caches at ``slot_mapping`` [T]."""
 
     @abstractmethod
     def attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         """Paged attention of ``query`` [T, num_heads, head_size] -> [T, num_heads, head_size]."""
 

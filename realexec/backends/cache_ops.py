@@ -29,8 +29,13 @@ def allocate_caches(
     Zeros rather than ``empty``: padded slots are masked, but a NaN bit pattern left in an
     unused slot would still turn ``0 * NaN`` into NaN inside a masked matmul.
     """
-    for name, n in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
-                    ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+    for name, n in (
+        ("num_layers", num_layers),
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_size", head_size),
+    ):
         if n <= 0:
             raise ValueError(f"{name} must be positive, got {n}")
     shape = (num_blocks, block_size, num_kv_heads, head_size)
@@ -54,7 +59,9 @@ def copy_blocks(kv_caches: KVCaches, pairs: Sequence[tuple[int, int]]) -> None:
         value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 
 
-def swap_blocks(src_caches: KVCaches, dst_caches: KVCaches, pairs: Sequence[tuple[int, int]], non_blocking: bool) -> None:
+def swap_blocks(
+    src_caches: KVCaches, dst_caches: KVCaches, pairs: Sequence[tuple[int, int]], non_blocking: bool
+) -> None:
     """Copy blocks between pools on different devices, one copy per run of consecutive blocks.
 
     Direct slice-to-slice copies (no index_select staging on the host) keep every transfer on
@@ -66,7 +73,9 @@ def swap_blocks(src_caches: KVCaches, dst_caches: KVCaches, pairs: Sequence[tupl
     if not pairs:
         return
     if src_caches[0][0].shape[1:] != dst_caches[0][0].shape[1:]:
-        raise ValueError(f"block shapes differ: {tuple(src_caches[0][0].shape[1:])} vs {tuple(dst_caches[0][0].shape[1:])}")
+        raise ValueError(
+            f"block shapes differ: {tuple(src_caches[0][0].shape[1:])} vs {tuple(dst_caches[0][0].shape[1:])}"
+        )
     _check_unique_destinations(pairs)
     for src, dst, n in block_runs(pairs):
         for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):

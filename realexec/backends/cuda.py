@@ -41,7 +41,9 @@ class CudaBackend(TorchBackend):
         if paged_kernel not in ("auto", "flashinfer", "torch"):
             raise ValueError(f"paged_kernel must be 'auto', 'flashinfer' or 'torch', got {paged_kernel!r}")
         self.device = torch.device(device or "cuda")
-        self._flashinfer = None if paged_kernel == "torch" else _import_flashinfer(required=paged_kernel == "flashinfer")
+        self._flashinfer = (
+            None if paged_kernel == "torch" else _import_flashinfer(required=paged_kernel == "flashinfer")
+        )
         self.paged_kernel = "flashinfer" if self._flashinfer is not None else "torch"
         self._wrapper: Any = None
         self._planned_for: tuple[weakref.ref[AttentionMetadata], tuple] | None = None
@@ -49,13 +51,20 @@ class CudaBackend(TorchBackend):
     def allocate_host_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
     ) -> KVCaches:
-        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=True)
+        return allocate_caches(
+            num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=True
+        )
 
     def swap(self, src_caches: KVCaches, dst_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:
         swap_blocks(src_caches, dst_caches, pairs, non_blocking=True)
 
     def attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         if (
             self._flashinfer is None
@@ -67,7 +76,9 @@ class CudaBackend(TorchBackend):
         self._plan_flashinfer(query, key_cache, meta, scale)
         return self._wrapper.run(query.contiguous(), (key_cache, value_cache))
 
-    def _plan_flashinfer(self, query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+    def _plan_flashinfer(
+        self, query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> None:
         """Plan once per step: every layer of the step shares the plan (FlashInfer's intended use)."""
         problem = (query.shape[1], key_cache.shape[2], query.shape[2], query.dtype, scale)
         if self._planned_for is not None and self._planned_for[0]() is meta and self._planned_for[1] == problem:

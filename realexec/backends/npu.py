@@ -93,15 +93,25 @@ class NpuBackend(KernelBackend):
         if not runtime.is_available():
             raise BackendUnavailable("npu backend unavailable: torch_npu imported but sees no NPU device")
         self.device = torch.device(device or f"npu:{runtime.current_device()}")
-        self.write_op = "npu_scatter_pa_kv_cache" if hasattr(self.torch_npu, "npu_scatter_pa_kv_cache") else "_npu_reshape_and_cache"
-        self.gather_op = "npu_gather_pa_kv_cache" if hasattr(self.torch_npu, "npu_gather_pa_kv_cache") else "atb.npu_paged_cache_load"
+        self.write_op = (
+            "npu_scatter_pa_kv_cache"
+            if hasattr(self.torch_npu, "npu_scatter_pa_kv_cache")
+            else "_npu_reshape_and_cache"
+        )
+        self.gather_op = (
+            "npu_gather_pa_kv_cache"
+            if hasattr(self.torch_npu, "npu_gather_pa_kv_cache")
+            else "atb.npu_paged_cache_load"
+        )
         self._causal_mask: torch.Tensor | None = None
 
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
     ) -> KVCaches:
         if dtype not in NPU_DTYPES:
-            raise ValueError(f"npu backend: KV dtype {dtype} unsupported; FIA takes float16/bfloat16 queries and caches")
+            raise ValueError(
+                f"npu backend: KV dtype {dtype} unsupported; FIA takes float16/bfloat16 queries and caches"
+            )
         if block_size not in FIA_BLOCK_SIZES:
             raise ValueError(
                 f"npu backend: block_size={block_size} unsupported; FIA prefill over a paged cache needs a multiple of 128 "
@@ -113,24 +123,44 @@ class NpuBackend(KernelBackend):
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
     ) -> KVCaches:
         pin = self.device.type != "cpu"  # pinned host memory needs a device to pin for
-        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=pin)
+        return allocate_caches(
+            num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=pin
+        )
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> None:
         slots = slot_mapping.to(torch.int32).contiguous()
         if self.write_op == "npu_scatter_pa_kv_cache":
             self.torch_npu.npu_scatter_pa_kv_cache(
-                key=key.contiguous(), value=value.contiguous(), key_cache=key_cache, value_cache=value_cache,
-                slot_mapping=slots, cache_mode="Norm",
+                key=key.contiguous(),
+                value=value.contiguous(),
+                key_cache=key_cache,
+                value_cache=value_cache,
+                slot_mapping=slots,
+                cache_mode="Norm",
             )
         else:
             self.torch_npu._npu_reshape_and_cache(
-                key=key.contiguous(), value=value.contiguous(), key_cache=key_cache, value_cache=value_cache, slot_indices=slots
+                key=key.contiguous(),
+                value=value.contiguous(),
+                key_cache=key_cache,
+                value_cache=value_cache,
+                slot_indices=slots,
             )
 
     def attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         num_heads = query.shape[1]
@@ -138,8 +168,13 @@ class NpuBackend(KernelBackend):
         if meta.is_decode_only and block_size <= PAGED_ATTENTION_MAX_BLOCK:
             out = torch.empty_like(query)
             self.torch_npu._npu_paged_attention(
-                query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads, num_heads=num_heads,
-                scale_value=scale, block_table=meta.block_tables,
+                query=query,
+                key_cache=key_cache,
+                value_cache=value_cache,
+                num_kv_heads=num_kv_heads,
+                num_heads=num_heads,
+                scale_value=scale,
+                block_table=meta.block_tables,
                 context_lens=meta.memo("npu.context_lens", lambda: torch.tensor(meta.seq_lens_list, dtype=torch.int32)),
                 out=out,
             )

@@ -117,7 +117,11 @@ def paged_attention(
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter [T, Hkv, D] tokens into the caches at flat slot indices."""
     if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
@@ -159,12 +163,22 @@ class TorchBackend(KernelBackend):
         return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, self.device)
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> None:
         write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         return paged_attention(query, key_cache, value_cache, meta, scale, self.compute_dtypes.get(query.dtype))
 

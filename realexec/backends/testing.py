@@ -45,7 +45,9 @@ class PagedCase:
         return torch.cat(rows).to(self.key.device)
 
     def expected(self) -> torch.Tensor:
-        return dense_attention(self.query, self.key, self.value, self.meta.query_lens_list, self.meta.seq_lens_list, self.scale)
+        return dense_attention(
+            self.query, self.key, self.value, self.meta.query_lens_list, self.meta.seq_lens_list, self.scale
+        )
 
 
 def random_case(
@@ -94,10 +96,17 @@ def load_case(backend: KernelBackend, case: PagedCase) -> tuple[torch.Tensor, to
     all_slots = _all_slots(case.meta)
     prefix = case.context_rows
     if len(prefix):
-        backend.write_kv(case.key[prefix], case.value[prefix], key_cache, value_cache,
-                         all_slots[prefix.cpu()].to(case.meta.slot_mapping))
+        backend.write_kv(
+            case.key[prefix],
+            case.value[prefix],
+            key_cache,
+            value_cache,
+            all_slots[prefix.cpu()].to(case.meta.slot_mapping),
+        )
     new = case.new_rows
-    backend.write_kv(case.key[new].contiguous(), case.value[new].contiguous(), key_cache, value_cache, case.meta.slot_mapping)
+    backend.write_kv(
+        case.key[new].contiguous(), case.value[new].contiguous(), key_cache, value_cache, case.meta.slot_mapping
+    )
     return key_cache, value_cache
 
 

@@ -58,11 +58,28 @@ LOAD = "atb.npu_paged_cache_load"
 MASK_SIZE = 2048
 # The rest of FIA's documented keyword arguments: accepted at their defaults, NotModelled otherwise.
 FIA_UNMODELLED_ARGS = (
-    "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2", "antiquant_scale",
-    "antiquant_offset", "query_padding_size", "kv_padding_size", "key_antiquant_scale", "key_antiquant_offset",
-    "value_antiquant_scale", "value_antiquant_offset", "key_shared_prefix", "value_shared_prefix",
-    "actual_shared_prefix_len", "query_rope", "key_rope", "key_rope_antiquant_scale", "antiquant_mode",
-    "key_antiquant_mode", "value_antiquant_mode",
+    "dequant_scale1",
+    "quant_scale1",
+    "dequant_scale2",
+    "quant_scale2",
+    "quant_offset2",
+    "antiquant_scale",
+    "antiquant_offset",
+    "query_padding_size",
+    "kv_padding_size",
+    "key_antiquant_scale",
+    "key_antiquant_offset",
+    "value_antiquant_scale",
+    "value_antiquant_offset",
+    "key_shared_prefix",
+    "value_shared_prefix",
+    "actual_shared_prefix_len",
+    "query_rope",
+    "key_rope",
+    "key_rope_antiquant_scale",
+    "antiquant_mode",
+    "key_antiquant_mode",
+    "value_antiquant_mode",
 )
 
 
@@ -82,120 +99,368 @@ RULES: dict[str, Rule] = {
     for r in [
         # -- npu_scatter_pa_kv_cache ------------------------------------------------------------
         Rule("scatter.contiguous", SCATTER, OPS_DOC, "输入参数不支持非连续；", "rejects"),
-        Rule("scatter.same_dtype", SCATTER, OPS_DOC, "key、value、key_cache、value_cache的数据类型必须一致；", "rejects"),
-        Rule("scatter.slot_dtype", SCATTER, OPS_DOC,
-             "slot_mapping（Tensor）：必选参数，表示每个token key或value在cache中的存储偏移，数据类型支持int32和int64", "rejects"),
-        Rule("scatter.cache_mode", SCATTER, OPS_DOC,
-             "当传None或'Norm'时，仅支持ND内存排布格式。当传入'PA_NZ'时，仅支持NZ内存排布格式，默认值为'PA_NZ'。", "rejects"),
-        Rule("scatter.cache_rank", SCATTER, OPS_DOC, "key_cache（Tensor）：必选参数，表示需要更新的key cache，当前layer的key cache，只支持4维", "rejects"),
-        Rule("scatter.kv_leading_dims", SCATTER, OPS_DOC, "当key和value都是3维，则key和value的前两维shape必须相同；", "rejects"),
-        Rule("scatter.norm_shapes", SCATTER, OPS_DOC,
-             "key:[batch*seq_len, num_head, k_head_size] ... keyCache:[num_blocks, block_size, num_head, k_head_size] ... "
-             "slotMapping:[batch * seq_len]", "rejects"),
+        Rule(
+            "scatter.same_dtype", SCATTER, OPS_DOC, "key、value、key_cache、value_cache的数据类型必须一致；", "rejects"
+        ),
+        Rule(
+            "scatter.slot_dtype",
+            SCATTER,
+            OPS_DOC,
+            "slot_mapping（Tensor）：必选参数，表示每个token key或value在cache中的存储偏移，数据类型支持int32和int64",
+            "rejects",
+        ),
+        Rule(
+            "scatter.cache_mode",
+            SCATTER,
+            OPS_DOC,
+            "当传None或'Norm'时，仅支持ND内存排布格式。当传入'PA_NZ'时，仅支持NZ内存排布格式，默认值为'PA_NZ'。",
+            "rejects",
+        ),
+        Rule(
+            "scatter.cache_rank",
+            SCATTER,
+            OPS_DOC,
+            "key_cache（Tensor）：必选参数，表示需要更新的key cache，当前layer的key cache，只支持4维",
+            "rejects",
+        ),
+        Rule(
+            "scatter.kv_leading_dims",
+            SCATTER,
+            OPS_DOC,
+            "当key和value都是3维，则key和value的前两维shape必须相同；",
+            "rejects",
+        ),
+        Rule(
+            "scatter.norm_shapes",
+            SCATTER,
+            OPS_DOC,
+            "key:[batch*seq_len, num_head, k_head_size] ... keyCache:[num_blocks, block_size, num_head, k_head_size] ... "
+            "slotMapping:[batch * seq_len]",
+            "rejects",
+        ),
         Rule("scatter.slot_range", SCATTER, OPS_DOC, "slot_mapping的值范围[0,num_blocks*block_size-1]", "undefined"),
-        Rule("scatter.slot_unique", SCATTER, OPS_DOC, "slot_mapping内的元素值保证不重复，重复时不保证正确性", "undefined"),
+        Rule(
+            "scatter.slot_unique", SCATTER, OPS_DOC, "slot_mapping内的元素值保证不重复，重复时不保证正确性", "undefined"
+        ),
         # -- _npu_reshape_and_cache (undocumented ATB op) --------------------------------------------
-        Rule("reshape.shapes", RESHAPE, REFERENCE_MD,
-             "torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices) ... key and value are [T, Hkv, D]"
-             " ... Key/value cache is ND [nb, bs, Hkv, D] on A2/A3", "convention"),
+        Rule(
+            "reshape.shapes",
+            RESHAPE,
+            REFERENCE_MD,
+            "torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices) ... key and value are [T, Hkv, D]"
+            " ... Key/value cache is ND [nb, bs, Hkv, D] on A2/A3",
+            "convention",
+        ),
         Rule("reshape.slot_dtype", RESHAPE, REFERENCE_MD, "slot_mapping: int32", "convention"),
-        Rule("reshape.slots_valid", RESHAPE, OPS_DOC,
-             "slot_mapping的值范围[0,num_blocks*block_size-1]，且slot_mapping内的元素值保证不重复，重复时不保证正确性 "
-             "(the documented contract of the same write, npu_scatter_pa_kv_cache)", "undefined"),
+        Rule(
+            "reshape.slots_valid",
+            RESHAPE,
+            OPS_DOC,
+            "slot_mapping的值范围[0,num_blocks*block_size-1]，且slot_mapping内的元素值保证不重复，重复时不保证正确性 "
+            "(the documented contract of the same write, npu_scatter_pa_kv_cache)",
+            "undefined",
+        ),
         # -- npu_fused_infer_attention_score ------------------------------------------------------
-        Rule("fia.layout", FIA, OPS_DOC, "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 支持BSH、BSND、BNSD、BNSD_BSND、TND", "rejects"),
-        Rule("fia.contiguous", FIA, OPS_DOC, "query: ... 不支持非连续的Tensor ... key: ... 不支持非连续的Tensor", "rejects"),
-        Rule("fia.query_dtype", FIA, OPS_DOC, "query: Tensor类型, attention结构的Query输入, 数据类型支持float16、bfloat16、int8", "rejects"),
-        Rule("fia.kv_dtype", FIA, OPS_DOC, "page attention使能必要条件是block_table存在且有效 ... 支持key、value数据类型为float16、bfloat16、int8", "rejects"),
+        Rule(
+            "fia.layout",
+            FIA,
+            OPS_DOC,
+            "Atlas A2 训练系列产品/Atlas 800I A2 推理产品: 支持BSH、BSND、BNSD、BNSD_BSND、TND",
+            "rejects",
+        ),
+        Rule(
+            "fia.contiguous",
+            FIA,
+            OPS_DOC,
+            "query: ... 不支持非连续的Tensor ... key: ... 不支持非连续的Tensor",
+            "rejects",
+        ),
+        Rule(
+            "fia.query_dtype",
+            FIA,
+            OPS_DOC,
+            "query: Tensor类型, attention结构的Query输入, 数据类型支持float16、bfloat16、int8",
+            "rejects",
+        ),
+        Rule(
+            "fia.kv_dtype",
+            FIA,
+            OPS_DOC,
+            "page attention使能必要条件是block_table存在且有效 ... 支持key、value数据类型为float16、bfloat16、int8",
+            "rejects",
+        ),
         Rule("fia.kv_same_shape", FIA, OPS_DOC, "参数key、value中对应tensor的shape需要完全一致", "rejects"),
-        Rule("fia.seq_lengths_are_lists", FIA, OPS_DOC,
-             "SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None ... actual_seq_lengths: int类型数组", "rejects"),
-        Rule("fia.tnd_actual_seq_lengths", FIA, OPS_DOC,
-             "当query的input_layout为TND时, 该入参必须传入, 且以该入参元素的数量作为Batch值. 该入参中每个元素的值表示当前Batch与之前所有Batch的"
-             "seqlen和, 因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值.", "rejects"),
-        Rule("fia.actual_seq_lengths_bound", FIA, OPS_DOC, "限制: 该入参中每个batch的有效seqlen应该不大于query中对应batch的seqlen", "rejects"),
-        Rule("fia.pa_actual_seq_lengths_kv", FIA, OPS_DOC, "page attention场景下, 必须传入actual_seq_lengths_kv.", "rejects"),
-        Rule("fia.pa_kv_lengths_per_batch", FIA, OPS_DOC,
-             "在PA场景下, 其长度等于key/value的Batch值, 代表每个Batch的实际长度 ... 该参数应为非负数", "rejects"),
+        Rule(
+            "fia.seq_lengths_are_lists",
+            FIA,
+            OPS_DOC,
+            "SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None ... actual_seq_lengths: int类型数组",
+            "rejects",
+        ),
+        Rule(
+            "fia.tnd_actual_seq_lengths",
+            FIA,
+            OPS_DOC,
+            "当query的input_layout为TND时, 该入参必须传入, 且以该入参元素的数量作为Batch值. 该入参中每个元素的值表示当前Batch与之前所有Batch的"
+            "seqlen和, 因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值.",
+            "rejects",
+        ),
+        Rule(
+            "fia.actual_seq_lengths_bound",
+            FIA,
+            OPS_DOC,
+            "限制: 该入参中每个batch的有效seqlen应该不大于query中对应batch的seqlen",
+            "rejects",
+        ),
+        Rule(
+            "fia.pa_actual_seq_lengths_kv",
+            FIA,
+            OPS_DOC,
+            "page attention场景下, 必须传入actual_seq_lengths_kv.",
+            "rejects",
+        ),
+        Rule(
+            "fia.pa_kv_lengths_per_batch",
+            FIA,
+            OPS_DOC,
+            "在PA场景下, 其长度等于key/value的Batch值, 代表每个Batch的实际长度 ... 该参数应为非负数",
+            "rejects",
+        ),
         Rule("fia.block_table_dtype", FIA, OPS_DOC, "block_table: Tensor类型, 数据类型支持int32.", "rejects"),
-        Rule("fia.pa_block_table_shape", FIA, OPS_DOC,
-             "page attention场景下, block_table必须为二维, 第一维长度需等于B, 第二维长度不能小于maxBlockNumPerSeq", "rejects"),
-        Rule("fia.pfa_block_size", FIA, OPS_DOC,
-             "当Q_S大于1时: ... 在使能page attention场景下, block_size最小为128, 最大为512, 且要求是128的倍数.", "rejects"),
-        Rule("fia.ifa_block_size", FIA, OPS_DOC,
-             "当Q_S等于1时: ... block_size需要传入非0值，且最大不超过512, key、value输入类型为float16、bfloat16时需要16对齐, "
-             "key、value输入类型为int8时需要32对齐, 推荐使用128.", "rejects"),
-        Rule("fia.pa_kv_layout", FIA, OPS_DOC,
-             "当query的input_layout为BNSD、TND时, kv cache排布支持(blocknum, blocksize, H)和(blocknum, KV_N, blocksize, D)两种格式", "rejects"),
-        Rule("fia.pa_kv_dims", FIA, OPS_DOC,
-             "key、value是按照block_table中的索引在一片连续内存中排布 (the kernel addresses blocks with block_size, KV_N and D; "
-             "a cache whose axes disagree with them is read as some other layout)", "undefined"),
-        Rule("fia.bnbsh_hidden_limit", FIA, OPS_DOC,
-             "page attention场景下, 当输入kv cache排布格式为(blocknum, blocksize, H), 且KV_N*D超过65535时, 受硬件指令约束, 会被拦截报错.",
-             "rejects"),
-        Rule("fia.pa_num_blocks", FIA, OPS_DOC, "blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个batch的block数量之和.", "rejects"),
-        Rule("fia.block_ids", FIA, OPS_DOC, "block_table中填充的是blockid, 当前不会对blockid的合法性进行校验, 需用户自行保证.", "undefined"),
-        Rule("fia.gqa_heads", FIA, OPS_DOC,
-             "需要满足num_heads整除num_key_value_heads, num_heads与num_key_value_heads的比值不能大于64.", "rejects"),
-        Rule("fia.num_heads", FIA, OPS_DOC,
-             "num_heads: 整型, 代表query的head个数 ... 在BNSD场景下, 需要与shape中的query的N轴shape值相同, 否则执行异常. "
-             "(TND carries N in the shape just as BNSD does)", "undefined"),
+        Rule(
+            "fia.pa_block_table_shape",
+            FIA,
+            OPS_DOC,
+            "page attention场景下, block_table必须为二维, 第一维长度需等于B, 第二维长度不能小于maxBlockNumPerSeq",
+            "rejects",
+        ),
+        Rule(
+            "fia.pfa_block_size",
+            FIA,
+            OPS_DOC,
+            "当Q_S大于1时: ... 在使能page attention场景下, block_size最小为128, 最大为512, 且要求是128的倍数.",
+            "rejects",
+        ),
+        Rule(
+            "fia.ifa_block_size",
+            FIA,
+            OPS_DOC,
+            "当Q_S等于1时: ... block_size需要传入非0值，且最大不超过512, key、value输入类型为float16、bfloat16时需要16对齐, "
+            "key、value输入类型为int8时需要32对齐, 推荐使用128.",
+            "rejects",
+        ),
+        Rule(
+            "fia.pa_kv_layout",
+            FIA,
+            OPS_DOC,
+            "当query的input_layout为BNSD、TND时, kv cache排布支持(blocknum, blocksize, H)和(blocknum, KV_N, blocksize, D)两种格式",
+            "rejects",
+        ),
+        Rule(
+            "fia.pa_kv_dims",
+            FIA,
+            OPS_DOC,
+            "key、value是按照block_table中的索引在一片连续内存中排布 (the kernel addresses blocks with block_size, KV_N and D; "
+            "a cache whose axes disagree with them is read as some other layout)",
+            "undefined",
+        ),
+        Rule(
+            "fia.bnbsh_hidden_limit",
+            FIA,
+            OPS_DOC,
+            "page attention场景下, 当输入kv cache排布格式为(blocknum, blocksize, H), 且KV_N*D超过65535时, 受硬件指令约束, 会被拦截报错.",
+            "rejects",
+        ),
+        Rule(
+            "fia.pa_num_blocks",
+            FIA,
+            OPS_DOC,
+            "blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个batch的block数量之和.",
+            "rejects",
+        ),
+        Rule(
+            "fia.block_ids",
+            FIA,
+            OPS_DOC,
+            "block_table中填充的是blockid, 当前不会对blockid的合法性进行校验, 需用户自行保证.",
+            "undefined",
+        ),
+        Rule(
+            "fia.gqa_heads",
+            FIA,
+            OPS_DOC,
+            "需要满足num_heads整除num_key_value_heads, num_heads与num_key_value_heads的比值不能大于64.",
+            "rejects",
+        ),
+        Rule(
+            "fia.num_heads",
+            FIA,
+            OPS_DOC,
+            "num_heads: 整型, 代表query的head个数 ... 在BNSD场景下, 需要与shape中的query的N轴shape值相同, 否则执行异常. "
+            "(TND carries N in the shape just as BNSD does)",
+            "undefined",
+        ),
         Rule("fia.n_d_limits", FIA, OPS_DOC, "支持N轴小于等于256, 支持D轴小于等于512", "rejects"),
-        Rule("fia.pfa_d_alignment", FIA, OPS_DOC, "query、key、value输入类型包含int8时, D轴需要32对齐; 输入类型全为float16、bfloat16时, D轴需16对齐.", "rejects"),
-        Rule("fia.sparse_mode_values", FIA, OPS_DOC,
-             "当前仅支持取值0、1、2、3、4、9, 取值5、6、7、8(分别代表prefix、global、dilated、block_local)暂未实现, 请勿使用. ... "
-             "sparse_mode为9时, ... 仅MLA场景(query_rope和key_rope不为空)支持", "rejects"),
-        Rule("fia.tnd_sparse_modes", FIA, OPS_DOC,
-             "sparse模式仅支持sparse=0且不传mask, 或sparse=3且传入mask; ... sparse模式支持sparse_mode=4且传入mask", "rejects"),
-        Rule("fia.compressed_mask_shape", FIA, OPS_DOC,
-             "sparse_mode=2、3、4时, atten_mask的shape需要为(S, S)或(1, S, S)或(1, 1, S, S), 其中S的值需要固定为2048, "
-             "且需要用户保证传入的atten_mask为下三角, 不传入atten_mask或者传入的shape不正确报错.", "rejects"),
-        Rule("fia.mask_dtype", FIA, OPS_DOC, "atten_mask: Tensor类型, 对QK的结果进行mask, ... 数据类型支持bool、int8和uint8.", "rejects"),
-        Rule("fia.causal_mask_content", FIA, OPS_DOC,
-             "需要用户保证传入的atten_mask为下三角 ... (npu_incre_flash_attention: 取值为1代表该位不参与计算): the computed region is the "
-             "lower triangle, so the mask is 1 strictly above the diagonal", "undefined"),
-        Rule("fia.causal_query_fits_context", FIA, OPS_DOC,
-             "sparse_mode为3时, 代表rightDownCausal模式的mask, 对应以右顶点为划分的下三角场景 (a query longer than its context has "
-             "rows that see nothing)", "undefined"),
+        Rule(
+            "fia.pfa_d_alignment",
+            FIA,
+            OPS_DOC,
+            "query、key、value输入类型包含int8时, D轴需要32对齐; 输入类型全为float16、bfloat16时, D轴需16对齐.",
+            "rejects",
+        ),
+        Rule(
+            "fia.sparse_mode_values",
+            FIA,
+            OPS_DOC,
+            "当前仅支持取值0、1、2、3、4、9, 取值5、6、7、8(分别代表prefix、global、dilated、block_local)暂未实现, 请勿使用. ... "
+            "sparse_mode为9时, ... 仅MLA场景(query_rope和key_rope不为空)支持",
+            "rejects",
+        ),
+        Rule(
+            "fia.tnd_sparse_modes",
+            FIA,
+            OPS_DOC,
+            "sparse模式仅支持sparse=0且不传mask, 或sparse=3且传入mask; ... sparse模式支持sparse_mode=4且传入mask",
+            "rejects",
+        ),
+        Rule(
+            "fia.compressed_mask_shape",
+            FIA,
+            OPS_DOC,
+            "sparse_mode=2、3、4时, atten_mask的shape需要为(S, S)或(1, S, S)或(1, 1, S, S), 其中S的值需要固定为2048, "
+            "且需要用户保证传入的atten_mask为下三角, 不传入atten_mask或者传入的shape不正确报错.",
+            "rejects",
+        ),
+        Rule(
+            "fia.mask_dtype",
+            FIA,
+            OPS_DOC,
+            "atten_mask: Tensor类型, 对QK的结果进行mask, ... 数据类型支持bool、int8和uint8.",
+            "rejects",
+        ),
+        Rule(
+            "fia.causal_mask_content",
+            FIA,
+            OPS_DOC,
+            "需要用户保证传入的atten_mask为下三角 ... (npu_incre_flash_attention: 取值为1代表该位不参与计算): the computed region is the "
+            "lower triangle, so the mask is 1 strictly above the diagonal",
+            "undefined",
+        ),
+        Rule(
+            "fia.causal_query_fits_context",
+            FIA,
+            OPS_DOC,
+            "sparse_mode为3时, 代表rightDownCausal模式的mask, 对应以右顶点为划分的下三角场景 (a query longer than its context has "
+            "rows that see nothing)",
+            "undefined",
+        ),
         # -- _npu_paged_attention (ATB PagedAttentionOperation) ------------------------------------
-        Rule("pa.block_size_multiple", PA, ATB_DOC, "因硬件限制，block_size %16 == 0，推荐 block_size = 128。", "rejects"),
+        Rule(
+            "pa.block_size_multiple", PA, ATB_DOC, "因硬件限制，block_size %16 == 0，推荐 block_size = 128。", "rejects"
+        ),
         Rule("pa.block_size_max", PA, ATB_DOC, "因硬件限制，block_size <= 128。", "rejects"),
         Rule("pa.block_ids", PA, ATB_DOC, "block_tables中元素的值须在[0, num_blocks)之间。", "rejects"),
         Rule("pa.head_size", PA, ATB_DOC, "head_size范围为（0, 256]", "rejects"),
-        Rule("pa.query_dtype", PA, ATB_DOC, "query: Device Tensor, 各batch的query在num_tokens轴合并, 支持float16/bf16/int8", "rejects"),
-        Rule("pa.out", PA, ATB_DOC, "out: Device Tensor，经过计算输出的query。数据类型为float16/bf16，shape为[num_tokens, num_head, head_size_v]。",
-             "rejects"),
-        Rule("pa.gqa", PA, ATB_DOC, "若想使用GQA模式，需满足head_num > kv_head_num且head_num%kvhead_num == 0。", "rejects"),
-        Rule("pa.heads_given", PA, ATB_DOC,
-             "num_kv_heads: int类型，kv头数量。 num_heads: int类型，query头数量。此默认值不可用，用户需配置此项参数。", "undefined"),
-        Rule("pa.block_table", PA, ATB_DOC,
-             "block_table: Device Tensor, 每个query的kvcache的block table,第一维是token索引,第二维表示block索引。 支持int32,"
-             "shape为[num_tokens, max_num_blocks_per_query]", "rejects"),
-        Rule("pa.context_lens", PA, ATB_DOC,
-             "context_lens: ... 每个query对应的key/value的token数量(每个query对应的上下文长度)。 支持int32,shape为[batch] "
-             f"(a Tensor in _npu_paged_attention: {ATB_HEADER})", "rejects"),
-        Rule("pa.cache_layout", PA, ATB_DOC,
-             "key_cache: ... Atlas 800I A2 推理产品/Atlas A2 训练系列产品...：[num_blocks, block_size, kv_head_num, head_size_k],支持ND格式。",
-             "rejects"),
-        Rule("pa.context_fits_table", PA, ATB_DOC,
-             "block_table: ... 每个query的kvcache的block table (a context longer than its table row reads blocks it was not given)",
-             "undefined"),
+        Rule(
+            "pa.query_dtype",
+            PA,
+            ATB_DOC,
+            "query: Device Tensor, 各batch的query在num_tokens轴合并, 支持float16/bf16/int8",
+            "rejects",
+        ),
+        Rule(
+            "pa.out",
+            PA,
+            ATB_DOC,
+            "out: Device Tensor，经过计算输出的query。数据类型为float16/bf16，shape为[num_tokens, num_head, head_size_v]。",
+            "rejects",
+        ),
+        Rule(
+            "pa.gqa",
+            PA,
+            ATB_DOC,
+            "若想使用GQA模式，需满足head_num > kv_head_num且head_num%kvhead_num == 0。",
+            "rejects",
+        ),
+        Rule(
+            "pa.heads_given",
+            PA,
+            ATB_DOC,
+            "num_kv_heads: int类型，kv头数量。 num_heads: int类型，query头数量。此默认值不可用，用户需配置此项参数。",
+            "undefined",
+        ),
+        Rule(
+            "pa.block_table",
+            PA,
+            ATB_DOC,
+            "block_table: Device Tensor, 每个query的kvcache的block table,第一维是token索引,第二维表示block索引。 支持int32,"
+            "shape为[num_tokens, max_num_blocks_per_query]",
+            "rejects",
+        ),
+        Rule(
+            "pa.context_lens",
+            PA,
+            ATB_DOC,
+            "context_lens: ... 每个query对应的key/value的token数量(每个query对应的上下文长度)。 支持int32,shape为[batch] "
+            f"(a Tensor in _npu_paged_attention: {ATB_HEADER})",
+            "rejects",
+        ),
+        Rule(
+            "pa.cache_layout",
+            PA,
+            ATB_DOC,
+            "key_cache: ... Atlas 800I A2 推理产品/Atlas A2 训练系列产品...：[num_blocks, block_size, kv_head_num, head_size_k],支持ND格式。",
+            "rejects",
+        ),
+        Rule(
+            "pa.context_fits_table",
+            PA,
+            ATB_DOC,
+            "block_table: ... 每个query的kvcache的block table (a context longer than its table row reads blocks it was not given)",
+            "undefined",
+        ),
         # -- npu_gather_pa_kv_cache ---------------------------------------------------------------
         Rule("gather.block_tables", GATHER, REFERENCE_MD, "blockTables int32 [B, max_blocks]", "rejects"),
         Rule("gather.seq_lens", GATHER, REFERENCE_MD, "seqLens int32 [B] or cumsum [B+1]", "rejects"),
-        Rule("gather.outputs", GATHER, NATIVE_YAML,
-             "npu_gather_pa_kv_cache(Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor(a!) key, "
-             "Tensor(b!) value, ...) (key/value receive the sequences' tokens, concatenated)", "undefined"),
+        Rule(
+            "gather.outputs",
+            GATHER,
+            NATIVE_YAML,
+            "npu_gather_pa_kv_cache(Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor(a!) key, "
+            "Tensor(b!) value, ...) (key/value receive the sequences' tokens, concatenated)",
+            "undefined",
+        ),
         # -- atb.npu_paged_cache_load -------------------------------------------------------------
-        Rule("load.dtype", LOAD, ATB_DOC, "key_cache: Device Tensor, cache好的key, 支持float16/bf16/int8数据类型", "rejects"),
+        Rule(
+            "load.dtype",
+            LOAD,
+            ATB_DOC,
+            "key_cache: Device Tensor, cache好的key, 支持float16/bf16/int8数据类型",
+            "rejects",
+        ),
         Rule("load.alignment", LOAD, ATB_DOC, "key_cache的shape信息中num_heads*head_size_k 需要是32B对齐。", "rejects"),
-        Rule("load.block_table", LOAD, ATB_DOC, "block_table: Device Tensor, ... 支持int32数据类型,shape为[batch, block_indices]", "rejects"),
-        Rule("load.context_lens", LOAD, ATB_DOC,
-             "context_lens: Device Tensor, 支持shape为[batch]/[batch+1]，每个batch序列长度或每个batch序列长度的累加和，支持int32数据类型",
-             "rejects"),
+        Rule(
+            "load.block_table",
+            LOAD,
+            ATB_DOC,
+            "block_table: Device Tensor, ... 支持int32数据类型,shape为[batch, block_indices]",
+            "rejects",
+        ),
+        Rule(
+            "load.context_lens",
+            LOAD,
+            ATB_DOC,
+            "context_lens: Device Tensor, 支持shape为[batch]/[batch+1]，每个batch序列长度或每个batch序列长度的累加和，支持int32数据类型",
+            "rejects",
+        ),
         # -- torch_npu.npu.Event ------------------------------------------------------------------
-        Rule("event.enable_timing", "npu.Event", STREAMS_PY,
-             "enable_timing (bool, optional): indicates if the event should measure time (default: ``False``)", "rejects"),
+        Rule(
+            "event.enable_timing",
+            "npu.Event",
+            STREAMS_PY,
+            "enable_timing (bool, optional): indicates if the event should measure time (default: ``False``)",
+            "rejects",
+        ),
     ]
 }
 
@@ -205,7 +470,9 @@ class ContractViolation(RuntimeError):
 
     def __init__(self, rule_id: str, detail: str) -> None:
         self.rule = RULES[rule_id]
-        super().__init__(f"{self.rule.op}: {detail} [{rule_id}, {self.rule.effect}; {self.rule.source}: {self.rule.quote}]")
+        super().__init__(
+            f"{self.rule.op}: {detail} [{rule_id}, {self.rule.effect}; {self.rule.source}: {self.rule.quote}]"
+        )
 
 
 class NotModelled(NotImplementedError):
@@ -224,7 +491,9 @@ def _is_int_list(x: Any) -> bool:
 def _check_slots(slots: torch.Tensor, capacity: int, range_rule: str, unique_rule: str) -> None:
     if len(slots):
         lo, hi = int(slots.min()), int(slots.max())
-        _require(lo >= 0 and hi < capacity, range_rule, f"slots span [{lo}, {hi}], the cache holds slots [0, {capacity - 1}]")
+        _require(
+            lo >= 0 and hi < capacity, range_rule, f"slots span [{lo}, {hi}], the cache holds slots [0, {capacity - 1}]"
+        )
     _require(len(torch.unique(slots)) == len(slots), unique_rule, "slot_mapping repeats a slot")
 
 
@@ -258,38 +527,84 @@ class _Ops:
         cache_mode: str | None = "PA_NZ",
     ) -> None:
         self.calls.append(SCATTER)
-        tensors = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache, "slot_mapping": slot_mapping}
+        tensors = {
+            "key": key,
+            "value": value,
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "slot_mapping": slot_mapping,
+        }
         for name, t in tensors.items():
             _require(t.is_contiguous(), "scatter.contiguous", f"{name} is not contiguous")
-        _require(key.dtype == value.dtype == key_cache.dtype == value_cache.dtype, "scatter.same_dtype",
-                 f"dtypes key={key.dtype} value={value.dtype} key_cache={key_cache.dtype} value_cache={value_cache.dtype}")
-        _require(slot_mapping.dtype in (torch.int32, torch.int64), "scatter.slot_dtype", f"slot_mapping is {slot_mapping.dtype}")
-        _require(cache_mode in (None, "Norm", "PA_NZ"), "scatter.cache_mode", f"cache_mode={cache_mode!r} is not a documented value")
+        _require(
+            key.dtype == value.dtype == key_cache.dtype == value_cache.dtype,
+            "scatter.same_dtype",
+            f"dtypes key={key.dtype} value={value.dtype} key_cache={key_cache.dtype} value_cache={value_cache.dtype}",
+        )
+        _require(
+            slot_mapping.dtype in (torch.int32, torch.int64),
+            "scatter.slot_dtype",
+            f"slot_mapping is {slot_mapping.dtype}",
+        )
+        _require(
+            cache_mode in (None, "Norm", "PA_NZ"),
+            "scatter.cache_mode",
+            f"cache_mode={cache_mode!r} is not a documented value",
+        )
         # Tensors standing in for NPU ones are plain ND tensors: 'PA_NZ' (the default!) demands an NZ cache.
-        _require(cache_mode != "PA_NZ", "scatter.cache_mode", "cache_mode='PA_NZ' (the default) needs an NZ-format cache; these caches are ND")
-        _require(key_cache.dim() == 4 and value_cache.dim() == 4, "scatter.cache_rank",
-                 f"caches are {key_cache.dim()}-D and {value_cache.dim()}-D")
+        _require(
+            cache_mode != "PA_NZ",
+            "scatter.cache_mode",
+            "cache_mode='PA_NZ' (the default) needs an NZ-format cache; these caches are ND",
+        )
+        _require(
+            key_cache.dim() == 4 and value_cache.dim() == 4,
+            "scatter.cache_rank",
+            f"caches are {key_cache.dim()}-D and {value_cache.dim()}-D",
+        )
         if key.dim() == 4 or compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
             raise NotModelled("npu_scatter_pa_kv_cache scenario 3 (4-D key, compression) is not modelled")
-        _require(key.dim() == 3 and value.dim() == 3 and key.shape[:2] == value.shape[:2], "scatter.kv_leading_dims",
-                 f"key {tuple(key.shape)} and value {tuple(value.shape)}")
-        _require(key_cache.shape[:3] == value_cache.shape[:3] and key.shape[1:] == key_cache.shape[2:]
-                 and value.shape[1:] == value_cache.shape[2:] and tuple(slot_mapping.shape) == (key.shape[0],),
-                 "scatter.norm_shapes", f"key {tuple(key.shape)}, key_cache {tuple(key_cache.shape)}, value {tuple(value.shape)}, "
-                 f"value_cache {tuple(value_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
+        _require(
+            key.dim() == 3 and value.dim() == 3 and key.shape[:2] == value.shape[:2],
+            "scatter.kv_leading_dims",
+            f"key {tuple(key.shape)} and value {tuple(value.shape)}",
+        )
+        _require(
+            key_cache.shape[:3] == value_cache.shape[:3]
+            and key.shape[1:] == key_cache.shape[2:]
+            and value.shape[1:] == value_cache.shape[2:]
+            and tuple(slot_mapping.shape) == (key.shape[0],),
+            "scatter.norm_shapes",
+            f"key {tuple(key.shape)}, key_cache {tuple(key_cache.shape)}, value {tuple(value.shape)}, "
+            f"value_cache {tuple(value_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)}",
+        )
         _check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[1], "scatter.slot_range", "scatter.slot_unique")
         _write(key, value, key_cache, value_cache, slot_mapping)
 
     def _npu_reshape_and_cache(
-        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_indices: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_indices: torch.Tensor,
     ) -> None:
         self.calls.append(RESHAPE)
-        _require(key.dim() == 3 and key_cache.dim() == 4 and key.shape == value.shape and key_cache.shape == value_cache.shape
-                 and key.shape[1:] == key_cache.shape[2:] and tuple(slot_indices.shape) == (key.shape[0],), "reshape.shapes",
-                 f"key {tuple(key.shape)}, value {tuple(value.shape)}, key_cache {tuple(key_cache.shape)}, "
-                 f"slot_indices {tuple(slot_indices.shape)}")
+        _require(
+            key.dim() == 3
+            and key_cache.dim() == 4
+            and key.shape == value.shape
+            and key_cache.shape == value_cache.shape
+            and key.shape[1:] == key_cache.shape[2:]
+            and tuple(slot_indices.shape) == (key.shape[0],),
+            "reshape.shapes",
+            f"key {tuple(key.shape)}, value {tuple(value.shape)}, key_cache {tuple(key_cache.shape)}, "
+            f"slot_indices {tuple(slot_indices.shape)}",
+        )
         _require(slot_indices.dtype == torch.int32, "reshape.slot_dtype", f"slot_indices is {slot_indices.dtype}")
-        _check_slots(slot_indices, key_cache.shape[0] * key_cache.shape[1], "reshape.slots_valid", "reshape.slots_valid")
+        _check_slots(
+            slot_indices, key_cache.shape[0] * key_cache.shape[1], "reshape.slots_valid", "reshape.slots_valid"
+        )
         _write(key, value, key_cache, value_cache, slot_indices)
 
     # -- attention ----------------------------------------------------------------------------------
@@ -321,15 +636,22 @@ class _Ops:
         unknown = set(unmodelled) - set(FIA_UNMODELLED_ARGS)
         if unknown:
             raise TypeError(f"npu_fused_infer_attention_score() got unexpected keyword arguments {sorted(unknown)}")
-        given = {k: v for k, v in unmodelled.items() if v is not None and v is not False and v != 0}
+        given = sorted(
+            k for k, v in unmodelled.items() if v is not None and not (isinstance(v, (bool, int)) and v == 0)
+        )
         if given:
-            raise NotModelled(f"FIA arguments not modelled: {sorted(given)}")
-        _require(input_layout in ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND"), "fia.layout", f"input_layout={input_layout!r}")
+            raise NotModelled(f"FIA arguments not modelled: {given}")
+        _require(
+            input_layout in ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND"), "fia.layout", f"input_layout={input_layout!r}"
+        )
         for name, t in (("query", query), ("key", key), ("value", value), ("atten_mask", atten_mask)):
             _require(t is None or t.is_contiguous(), "fia.contiguous", f"{name} is not contiguous")
         _require(query.dtype in (*HALF_TYPES, torch.int8), "fia.query_dtype", f"query is {query.dtype}")
-        _require(key.dtype in (*HALF_TYPES, torch.int8) and value.dtype in (*HALF_TYPES, torch.int8), "fia.kv_dtype",
-                 f"key is {key.dtype}, value is {value.dtype}")
+        _require(
+            key.dtype in (*HALF_TYPES, torch.int8) and value.dtype in (*HALF_TYPES, torch.int8),
+            "fia.kv_dtype",
+            f"key is {key.dtype}, value is {value.dtype}",
+        )
         _require(key.shape == value.shape, "fia.kv_same_shape", f"key {tuple(key.shape)} vs value {tuple(value.shape)}")
         _require(sparse_mode in (0, 1, 2, 3, 4, 9), "fia.sparse_mode_values", f"sparse_mode={sparse_mode}")
         _require(sparse_mode != 9, "fia.sparse_mode_values", "sparse_mode=9 needs query_rope/key_rope (MLA)")
@@ -340,16 +662,29 @@ class _Ops:
         if query.dtype == torch.int8 or key.dtype != query.dtype or pse_shift is not None or softmax_lse_flag:
             raise NotModelled("FIA quantisation, mixed dtypes, pse_shift and softmax_lse are not modelled")
 
-        for name, lengths in (("actual_seq_lengths", actual_seq_lengths), ("actual_seq_lengths_kv", actual_seq_lengths_kv)):
-            _require(lengths is None or _is_int_list(lengths), "fia.seq_lengths_are_lists",
-                     f"{name} is a {type(lengths).__name__}, the schema takes a host int list")
-        _require(actual_seq_lengths is not None and len(actual_seq_lengths) > 0
-                 and all(a >= 0 for a in actual_seq_lengths)
-                 and all(b >= a for a, b in zip(actual_seq_lengths, actual_seq_lengths[1:])),
-                 "fia.tnd_actual_seq_lengths", f"actual_seq_lengths={actual_seq_lengths}")
+        for name, lengths in (
+            ("actual_seq_lengths", actual_seq_lengths),
+            ("actual_seq_lengths_kv", actual_seq_lengths_kv),
+        ):
+            _require(
+                lengths is None or _is_int_list(lengths),
+                "fia.seq_lengths_are_lists",
+                f"{name} is a {type(lengths).__name__}, the schema takes a host int list",
+            )
+        _require(
+            actual_seq_lengths is not None
+            and len(actual_seq_lengths) > 0
+            and all(a >= 0 for a in actual_seq_lengths)
+            and all(b >= a for a, b in zip(actual_seq_lengths, actual_seq_lengths[1:])),
+            "fia.tnd_actual_seq_lengths",
+            f"actual_seq_lengths={actual_seq_lengths}",
+        )
         assert actual_seq_lengths is not None
-        _require(actual_seq_lengths[-1] <= query.shape[0], "fia.actual_seq_lengths_bound",
-                 f"actual_seq_lengths ends at {actual_seq_lengths[-1]} but query has {query.shape[0]} rows")
+        _require(
+            actual_seq_lengths[-1] <= query.shape[0],
+            "fia.actual_seq_lengths_bound",
+            f"actual_seq_lengths ends at {actual_seq_lengths[-1]} but query has {query.shape[0]} rows",
+        )
         batch = len(actual_seq_lengths)
         q_lens = [b - a for a, b in zip([0, *actual_seq_lengths], actual_seq_lengths)]
         is_prompt = max(q_lens) > 1  # Q_S > 1 runs PromptFlashAttention, Q_S = 1 IncreFlashAttention
@@ -357,59 +692,100 @@ class _Ops:
         _require(actual_seq_lengths_kv is not None, "fia.pa_actual_seq_lengths_kv", "actual_seq_lengths_kv is missing")
         assert actual_seq_lengths_kv is not None
         kv_lens = list(actual_seq_lengths_kv)
-        _require(len(kv_lens) == batch and all(k >= 0 for k in kv_lens), "fia.pa_kv_lengths_per_batch",
-                 f"actual_seq_lengths_kv={kv_lens} for {batch} batches")
+        _require(
+            len(kv_lens) == batch and all(k >= 0 for k in kv_lens),
+            "fia.pa_kv_lengths_per_batch",
+            f"actual_seq_lengths_kv={kv_lens} for {batch} batches",
+        )
         _require(block_table.dtype == torch.int32, "fia.block_table_dtype", f"block_table is {block_table.dtype}")
-        max_blocks_needed = max(math.ceil(k / block_size) for k in kv_lens) if block_size > 0 else 0
-        _require(block_table.dim() == 2 and block_table.shape[0] == batch and block_table.shape[1] >= max_blocks_needed,
-                 "fia.pa_block_table_shape", f"block_table {tuple(block_table.shape)} for B={batch}, maxBlockNumPerSeq={max_blocks_needed}")
         if is_prompt:
-            _require(128 <= block_size <= 512 and block_size % 128 == 0, "fia.pfa_block_size",
-                     f"block_size={block_size} with a query of {max(q_lens)} tokens")
+            _require(
+                128 <= block_size <= 512 and block_size % 128 == 0,
+                "fia.pfa_block_size",
+                f"block_size={block_size} with a query of {max(q_lens)} tokens",
+            )
         else:
             _require(0 < block_size <= 512 and block_size % 16 == 0, "fia.ifa_block_size", f"block_size={block_size}")
+        max_blocks_needed = max(math.ceil(k / block_size) for k in kv_lens)
+        _require(
+            block_table.dim() == 2 and block_table.shape[0] == batch and block_table.shape[1] >= max_blocks_needed,
+            "fia.pa_block_table_shape",
+            f"block_table {tuple(block_table.shape)} for B={batch}, maxBlockNumPerSeq={max_blocks_needed}",
+        )
 
         num_kv_heads = num_key_value_heads or num_heads
-        _require(query.dim() == 3 and query.shape[1] == num_heads, "fia.num_heads",
-                 f"num_heads={num_heads} but query is {tuple(query.shape)}")
+        _require(
+            query.dim() == 3 and query.shape[1] == num_heads,
+            "fia.num_heads",
+            f"num_heads={num_heads} but query is {tuple(query.shape)}",
+        )
+        _require(
+            num_kv_heads > 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64,
+            "fia.gqa_heads",
+            f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}",
+        )
         head_size = query.shape[2]
-        _require(key.dim() in (3, 4), "fia.pa_kv_layout", f"key is {key.dim()}-D")
-        if key.dim() == 3:  # BnBsH
-            _require(key.shape[2] <= 65535, "fia.bnbsh_hidden_limit", f"KV_N*D = {key.shape[2]}")
-            _require(key.shape[1] == block_size and key.shape[2] == num_kv_heads * head_size, "fia.pa_kv_dims",
-                     f"key {tuple(key.shape)} is not (blocknum, {block_size}, {num_kv_heads}*{head_size})")
-            key_cache = key.view(key.shape[0], block_size, num_kv_heads, head_size)
-            value_cache = value.view(key_cache.shape)
-        else:  # BnNBsD
-            _require(key.shape[1] == num_kv_heads and key.shape[2] == block_size and key.shape[3] == head_size, "fia.pa_kv_dims",
-                     f"key {tuple(key.shape)} is not (blocknum, {num_kv_heads}, {block_size}, {head_size})")
-            key_cache, value_cache = key.transpose(1, 2), value.transpose(1, 2)
-        num_blocks = key.shape[0]
-        _require(num_blocks >= sum(math.ceil(k / block_size) for k in kv_lens), "fia.pa_num_blocks",
-                 f"{num_blocks} blocks cannot hold actual_seq_lengths_kv={kv_lens}")
-        _require(num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64, "fia.gqa_heads",
-                 f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}")
         _require(num_heads <= 256 and head_size <= 512, "fia.n_d_limits", f"N={num_heads}, D={head_size}")
         if is_prompt:
             _require(head_size % 16 == 0, "fia.pfa_d_alignment", f"D={head_size}")
 
+        _require(key.dim() in (3, 4), "fia.pa_kv_layout", f"key is {key.dim()}-D")
+        if key.dim() == 3:  # BnBsH
+            _require(key.shape[2] <= 65535, "fia.bnbsh_hidden_limit", f"KV_N*D = {key.shape[2]}")
+            _require(
+                key.shape[1] == block_size and key.shape[2] == num_kv_heads * head_size,
+                "fia.pa_kv_dims",
+                f"key {tuple(key.shape)} is not (blocknum, {block_size}, {num_kv_heads}*{head_size})",
+            )
+            key_cache = key.view(key.shape[0], block_size, num_kv_heads, head_size)
+            value_cache = value.view(key_cache.shape)
+        else:  # BnNBsD
+            _require(
+                key.shape[1] == num_kv_heads and key.shape[2] == block_size and key.shape[3] == head_size,
+                "fia.pa_kv_dims",
+                f"key {tuple(key.shape)} is not (blocknum, {num_kv_heads}, {block_size}, {head_size})",
+            )
+            key_cache, value_cache = key.transpose(1, 2), value.transpose(1, 2)
+        num_blocks = key.shape[0]
+        _require(
+            num_blocks >= sum(math.ceil(k / block_size) for k in kv_lens),
+            "fia.pa_num_blocks",
+            f"{num_blocks} blocks cannot hold actual_seq_lengths_kv={kv_lens}",
+        )
+
         _require(sparse_mode in (0, 3, 4), "fia.tnd_sparse_modes", f"sparse_mode={sparse_mode} with TND")
-        _require(sparse_mode != 0 or atten_mask is None, "fia.tnd_sparse_modes", "sparse_mode=0 with an atten_mask in TND")
+        _require(
+            sparse_mode != 0 or atten_mask is None, "fia.tnd_sparse_modes", "sparse_mode=0 with an atten_mask in TND"
+        )
         if sparse_mode in (2, 3, 4):
-            _require(atten_mask is not None and tuple(atten_mask.shape) in
-                     ((MASK_SIZE, MASK_SIZE), (1, MASK_SIZE, MASK_SIZE), (1, 1, MASK_SIZE, MASK_SIZE)),
-                     "fia.compressed_mask_shape", f"atten_mask {None if atten_mask is None else tuple(atten_mask.shape)}")
+            _require(
+                atten_mask is not None
+                and tuple(atten_mask.shape)
+                in ((MASK_SIZE, MASK_SIZE), (1, MASK_SIZE, MASK_SIZE), (1, 1, MASK_SIZE, MASK_SIZE)),
+                "fia.compressed_mask_shape",
+                f"atten_mask {None if atten_mask is None else tuple(atten_mask.shape)}",
+            )
         if atten_mask is not None:
-            _require(atten_mask.dtype in (torch.bool, torch.int8, torch.uint8), "fia.mask_dtype", f"atten_mask is {atten_mask.dtype}")
+            _require(
+                atten_mask.dtype in (torch.bool, torch.int8, torch.uint8),
+                "fia.mask_dtype",
+                f"atten_mask is {atten_mask.dtype}",
+            )
         if sparse_mode != 3:
             raise NotModelled(f"FIA sparse_mode={sparse_mode}: the stand-in models the causal mode 3")
         assert atten_mask is not None
         causal = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=atten_mask.device).triu(1)
-        _require(torch.equal(atten_mask.reshape(MASK_SIZE, MASK_SIZE).bool(), causal), "fia.causal_mask_content",
-                 "atten_mask is not 1 exactly above the diagonal")
-        _require(all(q <= k for q, k in zip(q_lens, kv_lens)), "fia.causal_query_fits_context",
-                 f"query lengths {q_lens} exceed context lengths {kv_lens}")
-        _check_block_ids(block_table, kv_lens, block_size, num_blocks, "fia.block_ids")
+        _require(
+            torch.equal(atten_mask.reshape(MASK_SIZE, MASK_SIZE).bool(), causal),
+            "fia.causal_mask_content",
+            "atten_mask is not 1 exactly above the diagonal",
+        )
+        _require(
+            all(q <= k for q, k in zip(q_lens, kv_lens)),
+            "fia.causal_query_fits_context",
+            f"query lengths {q_lens} exceed context lengths {kv_lens}",
+        )
+        _check_fia_block_ids(block_table, kv_lens, block_size, num_blocks)
 
         out = torch.zeros_like(query)
         rows = actual_seq_lengths[-1]
@@ -436,30 +812,57 @@ class _Ops:
         if query.dtype == torch.int8 or workspace is not None:
             raise NotModelled("_npu_paged_attention with int8 query or a workspace is not modelled")
         _require(query.dtype in HALF_TYPES, "pa.query_dtype", f"query is {query.dtype}")
-        _require(key_cache.dim() == 4 and value_cache.dim() == 4 and key_cache.shape[:3] == value_cache.shape[:3]
-                 and key_cache.shape[2] == num_kv_heads, "pa.cache_layout",
-                 f"key_cache {tuple(key_cache.shape)}, value_cache {tuple(value_cache.shape)}, num_kv_heads={num_kv_heads}")
+        _require(
+            key_cache.dim() == 4
+            and value_cache.dim() == 4
+            and key_cache.shape[:3] == value_cache.shape[:3]
+            and key_cache.shape[2] == num_kv_heads,
+            "pa.cache_layout",
+            f"key_cache {tuple(key_cache.shape)}, value_cache {tuple(value_cache.shape)}, num_kv_heads={num_kv_heads}",
+        )
         num_blocks, block_size, _, head_size = key_cache.shape
         _require(block_size % 16 == 0, "pa.block_size_multiple", f"block_size={block_size}")
         _require(block_size <= 128, "pa.block_size_max", f"block_size={block_size}")
         _require(0 < head_size <= 256, "pa.head_size", f"head_size={head_size}")
-        _require(num_heads > 0 and num_kv_heads > 0 and query.dim() == 3 and query.shape[1] == num_heads
-                 and query.shape[2] == head_size, "pa.heads_given",
-                 f"num_heads={num_heads}, num_kv_heads={num_kv_heads}, query {tuple(query.shape)}")
+        _require(
+            num_heads > 0
+            and num_kv_heads > 0
+            and query.dim() == 3
+            and query.shape[1] == num_heads
+            and query.shape[2] == head_size,
+            "pa.heads_given",
+            f"num_heads={num_heads}, num_kv_heads={num_kv_heads}, query {tuple(query.shape)}",
+        )
         _require(num_heads % num_kv_heads == 0, "pa.gqa", f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")
         num_tokens = query.shape[0]
-        _require(out.dtype in HALF_TYPES and tuple(out.shape) == (num_tokens, num_heads, value_cache.shape[3]), "pa.out",
-                 f"out {tuple(out.shape)} {out.dtype}")
-        _require(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == num_tokens,
-                 "pa.block_table", f"block_table {tuple(block_table.shape)} {block_table.dtype} for {num_tokens} tokens")
-        _require(isinstance(context_lens, torch.Tensor) and context_lens.dtype == torch.int32
-                 and tuple(context_lens.shape) == (num_tokens,), "pa.context_lens",
-                 f"context_lens {context_lens!r:.80}")
-        _require(int(block_table.min()) >= 0 and int(block_table.max()) < num_blocks, "pa.block_ids",
-                 f"block_table holds ids in [{int(block_table.min())}, {int(block_table.max())}], num_blocks={num_blocks}")
+        _require(
+            out.dtype in HALF_TYPES and tuple(out.shape) == (num_tokens, num_heads, value_cache.shape[3]),
+            "pa.out",
+            f"out {tuple(out.shape)} {out.dtype}",
+        )
+        _require(
+            block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == num_tokens,
+            "pa.block_table",
+            f"block_table {tuple(block_table.shape)} {block_table.dtype} for {num_tokens} tokens",
+        )
+        _require(
+            isinstance(context_lens, torch.Tensor)
+            and context_lens.dtype == torch.int32
+            and tuple(context_lens.shape) == (num_tokens,),
+            "pa.context_lens",
+            f"context_lens {context_lens!r:.80}",
+        )
+        _require(
+            int(block_table.min()) >= 0 and int(block_table.max()) < num_blocks,
+            "pa.block_ids",
+            f"block_table holds ids in [{int(block_table.min())}, {int(block_table.max())}], num_blocks={num_blocks}",
+        )
         lens = [int(c) for c in context_lens]
-        _require(all(0 < c <= block_table.shape[1] * block_size for c in lens), "pa.context_fits_table",
-                 f"context_lens {lens} with {block_table.shape[1]} blocks of {block_size} per row")
+        _require(
+            all(0 < c <= block_table.shape[1] * block_size for c in lens),
+            "pa.context_fits_table",
+            f"context_lens {lens} with {block_table.shape[1]} blocks of {block_size} per row",
+        )
         keys = torch.cat([_context(key_cache, block_table[t], lens[t], block_size) for t in range(num_tokens)])
         values = torch.cat([_context(value_cache, block_table[t], lens[t], block_size) for t in range(num_tokens)])
         out.copy_(dense_attention(query, keys, values, [1] * num_tokens, lens, scale_value))
@@ -480,16 +883,28 @@ class _Ops:
         self.calls.append(GATHER)
         if seq_offset is not None:
             raise NotModelled("npu_gather_pa_kv_cache seq_offset is not modelled")
-        _require(block_tables.dtype == torch.int32 and block_tables.dim() == 2, "gather.block_tables",
-                 f"block_tables {tuple(block_tables.shape)} {block_tables.dtype}")
+        _require(
+            block_tables.dtype == torch.int32 and block_tables.dim() == 2,
+            "gather.block_tables",
+            f"block_tables {tuple(block_tables.shape)} {block_tables.dtype}",
+        )
         batch = block_tables.shape[0]
-        _require(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == ((batch + 1,) if is_seq_lens_cumsum else (batch,)),
-                 "gather.seq_lens", f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}, is_seq_lens_cumsum={is_seq_lens_cumsum}")
+        _require(
+            seq_lens.dtype == torch.int32
+            and tuple(seq_lens.shape) == ((batch + 1,) if is_seq_lens_cumsum else (batch,)),
+            "gather.seq_lens",
+            f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}, is_seq_lens_cumsum={is_seq_lens_cumsum}",
+        )
         lens = (seq_lens.diff() if is_seq_lens_cumsum else seq_lens).tolist()
         keys, values = _gather(key_cache, value_cache, block_tables, lens)
-        _require(key.shape == keys.shape and value.shape == values.shape and key.dtype == key_cache.dtype
-                 and value.dtype == value_cache.dtype, "gather.outputs",
-                 f"key {tuple(key.shape)} {key.dtype} / value {tuple(value.shape)} for {sum(lens)} tokens of {tuple(keys.shape[1:])}")
+        _require(
+            key.shape == keys.shape
+            and value.shape == values.shape
+            and key.dtype == key_cache.dtype
+            and value.dtype == value_cache.dtype,
+            "gather.outputs",
+            f"key {tuple(key.shape)} {key.dtype} / value {tuple(value.shape)} for {sum(lens)} tokens of {tuple(keys.shape[1:])}",
+        )
         key.copy_(keys)
         value.copy_(values)
 
@@ -510,13 +925,22 @@ class _Ops:
             raise NotModelled("npu_paged_cache_load seq_starts is not modelled")
         for cache in (key_cache, value_cache):
             _require(cache.dtype in (*HALF_TYPES, torch.int8), "load.dtype", f"cache is {cache.dtype}")
-            _require(cache.shape[2] * cache.shape[3] * cache.element_size() % 32 == 0, "load.alignment",
-                     f"num_heads*head_size = {cache.shape[2]}*{cache.shape[3]} elements of {cache.element_size()} bytes")
-        _require(block_table.dtype == torch.int32 and block_table.dim() == 2, "load.block_table",
-                 f"block_table {tuple(block_table.shape)} {block_table.dtype}")
+            _require(
+                cache.shape[2] * cache.shape[3] * cache.element_size() % 32 == 0,
+                "load.alignment",
+                f"num_heads*head_size = {cache.shape[2]}*{cache.shape[3]} elements of {cache.element_size()} bytes",
+            )
+        _require(
+            block_table.dtype == torch.int32 and block_table.dim() == 2,
+            "load.block_table",
+            f"block_table {tuple(block_table.shape)} {block_table.dtype}",
+        )
         batch = block_table.shape[0]
-        _require(context_lens.dtype == torch.int32 and tuple(context_lens.shape) == ((batch + 1,) if cumsum else (batch,)),
-                 "load.context_lens", f"context_lens {tuple(context_lens.shape)} {context_lens.dtype}, cumsum={cumsum}")
+        _require(
+            context_lens.dtype == torch.int32 and tuple(context_lens.shape) == ((batch + 1,) if cumsum else (batch,)),
+            "load.context_lens",
+            f"context_lens {tuple(context_lens.shape)} {context_lens.dtype}, cumsum={cumsum}",
+        )
         lens = (context_lens.diff() if cumsum else context_lens).tolist()
         keys, values = _gather(key_cache, value_cache, block_table, lens)
         if key is None or value is None:
@@ -526,21 +950,28 @@ class _Ops:
         return key, value
 
 
-def _write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def _write(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     key_cache.view(-1, *key_cache.shape[2:])[slots.long()] = key
     value_cache.view(-1, *value_cache.shape[2:])[slots.long()] = value
 
 
-def _check_block_ids(table: torch.Tensor, lens: Sequence[int], block_size: int, num_blocks: int, rule_id: str) -> None:
+def _check_fia_block_ids(table: torch.Tensor, lens: Sequence[int], block_size: int, num_blocks: int) -> None:
     """Only the entries a sequence's length reaches are read, so only those must be real blocks."""
     for b, length in enumerate(lens):
         used = table[b, : math.ceil(length / block_size)]
         if len(used):
-            _require(int(used.min()) >= 0 and int(used.max()) < num_blocks, rule_id,
-                     f"sequence {b} reads block ids {used.tolist()}, num_blocks={num_blocks}")
+            _require(
+                int(used.min()) >= 0 and int(used.max()) < num_blocks,
+                "fia.block_ids",
+                f"sequence {b} reads block ids {used.tolist()}, num_blocks={num_blocks}",
+            )
 
 
-def _gather(key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor, lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor, lens: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     block_size = key_cache.shape[1]
     keys = [_context(key_cache, table[b], n, block_size) for b, n in enumerate(lens)]
     values = [_context(value_cache, table[b], n, block_size) for b, n in enumerate(lens)]
@@ -560,9 +991,12 @@ class _Event:
     def synchronize(self) -> None:
         """Host work is done when it returns: nothing to wait for."""
 
-    def elapsed_time(self, end_event: "_Event") -> float:
-        _require(self.enable_timing and end_event.enable_timing, "event.enable_timing",
-                 "elapsed_time between events created without enable_timing=True")
+    def elapsed_time(self, end_event: _Event) -> float:
+        _require(
+            self.enable_timing and end_event.enable_timing,
+            "event.enable_timing",
+            "elapsed_time between events created without enable_timing=True",
+        )
         if self._time is None or end_event._time is None:
             raise RuntimeError("elapsed_time needs both events recorded")
         return (end_event._time - self._time) * 1e3

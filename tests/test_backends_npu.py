@@ -1,0 +1,206 @@
+"""The npu backend on the strict torch_npu stand-in: the ops it picks, the arguments it passes, the results.
+
+The stand-in computes with the dense reference, so agreement here checks what the backend controls:
+which op runs, and the layouts, lengths, tables and masks it hands over, against each op's contract.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from realexec.backends import BackendUnavailable, get_backend  # noqa: E402
+from realexec.backends.npu import NpuBackend, import_torch_npu  # noqa: E402
+from realexec.backends.testing import load_case, random_case  # noqa: E402
+from realexec.backends.torch_npu_standin import ContractViolation, make_torch_npu_standin  # noqa: E402
+
+SCENARIOS = {
+    "prefill": ([13, 40], [13, 40]),
+    "chunked_prefill": ([24, 9], [170, 259]),
+    "decode": ([1] * 8, [1, 5, 17, 33, 64, 100, 129, 300]),
+    "mixed": ([30, 1, 1, 12, 1], [30, 90, 7, 140, 300]),
+}
+
+
+@pytest.fixture
+def standin():
+    return make_torch_npu_standin()
+
+
+@pytest.fixture
+def backend(standin):
+    return NpuBackend("cpu", torch_npu_module=standin)
+
+
+def run_case(
+    backend,
+    standin,
+    query_lens,
+    seq_lens,
+    *,
+    block_size=128,
+    dtype=torch.bfloat16,
+    num_heads=4,
+    num_kv_heads=2,
+    head_size=64,
+    slot_dtype=torch.int32,
+):
+    case = random_case(
+        query_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        slot_dtype=slot_dtype,
+    )
+    key_cache, value_cache = load_case(backend, case)
+    standin.calls.clear()
+    out = backend.attention(case.query, key_cache, value_cache, case.meta, case.scale)
+    torch.testing.assert_close(out, case.expected(), atol=1e-6, rtol=0)
+    return list(standin.calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_attention_matches_reference_through_the_documented_ops(backend, standin, scenario, dtype) -> None:
+    calls = run_case(backend, standin, *SCENARIOS[scenario], dtype=dtype)
+    expected_op = "_npu_paged_attention" if scenario == "decode" else "npu_fused_infer_attention_score"
+    assert calls == [expected_op]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 4, 64), (8, 1, 128), (16, 2, 128)])
+def test_grouped_query_heads(backend, standin, num_heads, num_kv_heads, head_size) -> None:
+    for scenario in ("mixed", "decode"):
+        run_case(
+            backend, standin, *SCENARIOS[scenario], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size
+        )
+
+
+def test_decode_with_blocks_larger_than_paged_attention_takes_goes_through_fia(backend, standin) -> None:
+    assert run_case(backend, standin, *SCENARIOS["decode"], block_size=256) == ["npu_fused_infer_attention_score"]
+
+
+def test_writes_use_scatter_in_norm_mode_with_int32_slots(backend, standin) -> None:
+    """Metadata may carry int64 slots; the op is still given int32, and the ND cache mode."""
+    run_case(backend, standin, *SCENARIOS["mixed"], slot_dtype=torch.int64)
+    key_cache, value_cache = backend.allocate_kv_cache(1, 2, 128, 2, 64, torch.float16)[0]
+    standin.calls.clear()
+    backend.write_kv(
+        torch.ones(3, 2, 64, dtype=torch.float16),
+        torch.ones(3, 2, 64, dtype=torch.float16),
+        key_cache,
+        value_cache,
+        torch.tensor([5, 130, 7]),
+    )
+    assert standin.calls == ["npu_scatter_pa_kv_cache"]
+    assert key_cache.view(-1, 2, 64)[[5, 130, 7]].eq(1).all() and int(key_cache.count_nonzero()) == 3 * 2 * 64
+
+
+def test_versions_without_scatter_or_gather_fall_back_to_atb_ops(standin) -> None:
+    del standin.npu_scatter_pa_kv_cache
+    del standin.npu_gather_pa_kv_cache
+    backend = NpuBackend("cpu", torch_npu_module=standin)
+    assert (backend.write_op, backend.gather_op) == ("_npu_reshape_and_cache", "atb.npu_paged_cache_load")
+    case = random_case([4, 1], [4, 150], num_heads=4, num_kv_heads=2, head_size=64, block_size=128, dtype=torch.float16)
+    key_cache, value_cache = load_case(backend, case)
+    key, value = backend.gather_kv(key_cache, value_cache, case.meta.block_tables, case.meta.seq_lens)
+    assert torch.equal(key, case.key) and torch.equal(value, case.value)
+    assert set(standin.calls) == {"_npu_reshape_and_cache", "atb.npu_paged_cache_load"}
+
+
+def test_gather_kv_uses_the_gather_op(backend, standin) -> None:
+    case = random_case(
+        [3, 1], [3, 200], num_heads=4, num_kv_heads=2, head_size=64, block_size=128, dtype=torch.bfloat16
+    )
+    key_cache, value_cache = load_case(backend, case)
+    standin.calls.clear()
+    key, value = backend.gather_kv(key_cache, value_cache, case.meta.block_tables, case.meta.seq_lens.long())
+    assert standin.calls == ["npu_gather_pa_kv_cache"]
+    assert torch.equal(key, case.key) and torch.equal(value, case.value)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 640])
+def test_block_sizes_fia_cannot_prefill_with_are_refused_at_allocation(backend, block_size) -> None:
+    with pytest.raises(ValueError, match="multiple of 128 in \\[128, 512\\]"):
+        backend.allocate_kv_cache(1, 4, block_size, 2, 64, torch.float16)
+
+
+def test_block_size_16_is_what_the_stand_in_would_reject_in_prefill(standin) -> None:
+    """The allocation check mirrors the op: FIA itself refuses a 16-token block for a multi-token query."""
+    backend = NpuBackend("cpu", torch_npu_module=standin)
+    case = random_case(
+        [5], [5], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float16, slot_dtype=torch.int32
+    )
+    key_cache = torch.zeros(case.num_blocks, 16, 2, 64, dtype=torch.float16)
+    value_cache = torch.zeros_like(key_cache)
+    backend.write_kv(case.key, case.value, key_cache, value_cache, case.meta.slot_mapping)
+    with pytest.raises(ContractViolation) as err:
+        backend.attention(case.query, key_cache, value_cache, case.meta, case.scale)
+    assert err.value.rule.id == "fia.pfa_block_size"
+
+
+def test_fp32_caches_are_refused(backend) -> None:
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        backend.allocate_kv_cache(1, 4, 128, 2, 64, torch.float32)
+
+
+def test_copy_and_swap_blocks(backend) -> None:
+    device = backend.allocate_kv_cache(1, 4, 128, 2, 64, torch.float16)
+    host = backend.allocate_host_cache(1, 4, 128, 2, 64, torch.float16)
+    assert not host[0][0].is_pinned()  # nothing to pin for on a host standing in for the NPU
+    device[0][0][1].fill_(3)
+    backend.copy_blocks(device, [(1, 2)])
+    backend.swap(device, host, [(2, 0)])
+    assert host[0][0][0].eq(3).all() and device[0][0][2].eq(3).all()
+
+
+def test_synchronize_timing_and_memory_go_through_torch_npu(backend, standin, monkeypatch) -> None:
+    backend.synchronize()
+    assert standin.calls == ["npu.synchronize"]
+    result, seconds = backend.elapsed(lambda: sum(range(1000)))
+    assert result == 499500 and 0 <= seconds < 1
+    monkeypatch.setattr(standin.npu, "memory_allocated", lambda device=None: 12345 if device == backend.device else -1)
+    assert backend.memory_in_use() == 12345
+
+
+def test_factory_uses_an_injected_torch_npu(monkeypatch, standin) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", standin)
+    backend = get_backend("npu", "cpu")
+    assert isinstance(backend, NpuBackend) and backend.torch_npu is standin
+
+
+def test_missing_torch_npu_is_one_line(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` raise ModuleNotFoundError
+    with pytest.raises(BackendUnavailable) as err:
+        import_torch_npu()
+    assert str(err.value).startswith("npu backend unavailable: torch_npu is not installed (pip install torch-npu==")
+    assert "\n" not in str(err.value)
+
+
+def test_torch_npu_without_cann_is_one_line(monkeypatch, tmp_path) -> None:
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text(
+        "raise OSError('libhccl.so: cannot open shared object file: No such file or directory\\nmore detail')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    with pytest.raises(BackendUnavailable) as err:
+        get_backend("npu")
+    message = str(err.value)
+    assert message.startswith(
+        "npu backend unavailable: torch_npu failed to import (libhccl.so: cannot open shared object file"
+    )
+    assert "set_env.sh" in message and "\n" not in message
+
+
+def test_no_visible_device_is_one_line(standin, monkeypatch) -> None:
+    monkeypatch.setattr(standin.npu, "is_available", lambda: False)
+    with pytest.raises(
+        BackendUnavailable, match="^npu backend unavailable: torch_npu imported but sees no NPU device$"
+    ):
+        NpuBackend("cpu", torch_npu_module=standin)

@@ -1,0 +1,412 @@
+"""The torch_npu stand-in: each documented rule is broken once and rejected; correct calls compute the reference.
+
+Every case starts from a call the stand-in accepts and changes one thing. ``test_every_rule_is_exercised``
+keeps the table of cases and the table of rules in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from realexec.backends.cpu import CpuBackend  # noqa: E402
+from realexec.backends.testing import PagedCase, load_case, random_case  # noqa: E402
+from realexec.backends.torch_npu_standin import (  # noqa: E402
+    RULES,
+    ContractViolation,
+    NotModelled,
+    make_torch_npu_standin,
+)
+
+H, HKV, D, BS = 4, 2, 64, 128
+MASK = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+
+@dataclass
+class Call:
+    """An op name and its arguments; ``run`` invokes it on a fresh stand-in."""
+
+    op: str
+    args: dict
+
+    def run(self):
+        standin = make_torch_npu_standin()
+        target = standin.atb if self.op.startswith("atb.") else standin
+        return getattr(target, self.op.removeprefix("atb."))(**self.args)
+
+
+def _loaded(query_lens, seq_lens, dtype=torch.float16, block_size=BS) -> tuple[PagedCase, torch.Tensor, torch.Tensor]:
+    case = random_case(
+        query_lens,
+        seq_lens,
+        num_heads=H,
+        num_kv_heads=HKV,
+        head_size=D,
+        block_size=block_size,
+        dtype=dtype,
+        slot_dtype=torch.int32,
+    )
+    key_cache, value_cache = load_case(CpuBackend(), case)  # the caches' ND layout does not depend on the writer
+    return case, key_cache, value_cache
+
+
+def fia(decode: bool = False, **changes) -> Call:
+    """A valid FIA call: TND query, BnBsH cache view, int32 block table, causal sparse mode 3."""
+    case, kc, vc = _loaded([1, 1] if decode else [3, 1], [3, 130])
+    nb = kc.shape[0]
+    args = dict(
+        query=case.query,
+        key=kc.view(nb, BS, -1),
+        value=vc.view(nb, BS, -1),
+        atten_mask=MASK,
+        block_table=case.meta.block_tables,
+        input_layout="TND",
+        block_size=BS,
+        actual_seq_lengths=[1, 2] if decode else [3, 4],
+        actual_seq_lengths_kv=[3, 130],
+        num_key_value_heads=HKV,
+        num_heads=H,
+        scale=case.scale,
+        sparse_mode=3,
+    )
+    return Call("npu_fused_infer_attention_score", args | changes)
+
+
+def pa(**changes) -> Call:
+    case, kc, vc = _loaded([1, 1, 1], [5, 130, 40])
+    args = dict(
+        query=case.query,
+        key_cache=kc,
+        value_cache=vc,
+        num_kv_heads=HKV,
+        num_heads=H,
+        scale_value=case.scale,
+        block_table=case.meta.block_tables,
+        context_lens=torch.tensor([5, 130, 40], dtype=torch.int32),
+        out=torch.empty_like(case.query),
+    )
+    return Call("_npu_paged_attention", args | changes)
+
+
+def scatter(**changes) -> Call:
+    key = torch.randn(3, HKV, D).half()
+    args = dict(
+        key=key,
+        value=key + 1,
+        key_cache=torch.zeros(2, BS, HKV, D, dtype=torch.float16),
+        value_cache=torch.zeros(2, BS, HKV, D, dtype=torch.float16),
+        slot_mapping=torch.tensor([4, 200, 17], dtype=torch.int32),
+        cache_mode="Norm",
+    )
+    return Call("npu_scatter_pa_kv_cache", args | changes)
+
+
+def reshape(**changes) -> Call:
+    args = scatter().args
+    args["slot_indices"] = args.pop("slot_mapping")
+    del args["cache_mode"]
+    return Call("_npu_reshape_and_cache", args | changes)
+
+
+def gather(**changes) -> Call:
+    case, kc, vc = _loaded([1, 1], [3, 130])
+    args = dict(
+        key_cache=kc,
+        value_cache=vc,
+        block_tables=case.meta.block_tables,
+        seq_lens=case.meta.seq_lens,
+        key=torch.empty(133, HKV, D, dtype=torch.float16),
+        value=torch.empty(133, HKV, D, dtype=torch.float16),
+    )
+    return Call("npu_gather_pa_kv_cache", args | changes)
+
+
+def load(**changes) -> Call:
+    args = gather().args
+    args = dict(
+        key_cache=args["key_cache"],
+        value_cache=args["value_cache"],
+        block_table=args["block_tables"],
+        context_lens=args["seq_lens"],
+    )
+    return Call("atb.npu_paged_cache_load", args | changes)
+
+
+def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def _with(make: Callable[..., Call], edit: Callable[[dict], dict]) -> Callable[[], Call]:
+    """A case whose arguments depend on the valid ones."""
+    return lambda: Call(make().op, edit(make().args))
+
+
+def _key_value(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], dict]:
+    return lambda a: a | {"key": edit(a["key"]), "value": edit(a["value"])}
+
+
+def _caches(shape, dtype=torch.float16) -> dict:
+    return {"key_cache": torch.zeros(shape, dtype=dtype), "value_cache": torch.zeros(shape, dtype=dtype)}
+
+
+BAD_TABLE = torch.tensor([[0, 99], [1, 2], [3, 0]], dtype=torch.int32)
+
+VIOLATIONS: list[tuple[str, Callable[[], Call]]] = [
+    # npu_scatter_pa_kv_cache
+    ("scatter.contiguous", _with(scatter, lambda a: a | {"key": _noncontiguous(a["key"])})),
+    ("scatter.same_dtype", _with(scatter, lambda a: a | {"key": a["key"].bfloat16()})),
+    ("scatter.slot_dtype", _with(scatter, lambda a: a | {"slot_mapping": a["slot_mapping"].short()})),
+    (
+        "scatter.cache_mode",
+        _with(scatter, lambda a: {k: v for k, v in a.items() if k != "cache_mode"}),
+    ),  # default 'PA_NZ'
+    ("scatter.cache_mode", lambda: scatter(cache_mode="ND")),
+    (
+        "scatter.cache_rank",
+        _with(
+            scatter,
+            lambda a: (
+                a | {"key_cache": a["key_cache"].view(2, BS, -1), "value_cache": a["value_cache"].view(2, BS, -1)}
+            ),
+        ),
+    ),
+    ("scatter.kv_leading_dims", _with(scatter, lambda a: a | {"value": a["value"][:2]})),
+    ("scatter.norm_shapes", _with(scatter, lambda a: a | {"slot_mapping": a["slot_mapping"][:2]})),
+    ("scatter.norm_shapes", lambda: scatter(key=torch.zeros(3, 1, D).half(), value=torch.zeros(3, 1, D).half())),
+    ("scatter.slot_range", lambda: scatter(slot_mapping=torch.tensor([4, 256, 17], dtype=torch.int32))),
+    ("scatter.slot_range", lambda: scatter(slot_mapping=torch.tensor([4, -1, 17], dtype=torch.int32))),
+    ("scatter.slot_unique", lambda: scatter(slot_mapping=torch.tensor([4, 17, 4], dtype=torch.int32))),
+    # _npu_reshape_and_cache
+    ("reshape.shapes", _with(reshape, lambda a: a | {"key": a["key"].flatten(1), "value": a["value"].flatten(1)})),
+    ("reshape.slot_dtype", _with(reshape, lambda a: a | {"slot_indices": a["slot_indices"].long()})),
+    ("reshape.slots_valid", lambda: reshape(slot_indices=torch.tensor([4, 4, 17], dtype=torch.int32))),
+    ("reshape.slots_valid", lambda: reshape(slot_indices=torch.tensor([4, 999, 17], dtype=torch.int32))),
+    # npu_fused_infer_attention_score
+    ("fia.layout", lambda: fia(input_layout="THD")),
+    ("fia.contiguous", _with(fia, lambda a: a | {"query": _noncontiguous(a["query"])})),
+    ("fia.query_dtype", _with(fia, lambda a: a | {"query": a["query"].float()})),
+    ("fia.kv_dtype", _with(fia, _key_value(lambda t: t.float()))),
+    ("fia.kv_same_shape", _with(fia, lambda a: a | {"value": a["value"][:-1]})),
+    ("fia.seq_lengths_are_lists", lambda: fia(actual_seq_lengths=torch.tensor([3, 4]))),
+    ("fia.seq_lengths_are_lists", lambda: fia(actual_seq_lengths_kv=torch.tensor([3, 130], dtype=torch.int32))),
+    ("fia.tnd_actual_seq_lengths", lambda: fia(actual_seq_lengths=None)),
+    ("fia.tnd_actual_seq_lengths", lambda: fia(actual_seq_lengths=[3, 1])),  # per-sequence, not cumulative
+    ("fia.actual_seq_lengths_bound", lambda: fia(actual_seq_lengths=[3, 9])),
+    ("fia.pa_actual_seq_lengths_kv", lambda: fia(actual_seq_lengths_kv=None)),
+    ("fia.pa_kv_lengths_per_batch", lambda: fia(actual_seq_lengths_kv=[133])),
+    ("fia.pa_kv_lengths_per_batch", lambda: fia(actual_seq_lengths_kv=[-1, 130])),
+    ("fia.block_table_dtype", _with(fia, lambda a: a | {"block_table": a["block_table"].long()})),
+    ("fia.pa_block_table_shape", _with(fia, lambda a: a | {"block_table": a["block_table"][:1]})),
+    ("fia.pa_block_table_shape", _with(fia, lambda a: a | {"block_table": a["block_table"][:, :1].contiguous()})),
+    ("fia.pfa_block_size", lambda: fia(block_size=64)),
+    ("fia.pfa_block_size", lambda: fia(block_size=16)),
+    ("fia.ifa_block_size", lambda: fia(decode=True, block_size=24)),
+    ("fia.ifa_block_size", lambda: fia(decode=True, block_size=1024)),
+    ("fia.pa_kv_layout", _with(fia, _key_value(lambda t: t.view(t.shape[0], BS, HKV, D, 1)))),
+    ("fia.pa_kv_dims", _with(fia, _key_value(lambda t: t.view(t.shape[0], BS, HKV, D)))),  # ND passed as BnNBsD
+    ("fia.pa_kv_dims", lambda: fia(num_key_value_heads=1)),
+    (
+        "fia.bnbsh_hidden_limit",
+        lambda: fia(
+            query=torch.zeros(4, 129, 512, dtype=torch.float16),
+            num_heads=129,
+            num_key_value_heads=129,
+            key=torch.zeros(1, BS, 129 * 512, dtype=torch.float16),
+            value=torch.zeros(1, BS, 129 * 512, dtype=torch.float16),
+        ),
+    ),
+    ("fia.pa_num_blocks", _with(fia, _key_value(lambda t: t[:2]))),
+    ("fia.block_ids", _with(fia, lambda a: a | {"block_table": torch.tensor([[0, 0], [5, 60]], dtype=torch.int32)})),
+    ("fia.gqa_heads", lambda: fia(num_key_value_heads=3)),
+    ("fia.gqa_heads", lambda: fia(query=torch.zeros(4, 130, D, dtype=torch.float16), num_heads=130)),
+    ("fia.num_heads", lambda: fia(num_heads=8)),
+    (
+        "fia.n_d_limits",
+        lambda: fia(query=torch.zeros(4, 258, D, dtype=torch.float16), num_heads=258, num_key_value_heads=258),
+    ),
+    ("fia.n_d_limits", lambda: fia(query=torch.zeros(4, H, 528, dtype=torch.float16))),
+    ("fia.pfa_d_alignment", lambda: fia(query=torch.zeros(4, H, 72, dtype=torch.float16))),
+    ("fia.sparse_mode_values", lambda: fia(sparse_mode=5)),
+    ("fia.sparse_mode_values", lambda: fia(sparse_mode=9)),
+    ("fia.tnd_sparse_modes", lambda: fia(sparse_mode=1)),
+    ("fia.tnd_sparse_modes", lambda: fia(sparse_mode=0)),  # a mask without a sparse mode to read it
+    ("fia.compressed_mask_shape", lambda: fia(atten_mask=None)),
+    ("fia.compressed_mask_shape", lambda: fia(atten_mask=MASK[:1024, :1024].contiguous())),
+    ("fia.mask_dtype", lambda: fia(atten_mask=MASK.half())),
+    ("fia.causal_mask_content", lambda: fia(atten_mask=~MASK)),  # True = attend is the wrong way round
+    ("fia.causal_query_fits_context", lambda: fia(actual_seq_lengths_kv=[2, 130])),
+    # _npu_paged_attention
+    ("pa.block_size_multiple", lambda: pa(**_caches((8, 24, HKV, D)))),
+    ("pa.block_size_max", lambda: pa(**_caches((8, 256, HKV, D)))),
+    ("pa.block_ids", lambda: pa(block_table=BAD_TABLE)),
+    ("pa.head_size", lambda: pa(query=torch.zeros(3, H, 320, dtype=torch.float16), **_caches((8, BS, HKV, 320)))),
+    ("pa.query_dtype", _with(pa, lambda a: a | {"query": a["query"].float()})),
+    ("pa.out", _with(pa, lambda a: a | {"out": a["out"].float()})),
+    ("pa.out", _with(pa, lambda a: a | {"out": a["out"][:2]})),
+    ("pa.gqa", lambda: pa(num_kv_heads=3, **_caches((8, BS, 3, D)))),
+    ("pa.heads_given", lambda: pa(num_heads=8)),
+    ("pa.block_table", _with(pa, lambda a: a | {"block_table": a["block_table"].long()})),
+    ("pa.block_table", _with(pa, lambda a: a | {"block_table": a["block_table"][:2]})),
+    ("pa.context_lens", lambda: pa(context_lens=[5, 130, 40])),
+    ("pa.context_lens", lambda: pa(context_lens=torch.tensor([5, 130, 40]))),
+    (
+        "pa.cache_layout",
+        _with(pa, lambda a: a | {"key_cache": a["key_cache"].flatten(2), "value_cache": a["value_cache"].flatten(2)}),
+    ),
+    ("pa.cache_layout", lambda: pa(num_kv_heads=1)),
+    ("pa.context_fits_table", lambda: pa(context_lens=torch.tensor([5, 500, 40], dtype=torch.int32))),
+    ("pa.context_fits_table", lambda: pa(context_lens=torch.tensor([0, 130, 40], dtype=torch.int32))),
+    # npu_gather_pa_kv_cache
+    ("gather.block_tables", _with(gather, lambda a: a | {"block_tables": a["block_tables"].long()})),
+    ("gather.seq_lens", _with(gather, lambda a: a | {"seq_lens": a["seq_lens"].long()})),
+    ("gather.seq_lens", lambda: gather(is_seq_lens_cumsum=True)),  # [B] given where [B+1] is meant
+    ("gather.outputs", lambda: gather(key=torch.empty(130, HKV, D, dtype=torch.float16))),
+    ("gather.outputs", lambda: gather(value=torch.empty(133, HKV, D, dtype=torch.float32))),
+    # atb.npu_paged_cache_load
+    (
+        "load.dtype",
+        _with(load, lambda a: a | {"key_cache": a["key_cache"].float(), "value_cache": a["value_cache"].float()}),
+    ),
+    ("load.alignment", lambda: load(**_caches((4, BS, 1, 8)))),
+    ("load.block_table", _with(load, lambda a: a | {"block_table": a["block_table"].long()})),
+    ("load.context_lens", _with(load, lambda a: a | {"context_lens": a["context_lens"].long()})),
+    ("load.context_lens", _with(load, lambda a: a | {"context_lens": a["context_lens"][:1]})),
+]
+
+
+def _case_id(case: tuple[str, Callable]) -> str:
+    return case[0]
+
+
+@pytest.mark.parametrize("rule_id,make", VIOLATIONS, ids=[_case_id(c) for c in VIOLATIONS])
+def test_each_documented_misuse_is_rejected(rule_id: str, make: Callable[[], Call]) -> None:
+    call = make()
+    with pytest.raises(ContractViolation) as err:
+        call.run()
+    assert err.value.rule.id == rule_id, str(err.value)
+    assert RULES[rule_id].quote in str(err.value) and RULES[rule_id].source in str(err.value)
+
+
+def test_event_timing_needs_enable_timing() -> None:
+    npu = make_torch_npu_standin().npu
+    start, end = npu.Event(), npu.Event()
+    start.record()
+    end.record()
+    with pytest.raises(ContractViolation) as err:
+        start.elapsed_time(end)
+    assert err.value.rule.id == "event.enable_timing"
+    timed = npu.Event(enable_timing=True), npu.Event(enable_timing=True)
+    timed[0].record()
+    timed[1].record()
+    assert timed[0].elapsed_time(timed[1]) >= 0
+
+
+def test_every_rule_is_exercised() -> None:
+    assert {rule_id for rule_id, _ in VIOLATIONS} | {"event.enable_timing"} == set(RULES)
+
+
+def test_rules_cite_their_sources() -> None:
+    for rule in RULES.values():
+        assert rule.effect in ("rejects", "undefined", "convention")
+        assert rule.quote and rule.source.endswith((".py", ".md", ".yaml", ".h"))
+
+
+# -- correct calls are accepted and computed ----------------------------------------------------------
+
+
+def test_fia_mixed_batch_computes_the_reference() -> None:
+    out, lse = fia().run()
+    case, _, _ = _loaded([3, 1], [3, 130])  # the same seeded case fia() was built from
+    assert lse.shape == (1,)
+    torch.testing.assert_close(out, case.expected(), atol=0, rtol=0)
+
+
+def test_fia_decode_accepts_16_token_blocks() -> None:
+    """IFA's rule (16-aligned, at most 512) is looser than PFA's (multiple of 128)."""
+    case, kc, vc = _loaded([1, 1], [3, 40], block_size=16)
+    nb = kc.shape[0]
+    out, _ = Call(
+        "npu_fused_infer_attention_score",
+        fia(decode=True).args
+        | dict(
+            query=case.query,
+            key=kc.view(nb, 16, -1),
+            value=vc.view(nb, 16, -1),
+            block_table=case.meta.block_tables,
+            block_size=16,
+            actual_seq_lengths_kv=[3, 40],
+        ),
+    ).run()
+    torch.testing.assert_close(out, case.expected(), atol=0, rtol=0)
+
+
+def test_fia_reads_the_bnnbsd_layout_too() -> None:
+    call = fia()
+    nb = call.args["key"].shape[0]
+    head_major = {k: call.args[k].view(nb, BS, HKV, D).transpose(1, 2).contiguous() for k in ("key", "value")}
+    out, _ = Call(call.op, call.args | head_major).run()
+    torch.testing.assert_close(out, call.run()[0], atol=0, rtol=0)
+
+
+def test_paged_attention_and_gathers_compute_the_reference() -> None:
+    call = pa()
+    call.run()
+    case, _, _ = _loaded([1, 1, 1], [5, 130, 40])
+    torch.testing.assert_close(call.args["out"], case.expected(), atol=0, rtol=0)
+
+    g = gather()
+    g.run()
+    case, _, _ = _loaded([1, 1], [3, 130])
+    assert torch.equal(g.args["key"], case.key) and torch.equal(g.args["value"], case.value)
+    cumsum = gather(seq_lens=torch.tensor([0, 3, 133], dtype=torch.int32), is_seq_lens_cumsum=True)
+    cumsum.run()
+    assert torch.equal(cumsum.args["key"], case.key)
+
+    key, value = load().run()
+    assert torch.equal(key, case.key) and torch.equal(value, case.value)
+    key, _ = load(context_lens=torch.tensor([0, 3, 133], dtype=torch.int32), cumsum=True).run()
+    assert torch.equal(key, case.key)
+
+
+def test_writes_land_at_their_slots() -> None:
+    for call in (scatter(), reshape(), scatter(slot_mapping=torch.tensor([4, 200, 17]))):
+        call.run()
+        slots = call.args.get("slot_mapping", call.args.get("slot_indices")).long()
+        assert torch.equal(call.args["key_cache"].view(-1, HKV, D)[slots], call.args["key"])
+        assert torch.equal(call.args["value_cache"].view(-1, HKV, D)[slots], call.args["value"])
+        assert int(call.args["key_cache"].count_nonzero()) == int(call.args["key"].count_nonzero())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fia(input_layout="BSH"),
+        lambda: fia(block_table=None),
+        lambda: fia(sparse_mode=4),
+        lambda: fia(antiquant_scale=torch.ones(2)),
+        lambda: fia(softmax_lse_flag=True),
+        lambda: scatter(seq_lens=torch.tensor([3], dtype=torch.int32)),
+        lambda: gather(seq_offset=torch.zeros(2, dtype=torch.int32)),
+        lambda: load(seq_starts=torch.zeros(2, dtype=torch.int32)),
+    ],
+)
+def test_documented_but_unmodelled_features_refuse_to_compute(make) -> None:
+    with pytest.raises(NotModelled):
+        make().run()
+
+
+def test_unknown_keyword_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        fia(scale_value=0.1).run()  # the pre-2.x name of ``scale``
+
+
+def test_calls_are_recorded_in_order() -> None:
+    standin = make_torch_npu_standin()
+    args = scatter().args
+    standin.npu_scatter_pa_kv_cache(**args)
+    standin.npu.synchronize()
+    assert standin.calls == ["npu_scatter_pa_kv_cache", "npu.synchronize"]
