@@ -179,7 +179,8 @@ class EngineCore:
             limit = self.policy.admission_limit(cfg.max_num_seqs)
             self._seats_taken = sum(self._seats(r) for r in self.running)
             self._admit_swapped(plan, now, limit)
-            self._admit_waiting(now, limit)
+            if not self.swapped:  # a swapped request that cannot come back yet holds the line
+                self._admit_waiting(now, limit)
         if not self._scheduled and not self.running and not self.swapped and self.waiting:
             self._reject_unschedulable(plan, now)
 
