@@ -120,7 +120,7 @@ def _plan_field(plan: dict | None, name: str, limit: int = 40) -> str:
     value = plan.get(name, [])
     if name == "entries":
         lines = [
-            f"{rid}: {'prefill' if kind == 'p' else 'decode'} [{first}, {first + num})" + (" samples" if samples else "")
+            f"{rid}: {'prefill' if kind == 'p' else 'decode'} [{first}, {first + num})" + (", samples a token" if samples else "")
             for rid, first, num, kind, samples in value
         ]
     elif name == "block_tables":
@@ -222,8 +222,9 @@ def step_scatter(pairs: dict[str, np.ndarray]) -> go.Figure:
         hi = float(max(measured[positive].max(), predicted[positive].max()))
         fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="y = x", line={"color": "black", "dash": "dash"}))
     thinned = " (at most %d points per kind; extremes kept)" % MAX_POINTS if len(measured) > MAX_POINTS else ""
-    fig = styled(fig, "Per-step duration, predicted (sim) vs measured (real)" + thinned, height=560,
+    fig = styled(fig, "Per-step duration, predicted (sim) vs measured (real)" + thinned, height=640,
                  xaxis_title="measured step time (s)", yaxis_title="predicted step time (s)")
+    fig.update_layout(width=900)  # near-square, so y = x runs at 45 degrees
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log", scaleanchor="x", scaleratio=1)
     return fig
