@@ -1,0 +1,1 @@
+"""Self-contained plotly HTML reports read from run directories: cross-validation and policy comparison."""

@@ -279,14 +279,14 @@ def _memory_section(page: Page, memory: dict, runs: dict[str, Run]) -> None:
         data = series_data(steps["start_s"], {"kv_used": steps["kv_used"]})
         fig.add_trace(go.Scatter(x=np.asarray(data["t_kv_used"]), y=np.asarray(data["kv_used"]), mode="lines", name=f"{name} ({run.num_blocks} blocks)",
                                  line={"color": RUN_COLORS[name], "shape": "hv"}))
-    page.figure(styled(fig, "KV blocks in use over time", height=420, xaxis_title="time since the first arrival (s)",
+    page.figure(styled(fig, "KV blocks in use over time", height=420, xaxis_title="time (s)",
                        yaxis_title="KV blocks in use"))
     rows = []
     for key, label in (("kv_pool_bytes", "KV pool"), ("peak_device_bytes", "peak device memory")):
         if key in memory:
             m = memory[key]
-            rows.append([label, _gib(m.get("predicted")), _gib(m.get("measured")), _pct(m.get("rel_error"))])
-    page.table(["memory", "predicted (GiB)", "measured (GiB)", "relative error"], rows)
+            rows.append([label, _bytes(m.get("predicted")), _bytes(m.get("measured")), _pct(m.get("rel_error"))])
+    page.table(["memory", "predicted", "measured", "relative error"], rows)
     rows = []
     for key, label in (("peak_kv_blocks_used", "peak KV blocks in use"), ("preemptions", "preemptions")):
         if key in memory:
@@ -310,5 +310,10 @@ def _ms(value) -> Cell:
     return Cell("n/a" if value is None else f"{1e3 * value:.3f}")
 
 
-def _gib(value) -> Cell:
-    return Cell("n/a" if value is None else f"{value / 2**30:.3f}")
+def _bytes(value) -> Cell:
+    if value is None:
+        return Cell("n/a")
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if value >= 1024**power:
+            return Cell(f"{value / 1024**power:.4g} {unit}")
+    return Cell(f"{value:,} B")

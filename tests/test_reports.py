@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from plotly.offline import get_plotlyjs
 
 from policies.plan import expand_decision_log
 from reports.compare import Slo, slo_attainment, write_compare_report
@@ -422,3 +423,9 @@ def test_reports_render_in_headless_chromium(runs, validation_dir, tmp_path):
     result = render_check(html_path, tmp_path / "compare.png")
     assert result.ok, str(result)
     assert result.drawn == result.figures == 5
+    # the same page loading plotly.js from a CDN draws nothing here: the check sees it
+    cdn = tmp_path / "cdn.html"
+    inline = f'<script type="text/javascript">{get_plotlyjs()}</script>'
+    cdn.write_text(html_path.read_text().replace(inline, '<script src="https://cdn.plot.ly/plotly-3.0.1.min.js"></script>'))
+    broken = render_check(cdn, tmp_path / "cdn.png")
+    assert broken.figures == 5 and broken.drawn == 0 and not broken.ok
