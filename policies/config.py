@@ -21,6 +21,10 @@ class EngineConfig:
     watermark: float = 0.0  # fraction of blocks admission keeps free for running requests
     max_waiting: int = 0  # waiting-queue cap; 0 = unbounded (beyond it: rejected "queue_full")
     long_prefill_token_threshold: int = 0  # cap on one request's tokens per step; 0 = none
+    # Ascend's npu_fused_infer_attention_score rejects a batch whose sum over sequences of
+    # ceil(seq_len / block_size) exceeds the cache's block count, even when prefix sharing
+    # makes the distinct blocks fewer. On, a step never schedules such a batch.
+    batch_blocks_within_pool: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -173,6 +173,7 @@ class EngineCore:
         self._pending_rejections = []
         self._budget = cfg.max_num_batched_tokens
         self._scheduled: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, new tokens), in order
+        self._batch_blocks = 0  # sum of scheduled requests' table lengths (see batch_blocks_within_pool)
 
         preempted = self._schedule_running(plan)
         if not preempted and self.policy.admission_open(len(self.running)):
@@ -206,7 +207,7 @@ class EngineCore:
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
             num_new = self._num_new_tokens(request)
-            if num_new == 0:
+            if num_new == 0 or not self._within_kernel_block_limit(request.num_computed_tokens + num_new):
                 continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.policy.pick_victim(self.running)
@@ -214,15 +215,25 @@ class EngineCore:
                 preempted_any = True
                 if victim is request:
                     return True
-            self._scheduled[request.seq_id] = (request, num_new)
-            self._budget -= num_new
+            self._schedule(request, num_new)
         return preempted_any
+
+    def _schedule(self, request: Request, num_new: int) -> None:
+        self._scheduled[request.seq_id] = (request, num_new)
+        self._budget -= num_new
+        self._batch_blocks += -(-(request.num_computed_tokens + num_new) // self.config.block_size)
+
+    def _within_kernel_block_limit(self, tokens_after: int) -> bool:
+        if not self.config.batch_blocks_within_pool:
+            return True
+        return self._batch_blocks + -(-tokens_after // self.config.block_size) <= self.config.num_blocks
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         self.running.remove(victim)
         taken = self._scheduled.pop(victim.seq_id, None)
         if taken is not None:
             self._budget += taken[1]
+            self._batch_blocks -= -(-(victim.num_computed_tokens + taken[1]) // self.config.block_size)
         # A victim whose copy-on-write is still pending this step has a block whose content
         # does not exist yet: swapping it out would save garbage, so it is recomputed instead.
         cow_pending = self.kv.discard_pending_copies(victim)
@@ -254,7 +265,7 @@ class EngineCore:
             host_blocks = self.kv.swap_in_blocks_needed(request)
             tokens_after = request.num_computed_tokens + num_new
             growth = max(0, -(-tokens_after // self.config.block_size) - host_blocks)
-            if num_new == 0 or not self._room_for(host_blocks + growth):
+            if num_new == 0 or not self._room_for(host_blocks + growth) or not self._within_kernel_block_limit(tokens_after):
                 return
             pairs = self.kv.swap_in(request)
             if pairs is None or not self.kv.allocate_slots(request, num_new):
@@ -270,7 +281,7 @@ class EngineCore:
                 break
             num_hit = self.kv.lookup(request)
             num_new = self._num_new_tokens(request, num_hit)
-            if num_new == 0:
+            if num_new == 0 or not self._within_kernel_block_limit(num_hit + num_new):
                 break
             if not self._room_for(self.kv.blocks_needed(request, num_new, num_hit)):
                 break
@@ -300,8 +311,7 @@ class EngineCore:
         self._seats_taken += self._seats(request)
         request.status = Status.RUNNING
         self.running.append(request)
-        self._scheduled[request.seq_id] = (request, num_new)
-        self._budget -= num_new
+        self._schedule(request, num_new)
 
     def _reject_unschedulable(self, plan: StepPlan, now: float) -> None:
         """Nothing runs and nothing can be admitted: the head of the policy's queue can never run."""
@@ -413,6 +423,8 @@ class EngineCore:
         growth is certain when the pool covers it (``run_decode_stretch`` checks).
         """
         if not self._macro_step_safe or not self.running or self.swapped or self._pending_rejections:
+            return 0
+        if self.config.batch_blocks_within_pool:  # growth could cross the kernel's limit mid-stretch
             return 0
         if self.kv.has_pending_copies():  # e.g. a contiguous fork's copies go out with the next plan
             return 0

@@ -35,9 +35,15 @@ REAL_DEFAULTS = RunConfig(
 )
 
 
+def for_backend(config: RunConfig, backend_name: str) -> RunConfig:
+    """The config as the backend's kernels require it (the npu's FIA limits a batch's block sum)."""
+    return config.updated(batch_blocks_within_pool=True) if backend_name == "npu" else config
+
+
 def execute_run(config: RunConfig, backend_name: str, out_dir: Path | None, *, weights: Path | None = None,
                 check: bool = False, progress: bool = False):
     """Run ``config`` on a real backend; returns (SimRun, summary). Shared by execute and validate."""
+    config = for_backend(config, backend_name)
     resolved = resolve(config)
     trace = load_run_trace(config)
     backend = get_backend(backend_name)

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from realexec.calibration import calibrated_profile
-from realexec.cli import REAL_DEFAULTS, execute_run
+from realexec.cli import REAL_DEFAULTS, execute_run, for_backend
 from realexec.validation import Thresholds, compare_decisions, validate_runs
 from sim.cli_options import run_config_from, run_options
 from sim.cost_model import CostModel, CostModelTimer
@@ -61,6 +61,7 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, out_dir: 
 def cross_validate(config, trace, backend: str, profile_path: Path, out_dir: Path, thresholds: Thresholds,
                    progress: bool = False) -> dict:
     """The three runs (real, replay, free simulation) and their comparison; writes validation.json."""
+    config = for_backend(config, backend)
     real, real_summary = execute_run(config, backend, out_dir / "real", progress=progress)
 
     sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))

@@ -13,18 +13,26 @@ from realexec.backends.reference import dense_attention
 from realexec.model import Attend, DecoderModel
 
 
-def causal_attend(model: DecoderModel, seq_len: int) -> Attend:
-    """``attend`` for one whole sequence of ``seq_len`` tokens: each attends to itself and its past."""
-    return lambda _layer, q, k, v: dense_attention(q, k, v, [seq_len], [seq_len], model.scale)
+def causal_attend(model: DecoderModel, seq_len: int, kv_dtype: torch.dtype | None = None) -> Attend:
+    """``attend`` for one whole sequence of ``seq_len`` tokens: each attends to itself and its past.
+
+    With ``kv_dtype``, q, k and v are first rounded to it, as a paged run stores its cache.
+    """
+    def attend(_layer, q, k, v):
+        if kv_dtype is not None:
+            q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
+        return dense_attention(q, k, v, [seq_len], [seq_len], model.scale)
+
+    return attend
 
 
-def dense_generate(model: DecoderModel, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """The ``num_tokens`` tokens greedy decoding appends to ``prompt_ids``."""
+def dense_generate(model: DecoderModel, prompt_ids: list[int], num_tokens: int, kv_dtype: torch.dtype | None = None) -> list[int]:
+    """The ``num_tokens`` tokens greedy decoding appends to ``prompt_ids`` (attention inputs in ``kv_dtype``)."""
     tokens = list(prompt_ids)
     with torch.inference_mode():
         for _ in range(num_tokens):
             ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
             positions = torch.arange(len(tokens), device=model.device)
-            hidden = model.forward(ids, positions, causal_attend(model, len(tokens)))
+            hidden = model.forward(ids, positions, causal_attend(model, len(tokens), kv_dtype))
             tokens.append(int(model.logits(hidden[-1:]).argmax(dim=-1)))
     return tokens[len(prompt_ids) :]

@@ -46,6 +46,7 @@ class RunConfig:
     watermark: float = 0.0
     max_waiting: int = 0
     long_prefill_token_threshold: int = 0
+    batch_blocks_within_pool: bool = False  # Ascend FIA's limit (policies.config); execute/validate set it for npu
     seed: int = 0
     exact: bool = False
 
@@ -125,6 +126,7 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         watermark=config.watermark,
         max_waiting=config.max_waiting,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
+        batch_blocks_within_pool=config.batch_blocks_within_pool,
     )
     return ResolvedRun(config, model, device, memory, engine_config)
 
