@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from policies.plan import PlanEntry, StepPlan  # noqa: E402
 from policies.request import Request  # noqa: E402
+from realexec.backends import get_backend  # noqa: E402
 from realexec.executor import Executor  # noqa: E402
 from realexec.prompts import prompt_tokens  # noqa: E402
 from realexec.reference import dense_generate  # noqa: E402
@@ -24,14 +25,6 @@ from sim.step_timer import StepTiming  # noqa: E402
 TINY = load_model("tiny")
 BS = 16  # block size
 SEED = 0
-
-
-def cpu_backend():
-    try:
-        from realexec.backends import get_backend
-    except ImportError as exc:
-        pytest.skip(f"the cpu kernel backend is not available yet ({exc})")
-    return get_backend("cpu")
 
 
 def plan(step: int, entries: list[tuple[str, int, int, bool]], tables: dict[str, list[int]], **moves) -> StepPlan:
@@ -84,7 +77,7 @@ class Scenario:
 
 @pytest.fixture
 def sc() -> Scenario:
-    return Scenario(Executor(TINY, cpu_backend(), num_blocks=64, block_size=BS, num_host_blocks=16, seed=SEED, check=True))
+    return Scenario(Executor(TINY, get_backend("cpu"), num_blocks=64, block_size=BS, num_host_blocks=16, seed=SEED, check=True))
 
 
 def test_prefill_then_decodes(sc: Scenario) -> None:
@@ -93,6 +86,7 @@ def test_prefill_then_decodes(sc: Scenario) -> None:
     timing = sc.run([("a", 0, 45, True)])
     assert timing.duration_s == pytest.approx(timing.device_s + timing.host_s)
     assert timing.device_s > 0 and timing.host_s > 0 and set(timing.operators) == {"forward"}
+    assert timing.memory_bytes == sum(k.nbytes + v.nbytes for k, v in sc.ex.kv_caches)  # the cpu backend counts its KV pool
     sc.decode(["a"], 9)  # crosses into a 4th block at position 48
     assert len(sc.tables["a"]) == 4
     assert sc.ex.tokens("a") == dense_generate(sc.ex.model, prompt, 10)
