@@ -28,9 +28,24 @@ Roofs: *matrix* = ``matrix_flops[activation dtype]``, *vector* = ``vector_flops`
 - ``sampling`` (vector, HBM; fp32 softmax and draw): ``5 S V | 12 S V | 3 [S]``
 - ``block_copy`` (HBM; read + write): ``- | 2 copy_blocks block_bytes | 2 L [copy_blocks]``
 - ``swap`` (host): ``- | swap_blocks block_bytes | 2 L [swap_blocks]``
+- ``host_step`` (``call_s`` = ``step_s``): ``- | - | [num_seqs]``
+- ``host_seq`` (``call_s`` = ``seq_s``): ``- | - | num_seqs``
+
+The two host terms are what a step costs beyond its kernels' rooflines: building the input
+tensors, launching, reading the sampled tokens back, and per-step planning in Python, once per
+step and once per sequence (a sequence's tokens, positions and block-table row). Per-token
+host work is left out: beside a token's GEMM work it is a fraction of a percent on every
+device measured. Profiles without them (the bundled roofline estimates) cost them at 0;
+``kvsim profile`` measures them.
 
 Mixed batches count one attention launch per layer for each of prefill and decode, as separate
 kernels would. Small block sizes cost through ``paged_gather``: more blocks for the same tokens.
+
+Under the device's ``padded_attention`` (kernels that run each of the decode and prefill groups
+as one dense batch, like kvsim's portable PyTorch path), attention does the padded work instead:
+``attn_pairs``, ``prefill_ctx_tokens``, ``decode_ctx_tokens`` and ``blocks_touched`` are replaced
+by their ``padded_`` counterparts, every sequence of a group counted at the group's longest query
+and context, in whole blocks.
 
 ``predict`` sums every operator except ``swap``: swap traffic crosses the host link and the simulator
 accounts for it separately through :meth:`CostModel.swap_time`. Block copies (copy-on-write) are part
@@ -77,6 +92,12 @@ class StepFeatures:
     blocks_touched: Num  # sum over entries of ceil(context after the step / block_size)
     copy_blocks: Num  # copy-on-write block copies
     swap_blocks: Num  # blocks moved between device and host (in + out)
+    # The same work as a kernel does that pads each group (prefill, decode) to its longest entry:
+    # with B entries, longest query Q and longest context W blocks of size bs,
+    padded_attn_pairs: Num  # prefill: B Q W bs
+    padded_prefill_ctx_tokens: Num  # prefill: B W bs
+    padded_decode_ctx_tokens: Num  # decode: B W bs
+    padded_blocks_touched: Num  # both groups: B W
 
 
 class OperatorWork(NamedTuple):
@@ -108,6 +129,16 @@ def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
             values["decode_ctx_tokens"] += end
     values["copy_blocks"] = float(len(plan.copies))
     values["swap_blocks"] = float(len(plan.swap_in) + len(plan.swap_out))
+    for is_prefill in (True, False):
+        group = [e for e in plan.entries if e.is_prefill == is_prefill]
+        if group:
+            blocks = max(-(-e.end_position // block_size) for e in group)
+            values["padded_blocks_touched"] += len(group) * blocks
+            if is_prefill:
+                values["padded_prefill_ctx_tokens"] = len(group) * blocks * block_size
+                values["padded_attn_pairs"] = len(group) * max(e.num_tokens for e in group) * blocks * block_size
+            else:
+                values["padded_decode_ctx_tokens"] = len(group) * blocks * block_size
     return StepFeatures(**{k: float(v) for k, v in values.items()})
 
 
@@ -163,6 +194,11 @@ class CostModel:
         m, L, a, w, c = self.model, self._L, self._a, self._w, self._kv_token_layer
         q, kv, h, vocab = m.q_size, m.kv_size, m.hidden_size, m.vocab_size
         T, S = f.num_tokens, f.num_sampled
+        if self.device.padded_attention:
+            pairs, prefill_ctx, decode_ctx = f.padded_attn_pairs, f.padded_prefill_ctx_tokens, f.padded_decode_ctx_tokens
+            blocks = f.padded_blocks_touched
+        else:
+            pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
         return {
             "gemm": OperatorWork(
                 flops=2 * T * L * self._layer_matmul_params,
@@ -174,16 +210,16 @@ class CostModel:
             ),
             "kv_write": OperatorWork(flops=0.0, bytes=T * L * (2 * kv * a + c), calls=L * _on(T)),
             "attn_prefill": OperatorWork(
-                flops=4 * q * L * f.attn_pairs,
-                bytes=L * (f.prefill_ctx_tokens * c + 2 * q * a * f.prefill_tokens),
+                flops=4 * q * L * pairs,
+                bytes=L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens),
                 calls=L * _on(f.prefill_tokens),
             ),
             "attn_decode": OperatorWork(
-                flops=4 * q * L * f.decode_ctx_tokens,
-                bytes=L * (f.decode_ctx_tokens * c + 2 * q * a * f.decode_seqs),
+                flops=4 * q * L * decode_ctx,
+                bytes=L * (decode_ctx * c + 2 * q * a * f.decode_seqs),
                 calls=L * _on(f.decode_seqs),
             ),
-            "paged_gather": OperatorWork(flops=0.0, bytes=0.0, calls=L * f.blocks_touched),
+            "paged_gather": OperatorWork(flops=0.0, bytes=0.0, calls=L * blocks),
             "lm_head": OperatorWork(
                 flops=2 * S * h * vocab, bytes=_on(S) * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), calls=_on(S)
             ),
@@ -196,6 +232,8 @@ class CostModel:
                 flops=0.0, bytes=2 * f.copy_blocks * self._block_bytes, calls=2 * L * _on(f.copy_blocks)
             ),
             "swap": OperatorWork(flops=0.0, bytes=f.swap_blocks * self._block_bytes, calls=2 * L * _on(f.swap_blocks)),
+            "host_step": OperatorWork(flops=0.0, bytes=0.0, calls=_on(f.num_seqs)),
+            "host_seq": OperatorWork(flops=0.0, bytes=0.0, calls=f.num_seqs),
         }
 
     # --- time ------------------------------------------------------------------------------
@@ -237,6 +275,7 @@ class CostModel:
             return np.zeros(num_steps)
         n = float(ctx.size)
         after = np.arange(1, num_steps + 1, dtype=np.int64)  # step i reads context_lens + after[i]
+        longest = -(-(int(ctx.max()) + after) // self.block_size)  # blocks of the longest context
         f = StepFeatures(
             num_tokens=n,
             num_seqs=n,
@@ -249,18 +288,30 @@ class CostModel:
             blocks_touched=_stretch_blocks(ctx, after, self.block_size),
             copy_blocks=0.0,
             swap_blocks=0.0,
+            padded_attn_pairs=0.0,
+            padded_prefill_ctx_tokens=0.0,
+            padded_decode_ctx_tokens=(n * longest * self.block_size).astype(np.float64),
+            padded_blocks_touched=(n * longest).astype(np.float64),
         )
         return self.predict(f)
 
     # --- calibration -----------------------------------------------------------------------
     def fit(
-        self, features: StepFeatures, seconds: np.ndarray, operators: Sequence[str], max_iterations: int = 50
+        self,
+        features: StepFeatures,
+        seconds: np.ndarray,
+        operators: Sequence[str],
+        max_iterations: int = 50,
+        fixed: Sequence[str] = (),
     ) -> dict[str, OperatorCoefficients]:
         """Least-squares coefficients of ``operators`` from measured times.
 
         ``seconds[k]`` is the measured time of the named operators together (e.g. one attention
         kernel: ``["attn_decode", "paged_gather"]``) over all layers for the step described by
-        sample ``k`` of ``features`` (array fields). Each operator's time is linear in its unknowns
+        sample ``k`` of ``features`` (array fields), plus that of the ``fixed`` operators, whose
+        coefficients are already known (fitted before) and are kept: their predicted time is
+        taken off before the fit (e.g. a whole step: the host terms, with every kernel fixed).
+        Each operator's time is linear in its unknowns
         (seconds per flop, per byte, per call) once it is known which roof binds each sample, so the
         fit alternates: assign roofs with the current coefficients, solve a relative-error least
         squares, repeat until the assignment is stable. Unknowns the samples cannot identify (no
@@ -270,11 +321,15 @@ class CostModel:
         seconds = np.asarray(seconds, dtype=np.float64)
         if seconds.ndim != 1 or not np.all(seconds > 0):
             raise ValueError("seconds must be a 1-D array of positive times")
-        unknown = set(operators) - set(OPERATORS)
+        unknown = (set(operators) | set(fixed)) - set(OPERATORS)
         if unknown:
             raise ValueError(f"unknown operator(s) {sorted(unknown)}; known: {list(OPERATORS)}")
+        if set(operators) & set(fixed):
+            raise ValueError(f"operator(s) {sorted(set(operators) & set(fixed))} both fitted and fixed")
         all_work = self.operator_work(features)
         size = seconds.size
+        known = self.operator_times(features)
+        target = seconds - sum((np.broadcast_to(known[op], (size,)) for op in fixed), np.zeros(size))
         work = {
             op: [np.broadcast_to(np.asarray(x, dtype=np.float64), (size,)) for x in (w.flops, w.bytes, w.calls)]
             for op, w in all_work.items()
@@ -291,9 +346,9 @@ class CostModel:
             active = list(columns)
             while active:
                 values = {col: self._fit_column(work[col[0]], regimes[col[0]], col[1]) for col in columns}
-                fixed = sum((values[col] * rates[col[0]][col[1]] for col in columns if col not in active), np.zeros(size))
+                inactive = sum((values[col] * rates[col[0]][col[1]] for col in columns if col not in active), np.zeros(size))
                 design = np.column_stack([values[col] for col in active]) / seconds[:, None]
-                solution = np.linalg.lstsq(design, (seconds - fixed) / seconds, rcond=None)[0]
+                solution = np.linalg.lstsq(design, (target - inactive) / seconds, rcond=None)[0]
                 if np.all(solution > 0):
                     for (op, j), value in zip(active, solution):
                         rates[op][j] = float(value)

@@ -15,6 +15,7 @@ Layout::
     interconnect_bandwidth = 1.96e11  # B/s device <-> device (0: none)
     launch_overhead_s = 3e-6          # fixed cost of one kernel launch
     runtime_reserve_bytes = 1073741824  # memory the runtime holds outside the framework's allocator
+    padded_attention = false          # optional: attention pads a batch to its longest sequence
 
     [matrix_flops]                    # FLOP/s of the matrix units, dense, per input dtype
     fp16 = ...; bf16 = ...; fp32 = ...; int8 = ...
@@ -26,6 +27,9 @@ Layout::
 
     [operators.paged_gather]
     block_s = 2e-8                    # seconds per KV block touched, per layer
+
+    [operators.host_step]             # optional (default 0: not modelled); kvsim profile measures it
+    step_s = 1e-4                     # seconds of host work per step that runs the model
 
 Which keys each operator takes is :data:`OPERATOR_KEYS`; the cost model documents what each
 operator's formula does with them.
@@ -57,8 +61,15 @@ OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "sampling": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "block_copy": ("memory_efficiency", "launch_s"),
     "swap": ("memory_efficiency", "launch_s"),
+    "host_step": ("step_s",),
+    "host_seq": ("seq_s",),
 }
 OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s"})
+# The key that holds an operator's fixed cost per call (OperatorCoefficients.call_s).
+CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s")
+# Operators a profile may leave out, costing nothing then: host overhead is a measured figure
+# (kvsim profile), and the bundled roofline estimates have no source for one.
+OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq"})
 
 _SCALAR_FIELDS: dict[str, type] = {
     "hbm_bytes": int,
@@ -77,8 +88,9 @@ class OperatorCoefficients:
     """Calibratable coefficients of one operator class.
 
     ``call_s`` is the fixed cost of one call: a kernel launch (TOML key ``launch_s``), or for
-    ``paged_gather`` one KV block touched in one layer (``block_s``). An efficiency is None
-    where the operator's formula does not read it.
+    ``paged_gather`` one KV block touched in one layer (``block_s``), for ``host_step`` one
+    step (``step_s``), for ``host_seq`` one sequence of a step (``seq_s``). An efficiency is
+    None where the operator's formula does not read it.
     """
 
     call_s: float
@@ -99,6 +111,10 @@ class DeviceProfile:
     runtime_reserve_bytes: int
     operators: dict[str, OperatorCoefficients]
     source: str = ""
+    # True where the attention kernels run each of a step's decode and prefill groups as one dense
+    # batch, every sequence padded to the group's longest query and context in whole blocks (kvsim's
+    # portable PyTorch path); False for paged kernels that skip padding (torch_npu, FlashInfer).
+    padded_attention: bool = False
 
     def matrix_peak(self, dtype: str) -> float:
         try:
@@ -133,13 +149,14 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     path = Path(path)
     lines = [f"name = {_toml_str(profile.name)}", f"source = {_toml_str(profile.source)}"]
     lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _SCALAR_FIELDS]
+    lines.append(f"padded_attention = {'true' if profile.padded_attention else 'false'}")
     lines += ["", "[matrix_flops]"]
     lines += [f"{dt} = {_toml_num(profile.matrix_flops[dt])}" for dt in MATRIX_DTYPES]
     for op, keys in OPERATOR_KEYS.items():
         coeffs = profile.operators[op]
         lines += ["", f"[operators.{op}]"]
         for key in keys:
-            value = coeffs.call_s if key in ("launch_s", "block_s") else getattr(coeffs, key)
+            value = coeffs.call_s if key in CALL_KEYS else getattr(coeffs, key)
             lines.append(f"{key} = {_toml_num(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -162,6 +179,9 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     values: dict = {"name": str(data.get("name", path.stem)), "source": str(data.get("source", ""))}
     for key, kind in _SCALAR_FIELDS.items():
         values[key] = _number(data, key, kind, path, "", allow_zero=key in _MAY_BE_ZERO)
+    values["padded_attention"] = data.get("padded_attention", False)
+    if not isinstance(values["padded_attention"], bool):
+        raise ValueError(f"{path}: field padded_attention must be true or false, got {values['padded_attention']!r}")
     matrix = _table(data, "matrix_flops", path)
     _reject_unknown(matrix, set(MATRIX_DTYPES), path, "matrix_flops.")
     values["matrix_flops"] = {dt: _number(matrix, dt, float, path, "matrix_flops.") for dt in MATRIX_DTYPES}
@@ -172,16 +192,17 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
 
 
 def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> OperatorCoefficients:
+    if op in OPTIONAL_OPERATORS and op not in ops:
+        return OperatorCoefficients(call_s=0.0)
     prefix = f"operators.{op}."
     table = _table(ops, op, path, prefix="operators.")
     keys = OPERATOR_KEYS[op]
     _reject_unknown(table, set(keys), path, prefix)
-    if "block_s" in keys:
-        call_s = _number(table, "block_s", float, path, prefix, allow_zero=True)
-    elif "launch_s" in table:
-        call_s = _number(table, "launch_s", float, path, prefix, allow_zero=True)
-    else:
+    call_key = next(k for k in keys if k in CALL_KEYS)
+    if call_key == "launch_s" and call_key not in table:
         call_s = default_launch_s
+    else:
+        call_s = _number(table, call_key, float, path, prefix, allow_zero=True)
     effs = {k: _number(table, k, float, path, prefix) for k in ("compute_efficiency", "memory_efficiency") if k in keys}
     return OperatorCoefficients(call_s=call_s, **effs)
 

@@ -64,6 +64,21 @@ def test_features_of_a_mixed_plan() -> None:
     assert f.blocks_touched == 10 + 2 + 19 + 1  # ceil(150/16), ceil(20/16), ceil(301/16), ceil(8/16)
     assert (f.copy_blocks, f.swap_blocks) == (1, 3)
     assert all(isinstance(getattr(f, name), float) for name in FEATURE_NAMES)
+    # padded: each group at its longest entry, in whole blocks (prefill: 50 rows x 10 blocks; decode: 19 blocks)
+    assert (f.padded_attn_pairs, f.padded_prefill_ctx_tokens) == (2 * 50 * 160, 2 * 160)
+    assert f.padded_decode_ctx_tokens == 2 * 19 * 16 and f.padded_blocks_touched == 2 * 10 + 2 * 19
+
+
+def test_padded_attention_pays_for_the_longest_sequence() -> None:
+    tiny, cpu = load_model("tiny"), load_device("cpu")
+    exact = CostModel(tiny, dataclasses.replace(cpu, padded_attention=False), 16)
+    padded = CostModel(tiny, dataclasses.replace(cpu, padded_attention=True), 16)
+    even, ragged = decode_plan([511] * 8), decode_plan([511] + [15] * 7)  # each reads 512 or 16 tokens
+    assert padded.step_time(even) == exact.step_time(even)  # block-aligned, equal contexts: no padding
+    assert padded.step_time(ragged) == padded.step_time(even) > exact.step_time(ragged)
+    # a prompt attends causally; a padded kernel computes the whole square
+    f = features_from_plan(prefill_plan(512), 16)
+    assert padded.operator_work(f)["attn_prefill"].flops == 2 * exact.operator_work(f)["attn_prefill"].flops * 512 / 513
 
 
 def test_decode_at_batch_one_streams_the_weights(llama_910b: CostModel) -> None:
@@ -223,6 +238,10 @@ def _sweep(size: int, seed: int) -> StepFeatures:
         blocks_touched=ctx / rng.choice([16, 32, 64, 128], size),
         copy_blocks=rng.integers(1, 64, size).astype(float),
         swap_blocks=rng.integers(1, 64, size).astype(float),
+        padded_attn_pairs=tokens * ctx * rng.uniform(1, 4, size),
+        padded_prefill_ctx_tokens=ctx * rng.uniform(1, 4, size),
+        padded_decode_ctx_tokens=ctx * rng.uniform(64, 128, size),
+        padded_blocks_touched=ctx / 8,
     )
 
 
@@ -275,9 +294,25 @@ def test_fit_tolerates_measurement_noise() -> None:
     assert fitted.memory_efficiency == pytest.approx(0.75, rel=0.03)
 
 
+def test_fit_with_fixed_operators_recovers_the_host_terms(llama_910b: CostModel) -> None:
+    """Whole steps: every kernel's coefficients known, the per-step and per-sequence host work fitted."""
+    host = {"host_step": OperatorCoefficients(call_s=3e-4), "host_seq": OperatorCoefficients(call_s=8e-6)}
+    truth = CostModel(llama_910b.model, llama_910b.device.with_operators(host), 128)
+    f = _sweep(300, seed=4)
+    kernels = [op for op in OPERATORS if op not in host and op != "swap"]
+    fitted = llama_910b.fit(f, truth.predict(f), list(host), fixed=kernels)
+    assert fitted["host_step"].call_s == pytest.approx(3e-4, rel=1e-6)
+    assert fitted["host_seq"].call_s == pytest.approx(8e-6, rel=1e-6)
+    assert llama_910b.predict(f).min() > 0 and llama_910b.device.operators["host_step"].call_s == 0  # bundled: not modelled
+
+
 def test_fit_rejects_bad_input(llama_910b: CostModel) -> None:
     f = _sweep(10, seed=0)
     with pytest.raises(ValueError, match="positive times"):
         llama_910b.fit(f, np.zeros(10), ["gemm"])
     with pytest.raises(ValueError, match="unknown operator"):
         llama_910b.fit(f, np.ones(10), ["matmul"])
+    with pytest.raises(ValueError, match="unknown operator"):
+        llama_910b.fit(f, np.ones(10), ["gemm"], fixed=["matmul"])
+    with pytest.raises(ValueError, match="both fitted and fixed"):
+        llama_910b.fit(f, np.ones(10), ["gemm"], fixed=["gemm"])
