@@ -73,7 +73,11 @@ class StepPlan:
         assert len(set(slots)) == len(slots), f"step {self.step}: two tokens write the same slot"
         offset = 0
         for e in self.entries:
-            table = self.block_tables[e.request_id]
+            table = self.block_tables.get(e.request_id)
+            assert table is not None, f"step {self.step}: no block table for {e.request_id}"
+            assert len(table) * block_size >= e.end_position, (
+                f"step {self.step}: {e.request_id}'s {len(table)} blocks cannot hold {e.end_position} tokens"
+            )
             for i, pos in enumerate(range(e.first_position, e.end_position)):
                 expected = table[pos // block_size] * block_size + pos % block_size
                 assert slots[offset + i] == expected, f"step {self.step}: {e.request_id} position {pos} has the wrong slot"

@@ -209,19 +209,7 @@ class Executor:
 
     def _check_plan(self, plan: StepPlan) -> None:
         """The plan's slot mapping agrees with its block tables, and every block id is in range."""
-        bs = self.block_size
-        slots = iter(plan.slot_mapping)
-        for entry in plan.entries:
-            table = plan.block_tables.get(entry.request_id)
-            if table is None:
-                raise ValueError(f"step {plan.step}: no block table for {entry.request_id}")
-            if len(table) * bs < entry.end_position:
-                raise ValueError(f"step {plan.step}: {entry.request_id}'s {len(table)} blocks cannot hold {entry.end_position} tokens")
-            for pos in range(entry.first_position, entry.end_position):
-                expected = table[pos // bs] * bs + pos % bs
-                got = next(slots, None)
-                if got != expected:
-                    raise ValueError(f"step {plan.step}: {entry.request_id} position {pos} has slot {got}, its block table gives {expected}")
+        plan.check(self.block_size)
         device_ids = [b for e in plan.entries for b in plan.block_tables[e.request_id]]
         device_ids += [b for pair in plan.copies for b in pair] + [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
         host_ids = [h for _, h in plan.swap_out] + [h for h, _ in plan.swap_in]

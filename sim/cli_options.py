@@ -51,6 +51,6 @@ def run_options(fn: Callable) -> Callable:
 def run_config_from(options: dict, base: RunConfig | None = None) -> RunConfig:
     """Build the RunConfig from ``--config`` and the flags a user gave; pops them from ``options``."""
     config_path = options.pop("config_path", None)
-    config = load_run_config(config_path) if config_path else (base or RunConfig())
+    config = load_run_config(config_path, base) if config_path else (base or RunConfig())
     overrides = {field_name: options.pop(field_name, None) for _, field_name, _ in RUN_OPTIONS}
     return config.updated(**overrides)

@@ -58,15 +58,18 @@ class RunConfig:
         return asdict(self)
 
 
-def load_run_config(path: str | Path) -> RunConfig:
-    """A RunConfig from TOML; a ``[validation]`` table (thresholds for ``kvsim validate``) is read separately."""
+def load_run_config(path: str | Path, base: RunConfig | None = None) -> RunConfig:
+    """``base`` (default: RunConfig()) with the TOML file's fields on top.
+
+    A ``[validation]`` table (thresholds for ``kvsim validate``) is read separately.
+    """
     data = load_toml(path)
     data.pop("validation", None)
     allowed = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-    return RunConfig(**data)
+    return replace(base or RunConfig(), **data)
 
 
 @dataclass
