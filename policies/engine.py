@@ -101,6 +101,8 @@ class EngineCore:
         """Queue a request, or reject it with a reason when it can never run."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        if token_ids is not None and len(token_ids) != prompt_tokens:
+            raise ValueError(f"request {request_id!r}: {len(token_ids)} token ids for a {prompt_tokens}-token prompt")
         request = Request(
             request_id=request_id,
             seq_id=self._new_seq_id(),
