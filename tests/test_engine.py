@@ -112,11 +112,13 @@ def test_the_waiting_queue_cap_rejects_arrivals_beyond_it(make_driver):
     assert sorted(d.finished) == ["A", "B", "D"]
 
 
-def test_a_duplicate_request_id_is_an_error(make_engine):
+def test_a_duplicate_request_id_or_token_ids_not_matching_the_prompt_are_errors(make_engine):
     engine = make_engine()
     engine.add_request("A", 0.0, 4, 2)
     with pytest.raises(ValueError, match="'A' is already"):
         engine.add_request("A", 1.0, 4, 2)
+    with pytest.raises(ValueError, match="'B': 3 token ids for a 4-token prompt"):
+        engine.add_request("B", 1.0, 4, 2, token_ids=(1, 2, 3))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -227,10 +229,9 @@ def _workload_log(scheduler: str, manager: str, mode: str) -> str:
     log = []
     while arrivals or engine.has_unfinished():
         while arrivals and arrivals[0] <= steps:
-            i = 25 - len(arrivals)
-            engine.add_request(f"r{i}", arrivals.pop(0), int(rng.integers(1, 30)), int(rng.integers(1, 12)),
-                               priority=int(rng.integers(0, 3)), n_samples=int(rng.integers(1, 3)),
-                               token_ids=tuple(range(int(rng.integers(0, 3)), 40))[: int(rng.integers(1, 30))])  # fmt: skip
+            i, prompt, family = 25 - len(arrivals), int(rng.integers(1, 30)), int(rng.integers(0, 3))
+            engine.add_request(f"r{i}", arrivals.pop(0), prompt, int(rng.integers(1, 12)), priority=int(rng.integers(0, 3)),
+                               n_samples=int(rng.integers(1, 3)), token_ids=tuple(range(family, family + prompt)))  # fmt: skip
         plan = engine.schedule(float(steps))
         steps += 1
         engine.commit(plan, float(steps))
