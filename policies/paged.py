@@ -108,10 +108,12 @@ class PagedBlockManager(BlockManager):
         table = self.tables.get(seq)
         if num_new_tokens == 1 and table is not None and not num_hit_tokens:
             # The hot path: one decode token landing inside an unshared block that it does not
-            # fill (nothing to allocate, copy or register) changes nothing.
+            # fill, with every earlier full block already offered to the cache (not so right after
+            # a swap-in), changes nothing: nothing to allocate, copy or register.
             pos = request.num_computed_tokens
             bs = self.block_size
-            if pos % bs and (not self.enable_caching or (pos + 1) % bs) and self.ref_cnt[table[pos // bs]] == 1:
+            registered = not self.enable_caching or ((pos + 1) % bs and self.num_registered[seq] == pos // bs)
+            if pos % bs and registered and self.ref_cnt[table[pos // bs]] == 1:
                 return True
         if self.blocks_needed(request, num_new_tokens, num_hit_tokens) > len(self.free_queue):
             return False
