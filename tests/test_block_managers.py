@@ -428,6 +428,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.manager.check_invariants(live)
         for r in live:
             assert self.manager.block_table(r) == self.model.table(r), f"request {r.request_id}"
+        if isinstance(self.manager, PagedBlockManager):
+            assert self.manager.ref_cnt == [self.model.refs(b) for b in range(NUM_BLOCKS)]
         assert self.manager.take_copies() == self.model.pending
         self.model.pending = []
         stats = self.manager.stats(live)
