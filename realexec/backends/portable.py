@@ -29,6 +29,8 @@ from realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
 
 
 QUERY_TILE = 128  # query tokens per SDPA call within a prefill batch
+DECODE_BUCKETS = 4  # decode sequences are split into at most this many batches by context length
+MIN_DECODE_BUCKET = 8  # ... of at least this many sequences each
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,12 @@ class PaddedBatch:
 
 
 def plan_padded_batches(meta: AttentionMetadata, group: int) -> list[PaddedBatch]:
-    """Split the step into a decode batch and a prefill batch (either may be absent)."""
-    decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
+    """Decode sequences in up to ``DECODE_BUCKETS`` batches of similar context length, then the prefills."""
+    decode = sorted((b for b, q in enumerate(meta.query_lens_list) if q == 1), key=lambda b: meta.seq_lens_list[b])
     prefill = [b for b, q in enumerate(meta.query_lens_list) if q > 1]
-    return [_padded_batch(meta, seqs, group) for seqs in (decode, prefill) if seqs]
+    buckets = min(DECODE_BUCKETS, math.ceil(len(decode) / MIN_DECODE_BUCKET))
+    batches = [decode[i * len(decode) // buckets : (i + 1) * len(decode) // buckets] for i in range(buckets)]
+    return [_padded_batch(meta, seqs, group) for seqs in (*batches, prefill) if seqs]
 
 
 def _padded_batch(meta: AttentionMetadata, seqs: list[int], group: int) -> PaddedBatch:
