@@ -75,6 +75,8 @@ LOGIT_BYTES = 4  # logits and probabilities are fp32
 SAMPLING_FLOPS_PER_LOGIT = 5  # temperature, max, exp, sum, divide
 SAMPLING_PASSES = 3  # softmax read + write, then the draw reads the probabilities
 SAMPLING_LAUNCHES = 3
+# Relative residuals below this weigh as if they were this large: the absolute-error fit's weights stay finite.
+ABSOLUTE_ERROR_FLOOR = 1e-4
 
 
 @dataclass
@@ -301,10 +303,10 @@ class CostModel:
         features: StepFeatures,
         seconds: np.ndarray,
         operators: Sequence[str],
-        max_iterations: int = 50,
+        max_iterations: int = 100,
         fixed: Sequence[str] = (),
     ) -> dict[str, OperatorCoefficients]:
-        """Least-squares coefficients of ``operators`` from measured times.
+        """Coefficients of ``operators`` that minimise the mean absolute relative error (MAPE) of measured times.
 
         ``seconds[k]`` is the measured time of the named operators together (e.g. one attention
         kernel: ``["attn_decode", "paged_gather"]``) over all layers for the step described by
@@ -313,9 +315,12 @@ class CostModel:
         taken off before the fit (e.g. a whole step: the host terms, with every kernel fixed).
         Each operator's time is linear in its unknowns
         (seconds per flop, per byte, per call) once it is known which roof binds each sample, so the
-        fit alternates: assign roofs with the current coefficients, solve a relative-error least
-        squares, repeat until the assignment is stable. Unknowns the samples cannot identify (no
-        calls, or a roof that binds no sample, e.g. compute in decode attention) keep the
+        fit alternates: assign roofs with the current coefficients, solve a weighted relative-error
+        least squares, repeat until the assignment and the coefficients settle. The weights are
+        those of iteratively reweighted least squares for the absolute error (1 / |relative
+        residual|), so a few samples a roofline cannot explain (a cache cliff, a noisy run) do not
+        pull the fit off the rest, as squared errors would. Unknowns the samples cannot identify
+        (no calls, or a roof that binds no sample, e.g. compute in decode attention) keep the
         profile's values. Returns coefficients for :meth:`DeviceProfile.with_operators`.
         """
         seconds = np.asarray(seconds, dtype=np.float64)
@@ -337,23 +342,27 @@ class CostModel:
         }
         rates = {op: list(self._rates[op]) for op in operators}
         columns = [(op, j) for op in operators for j in range(3) if np.any(work[op][j] > 0)]
-        previous_regimes = None
+        scale = 1.0 / seconds  # rows in relative terms, times the square root of each sample's weight
+        previous = None
         for _ in range(max_iterations):
             regimes = {op: work[op][0] * rates[op][0] >= work[op][1] * rates[op][1] for op in operators}
-            if previous_regimes is not None and all(np.array_equal(regimes[op], previous_regimes[op]) for op in operators):
+            state = [regimes[op] for op in operators], np.array([rates[op] for op in operators])
+            if previous is not None and _settled(previous, state):
                 break
-            previous_regimes = regimes
+            previous = state
+            values = {col: self._fit_column(work[col[0]], regimes[col[0]], col[1]) for col in columns}
             active = list(columns)
             while active:
-                values = {col: self._fit_column(work[col[0]], regimes[col[0]], col[1]) for col in columns}
                 inactive = sum((values[col] * rates[col[0]][col[1]] for col in columns if col not in active), np.zeros(size))
-                design = np.column_stack([values[col] for col in active]) / seconds[:, None]
-                solution = np.linalg.lstsq(design, (target - inactive) / seconds, rcond=None)[0]
+                design = np.column_stack([values[col] for col in active]) * scale[:, None]
+                solution = np.linalg.lstsq(design, (target - inactive) * scale, rcond=None)[0]
                 if np.all(solution > 0):
                     for (op, j), value in zip(active, solution):
                         rates[op][j] = float(value)
                     break
                 active = [col for col, value in zip(active, solution) if value > 0]
+            residual = (sum((values[col] * rates[col[0]][col[1]] for col in columns), np.zeros(size)) - target) / seconds
+            scale = 1.0 / (seconds * np.sqrt(np.maximum(np.abs(residual), ABSOLUTE_ERROR_FLOOR)))
         return {op: self._coefficients(op, rates[op]) for op in operators}
 
     @staticmethod
@@ -370,6 +379,12 @@ class CostModel:
         compute = None if current.compute_efficiency is None else 1.0 / (rate[0] * peak)
         memory = None if current.memory_efficiency is None else 1.0 / (rate[1] * bandwidth)
         return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory)
+
+
+def _settled(previous: tuple[list[np.ndarray], np.ndarray], current: tuple[list[np.ndarray], np.ndarray]) -> bool:
+    """The same roofs bind every sample, and no coefficient moved by more than a part in a million."""
+    same_roofs = all(np.array_equal(a, b) for a, b in zip(previous[0], current[0]))
+    return same_roofs and np.allclose(previous[1], current[1], rtol=1e-6, atol=0.0)
 
 
 def _stretch_blocks(ctx: np.ndarray, after: np.ndarray, block_size: int) -> np.ndarray:

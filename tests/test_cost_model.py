@@ -294,6 +294,19 @@ def test_fit_tolerates_measurement_noise() -> None:
     assert fitted.memory_efficiency == pytest.approx(0.75, rel=0.03)
 
 
+def test_fit_is_not_pulled_off_by_a_few_outliers() -> None:
+    """It minimises absolute relative errors: samples a roofline cannot explain stay outliers."""
+    model, device = load_model("llama-3-8b"), load_device("ascend-910b3")
+    truth = OperatorCoefficients(call_s=5e-6, compute_efficiency=0.55, memory_efficiency=0.75)
+    f = _sweep(400, seed=12)
+    seconds = CostModel(model, device.with_operators({"gemm": truth}), 128).operator_times(f)["gemm"]
+    seconds[::25] *= 3.0  # one sample in 25 three times slower (a cache cliff, a preempted run)
+    fitted = CostModel(model, device, 128).fit(f, seconds, ["gemm"])["gemm"]
+    assert fitted.compute_efficiency == pytest.approx(0.55, rel=1e-3)
+    assert fitted.memory_efficiency == pytest.approx(0.75, rel=1e-3)
+    assert fitted.call_s == pytest.approx(5e-6, rel=1e-2)
+
+
 def test_fit_with_fixed_operators_recovers_the_host_terms(llama_910b: CostModel) -> None:
     """Whole steps: every kernel's coefficients known, the per-step and per-sequence host work fitted."""
     host = {"host_step": OperatorCoefficients(call_s=3e-4), "host_seq": OperatorCoefficients(call_s=8e-6)}
