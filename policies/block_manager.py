@@ -183,6 +183,10 @@ class BlockManager(ABC):
         return range(0)
 
     @abstractmethod
+    def internal_waste(self, live: list[Request]) -> int:
+        """Allocated token slots that hold no token yet (``live`` hold device blocks)."""
+
+    @abstractmethod
     def stats(self, live: list[Request]) -> KVStats:
         """Pool occupancy and counters; ``live`` are requests holding device blocks."""
 

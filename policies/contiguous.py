@@ -133,16 +133,19 @@ class ContiguousBlockManager(BlockManager):
         reserved = self.num_blocks - sum(length for _, length in self.extents)
         return reserved, 0, self.num_blocks - reserved
 
+    def internal_waste(self, live: list[Request]) -> int:
+        reserved = self.num_blocks - sum(length for _, length in self.extents)
+        return reserved * self.block_size - sum(r.num_computed_tokens for r in live if r.seq_id in self.regions)
+
     def stats(self, live: list[Request]) -> KVStats:
         reserved, _, free_blocks = self.pool_counts()
-        tokens = sum(r.num_computed_tokens for r in live if r.seq_id in self.regions)
         largest = self._largest_extent()
         return KVStats(
             num_blocks=self.num_blocks,
             used=reserved,
             cached=0,
             free=free_blocks,
-            internal_waste_slots=reserved * self.block_size - tokens,
+            internal_waste_slots=self.internal_waste(live),
             fragmentation=(1.0 - largest / free_blocks) if free_blocks else 0.0,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=0,

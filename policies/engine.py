@@ -29,7 +29,7 @@ from policies.registry import resolve_block_manager, resolve_scheduler
 from policies.request import Request, Status
 from policies.schedulers import SchedulerPolicy
 
-PoolCounts = tuple[int, int, int]  # (used, cached, free) blocks
+KVCounts = tuple[int, int, int, int]  # (used, cached, free) blocks and internal-waste slots
 
 
 def _construct(cls: type, kind: str, name: str, params: dict, **given):
@@ -447,14 +447,14 @@ class EngineCore:
 
     def run_decode_stretch(
         self, num_steps: int, end_times: list[float]
-    ) -> tuple[DecodeStretch, list[PoolCounts], list[Request]] | None:
+    ) -> tuple[DecodeStretch, list[KVCounts], list[Request]] | None:
         """Decide and commit ``num_steps`` decode steps at once (``num_steps <= decode_stretch_limit()``).
 
         Block allocation and prefix-cache registration happen in the same order, with the
         same calls, as step by step; the pool must cover the growth (``num_steps`` is cut
-        to what it covers). Returns the stretch record, (used, cached, free) after each
-        step, and the requests that finished at the last step; None (nothing done) when the
-        pool cannot cover even the first step's growth.
+        to what it covers). Returns the stretch record, ``kv_counts()`` after each step, and
+        the requests that finished at the last step; None (nothing done) when the pool cannot
+        cover even the first step's growth.
         """
         running = list(self.running)
         events: list[tuple[int, int, bool]] = []
@@ -480,9 +480,13 @@ class EngineCore:
             growth=[],
         )
         stretch_start_counts = self.kv.pool_counts()
+        # Each step fills one slot per request; a block a table grows by adds block_size - 1 empty ones.
+        waste = self.kv.internal_waste(running)
+        waste_per_growth = self.config.block_size if self.kv.growth_uses_pool else 0
         computed0 = [r.num_computed_tokens for r in running]
         output0 = [r.num_output_tokens for r in running]
-        counts: list[PoolCounts | None] = [None] * num_steps
+        pools: list[tuple[int, int, int] | None] = [None] * num_steps
+        growth_at = [0] * num_steps
         for i, idx, grows in events:
             r = running[idx]
             r.num_computed_tokens, r.num_output_tokens = computed0[idx] + i, output0[idx] + i
@@ -490,10 +494,14 @@ class EngineCore:
                 raise AssertionError(f"decode stretch: {r.request_id} could not grow at step {i}")
             if grows:
                 stretch.growth.append((i, r.request_id, self.kv.block_table(r)[-1]))
-            counts[i] = self.kv.pool_counts()
+                growth_at[i] += 1
+            pools[i] = self.kv.pool_counts()
+        counts: list[KVCounts] = []
         previous = stretch_start_counts
         for i in range(num_steps):
-            counts[i] = previous = counts[i] or previous
+            previous = pools[i] or previous
+            waste += waste_per_growth * growth_at[i] - len(running)
+            counts.append((*previous, waste))
         now = end_times[num_steps - 1]
         finished = []
         for idx, r in enumerate(running):
@@ -503,11 +511,15 @@ class EngineCore:
                 finished.append(r)
         for r in finished:
             self._finish(r, now)
-        counts[num_steps - 1] = self.kv.pool_counts()
+        counts[num_steps - 1] = self.kv_counts()
         self.counters.steps += num_steps
         return stretch, counts, finished
 
     # --- observation -------------------------------------------------------------------
+    def kv_counts(self) -> KVCounts:
+        """(used, cached, free, internal-waste slots): what every step records."""
+        return (*self.kv.pool_counts(), self.kv.internal_waste(self.running))
+
     def kv_stats(self) -> KVStats:
         return self.kv.stats(self.running)
 

@@ -206,21 +206,24 @@ class PagedBlockManager(BlockManager):
         free_total = len(self.free_queue)
         return self.num_blocks - free_total, self.num_cached_idle, free_total - self.num_cached_idle
 
-    def stats(self, live: list[Request]) -> KVStats:
-        used, cached, free = self.pool_counts()
-        filled_in_last: dict[int, int] = {}
+    def internal_waste(self, live: list[Request]) -> int:
+        filled_in_last: dict[int, int] = {}  # a forked, shared last block counts once
         for req in live:
             table = self.tables.get(req.seq_id)
             if table:
                 last = table[-1]
                 filled = req.num_computed_tokens - (len(table) - 1) * self.block_size
                 filled_in_last[last] = max(filled_in_last.get(last, 0), min(max(filled, 0), self.block_size))
+        return sum(self.block_size - f for f in filled_in_last.values())
+
+    def stats(self, live: list[Request]) -> KVStats:
+        used, cached, free = self.pool_counts()
         return KVStats(
             num_blocks=self.num_blocks,
             used=used,
             cached=cached,
             free=free,
-            internal_waste_slots=sum(self.block_size - f for f in filled_in_last.values()),
+            internal_waste_slots=self.internal_waste(live),
             fragmentation=0.0,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,

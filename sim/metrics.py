@@ -29,6 +29,7 @@ STEP_COLUMNS = (
     "kv_used",
     "kv_cached",
     "kv_free",
+    "kv_waste_slots",
     "preempted",
     "swap_blocks",
     "copy_blocks",
@@ -44,7 +45,7 @@ class StepLog:
 
     columns: dict[str, list] = field(default_factory=lambda: {c: [] for c in STEP_COLUMNS})
 
-    def add_step(self, plan: StepPlan, start_s: float, duration_s: float, counts: tuple[int, int, int], timing) -> None:
+    def add_step(self, plan: StepPlan, start_s: float, duration_s: float, counts: tuple[int, int, int, int], timing) -> None:
         c = self.columns
         c["step"].append(plan.step)
         c["start_s"].append(start_s)
@@ -57,6 +58,7 @@ class StepLog:
         c["kv_used"].append(counts[0])
         c["kv_cached"].append(counts[1])
         c["kv_free"].append(counts[2])
+        c["kv_waste_slots"].append(counts[3])
         c["preempted"].append(len(plan.preempted))
         c["swap_blocks"].append(len(plan.swap_out) + len(plan.swap_in))
         c["copy_blocks"].append(len(plan.copies))
@@ -76,9 +78,8 @@ class StepLog:
         c["batch_size"].extend([batch] * k)
         c["prefill_tokens"].extend([0] * k)
         c["decode_tokens"].extend([batch] * k)
-        c["kv_used"].extend(u for u, _, _ in counts)
-        c["kv_cached"].extend(ca for _, ca, _ in counts)
-        c["kv_free"].extend(f for _, _, f in counts)
+        for i, name in enumerate(("kv_used", "kv_cached", "kv_free", "kv_waste_slots")):
+            c[name].extend(entry[i] for entry in counts)
         for name in ("preempted", "swap_blocks", "copy_blocks"):
             c[name].extend([0] * k)
         for name in ("device_s", "host_s", "memory_bytes"):

@@ -154,7 +154,7 @@ class Simulation:
             for child_id in child_ids:
                 self.times.scheduled(child_id, start)
                 self.times.token(child_id, self.clock)
-        self.steps.add_step(plan, start, duration, engine.kv.pool_counts(), timing)
+        self.steps.add_step(plan, start, duration, engine.kv_counts(), timing)
         if self.options.decisions is not None:
             self.options.decisions.write(plan.to_json() + "\n")
         if self.options.check:
