@@ -41,6 +41,8 @@ SCENARIOS = {
     "chunked_prefill": ([24, 9], [70, 159]),
     "decode": ([1] * 8, [1, 5, 17, 33, 64, 100, 129, 200]),
     "mixed": ([30, 1, 1, 12, 1], [30, 90, 7, 140, 300]),
+    # query tiles of unequal prefills: a 300-token prompt beside a 40-token chunk after 460 cached
+    "long_mixed": ([300, 1, 40], [300, 77, 500]),
 }
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from realexec.backends.base import AttentionMetadata, KernelBackend
 from realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
 
-
 QUERY_TILE = 128  # query tokens per SDPA call within a prefill batch
 DECODE_BUCKETS = 4  # decode sequences are split into at most this many batches by context length
 MIN_DECODE_BUCKET = 8  # ... of at least this many sequences each
