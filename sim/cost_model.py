@@ -77,6 +77,9 @@ SAMPLING_PASSES = 3  # softmax read + write, then the draw reads the probabiliti
 SAMPLING_LAUNCHES = 3
 # Relative residuals below this weigh as if they were this large: the absolute-error fit's weights stay finite.
 ABSOLUTE_ERROR_FLOOR = 1e-4
+# Compute rates the fit starts from, as multiples of the profile's: which roof binds where is
+# found by alternation, which can settle on a wrong split; starting on both sides of it finds the best.
+REGIME_STARTS = (1.0, 1e-3, 1e-2, 0.1, 10.0, 100.0, 1e3)
 
 
 @dataclass
@@ -306,22 +309,25 @@ class CostModel:
         max_iterations: int = 100,
         fixed: Sequence[str] = (),
     ) -> dict[str, OperatorCoefficients]:
-        """Coefficients of ``operators`` that minimise the mean absolute relative error (MAPE) of measured times.
+        """Coefficients of ``operators`` that minimise the mean absolute relative error of measured times.
 
         ``seconds[k]`` is the measured time of the named operators together (e.g. one attention
         kernel: ``["attn_decode", "paged_gather"]``) over all layers for the step described by
         sample ``k`` of ``features`` (array fields), plus that of the ``fixed`` operators, whose
-        coefficients are already known (fitted before) and are kept: their predicted time is
-        taken off before the fit (e.g. a whole step: the host terms, with every kernel fixed).
-        Each operator's time is linear in its unknowns
-        (seconds per flop, per byte, per call) once it is known which roof binds each sample, so the
-        fit alternates: assign roofs with the current coefficients, solve a weighted relative-error
-        least squares, repeat until the assignment and the coefficients settle. The weights are
-        those of iteratively reweighted least squares for the absolute error (1 / |relative
-        residual|), so a few samples a roofline cannot explain (a cache cliff, a noisy run) do not
-        pull the fit off the rest, as squared errors would. Unknowns the samples cannot identify
-        (no calls, or a roof that binds no sample, e.g. compute in decode attention) keep the
-        profile's values. Returns coefficients for :meth:`DeviceProfile.with_operators`.
+        coefficients are known (fitted before) and kept: their predicted time is taken off first
+        (e.g. whole steps: the host terms fitted, every kernel fixed).
+
+        Each operator's time is linear in its unknowns (seconds per flop, per byte, per call) once
+        it is known which roof binds each sample, so the fit alternates: assign roofs with the
+        current coefficients, solve a weighted relative-error least squares, repeat until both
+        settle. The weights are those of iteratively reweighted least squares for the absolute
+        error (1 / |relative residual|): the fit minimises MAPE, and a few samples a roofline cannot
+        explain (a cache cliff, a noisy run) do not pull it off the rest as squared errors would.
+        Alternation can settle on a wrong split between the roofs, so it starts from several
+        compute rates on either side of the profile's, and the lowest MAPE wins (the profile's own
+        start on ties). Unknowns the samples cannot identify (no calls, or a roof that binds no
+        sample, e.g. compute in decode attention) keep their starting values. Returns
+        coefficients for :meth:`DeviceProfile.with_operators`.
         """
         seconds = np.asarray(seconds, dtype=np.float64)
         if seconds.ndim != 1 or not np.all(seconds > 0):
@@ -340,38 +346,14 @@ class CostModel:
             for op, w in all_work.items()
             if op in operators
         }
-        rates = {op: list(self._rates[op]) for op in operators}
-        columns = [(op, j) for op in operators for j in range(3) if np.any(work[op][j] > 0)]
-        scale = 1.0 / seconds  # rows in relative terms, times the square root of each sample's weight
-        previous = None
-        for _ in range(max_iterations):
-            regimes = {op: work[op][0] * rates[op][0] >= work[op][1] * rates[op][1] for op in operators}
-            state = [regimes[op] for op in operators], np.array([rates[op] for op in operators])
-            if previous is not None and _settled(previous, state):
-                break
-            previous = state
-            values = {col: self._fit_column(work[col[0]], regimes[col[0]], col[1]) for col in columns}
-            active = list(columns)
-            while active:
-                inactive = sum((values[col] * rates[col[0]][col[1]] for col in columns if col not in active), np.zeros(size))
-                design = np.column_stack([values[col] for col in active]) * scale[:, None]
-                solution = np.linalg.lstsq(design, (target - inactive) * scale, rcond=None)[0]
-                if np.all(solution > 0):
-                    for (op, j), value in zip(active, solution):
-                        rates[op][j] = float(value)
-                    break
-                active = [col for col, value in zip(active, solution) if value > 0]
-            residual = (sum((values[col] * rates[col[0]][col[1]] for col in columns), np.zeros(size)) - target) / seconds
-            scale = 1.0 / (seconds * np.sqrt(np.maximum(np.abs(residual), ABSOLUTE_ERROR_FLOOR)))
+        fits = []
+        for factor in REGIME_STARTS:  # the profile's own rates first: it wins ties
+            start = {op: [self._rates[op][0] * factor, *self._rates[op][1:]] for op in operators}
+            rates = _refine(work, target, seconds, start, max_iterations)
+            fits.append((_mape(work, rates, target, seconds), rates))
+        best = min(error for error, _ in fits)
+        rates = next(rates for error, rates in fits if error <= best + 1e-9)
         return {op: self._coefficients(op, rates[op]) for op in operators}
-
-    @staticmethod
-    def _fit_column(work: list[np.ndarray], compute_bound: np.ndarray, j: int) -> np.ndarray:
-        if j == 0:
-            return np.where(compute_bound, work[0], 0.0)
-        if j == 1:
-            return np.where(compute_bound, 0.0, work[1])
-        return work[2]
 
     def _coefficients(self, op: str, rate: list[float]) -> OperatorCoefficients:
         current = self.device.operators[op]
@@ -379,6 +361,51 @@ class CostModel:
         compute = None if current.compute_efficiency is None else 1.0 / (rate[0] * peak)
         memory = None if current.memory_efficiency is None else 1.0 / (rate[1] * bandwidth)
         return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory)
+
+
+def _refine(
+    work: dict[str, list[np.ndarray]], target: np.ndarray, seconds: np.ndarray, rates: dict[str, list[float]], max_iterations: int
+) -> dict[str, list[float]]:
+    """Alternate roof assignment and reweighted least squares from ``rates`` until both settle (see ``fit``)."""
+    rates = {op: list(r) for op, r in rates.items()}
+    size = seconds.size
+    columns = [(op, j) for op in work for j in range(3) if np.any(work[op][j] > 0)]
+    scale = 1.0 / seconds  # rows in relative terms, times the square root of each sample's weight
+    previous = None
+    for _ in range(max_iterations):
+        regimes = {op: work[op][0] * rates[op][0] >= work[op][1] * rates[op][1] for op in work}
+        state = [regimes[op] for op in work], np.array([rates[op] for op in work])
+        if previous is not None and _settled(previous, state):
+            break
+        previous = state
+        values = {(op, j): _fit_column(work[op], regimes[op], j) for op, j in columns}
+        active = list(columns)
+        while active:
+            inactive = sum((values[col] * rates[col[0]][col[1]] for col in columns if col not in active), np.zeros(size))
+            design = np.column_stack([values[col] for col in active]) * scale[:, None]
+            solution = np.linalg.lstsq(design, (target - inactive) * scale, rcond=None)[0]
+            if np.all(solution > 0):
+                for (op, j), value in zip(active, solution):
+                    rates[op][j] = float(value)
+                break
+            active = [col for col, value in zip(active, solution) if value > 0]
+        residual = (sum((values[col] * rates[col[0]][col[1]] for col in columns), np.zeros(size)) - target) / seconds
+        scale = 1.0 / (seconds * np.sqrt(np.maximum(np.abs(residual), ABSOLUTE_ERROR_FLOOR)))
+    return rates
+
+
+def _mape(work: dict[str, list[np.ndarray]], rates: dict[str, list[float]], target: np.ndarray, seconds: np.ndarray) -> float:
+    """Mean absolute relative error of the rooflines with ``rates`` (each sample at its binding roof)."""
+    predicted = sum(np.maximum(w[0] * rates[op][0], w[1] * rates[op][1]) + w[2] * rates[op][2] for op, w in work.items())
+    return float(np.mean(np.abs(predicted - target) / seconds))
+
+
+def _fit_column(work: list[np.ndarray], compute_bound: np.ndarray, j: int) -> np.ndarray:
+    if j == 0:
+        return np.where(compute_bound, work[0], 0.0)
+    if j == 1:
+        return np.where(compute_bound, 0.0, work[1])
+    return work[2]
 
 
 def _settled(previous: tuple[list[np.ndarray], np.ndarray], current: tuple[list[np.ndarray], np.ndarray]) -> bool:
