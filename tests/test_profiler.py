@@ -1,0 +1,210 @@
+"""kvsim profile: the fit recovers a known device, the profile it writes loads and is used, a tiny sweep runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from realexec.backends import get_backend  # noqa: E402
+from realexec.backends.torch_npu_standin import make_torch_npu_standin  # noqa: E402
+from realexec.cli_profile import profile as profile_command  # noqa: E402
+from realexec.profiler import (  # noqa: E402
+    GROUPS,
+    QUICK,
+    Measured,
+    Measurements,
+    Sample,
+    Sweep,
+    decode,
+    default_base_device,
+    fit_groups,
+    machine,
+    measure,
+    prefill,
+    ragged_decode,
+    run_profile,
+    shape_features,
+    sweep_for,
+)
+from sim.cost_model import CostModel  # noqa: E402
+from sim.device import OperatorCoefficients, load_device, save_device  # noqa: E402
+from sim.model_spec import load_model  # noqa: E402
+
+TINY = load_model("tiny")
+BS = 16
+
+# A few seconds on two cores: every group is measured, at two block sizes, with a held-out run.
+SMALL = Sweep(
+    block_sizes=(16, 32),
+    token_counts=(1, 16, 64),
+    prefill_tokens=(8, 32),
+    prefix_tokens=(0, 32),
+    decode_batches=(1, 4),
+    decode_contexts=(16, 64),
+    sample_rows=(1, 4),
+    moved_blocks=(1, 4),
+    warmup=1,
+    repeats=2,
+    held_out_requests=2,
+)
+
+TRUTH = {
+    "gemm": OperatorCoefficients(call_s=2e-5, compute_efficiency=0.31, memory_efficiency=0.47),
+    "elementwise": OperatorCoefficients(call_s=7e-6, compute_efficiency=0.3, memory_efficiency=0.05),
+    "kv_write": OperatorCoefficients(call_s=9e-6, memory_efficiency=0.12),
+    "attn_prefill": OperatorCoefficients(call_s=3e-5, compute_efficiency=0.04, memory_efficiency=0.2),
+    "attn_decode": OperatorCoefficients(call_s=4e-5, compute_efficiency=0.2, memory_efficiency=0.03),
+    "paged_gather": OperatorCoefficients(call_s=3e-7),
+    "lm_head": OperatorCoefficients(call_s=1.5e-5, compute_efficiency=0.4, memory_efficiency=0.35),
+    "sampling": OperatorCoefficients(call_s=3e-6, compute_efficiency=0.2, memory_efficiency=0.6),
+    "block_copy": OperatorCoefficients(call_s=6e-6, memory_efficiency=0.25),
+    "swap": OperatorCoefficients(call_s=5e-6, memory_efficiency=0.2),
+    "host_step": OperatorCoefficients(call_s=4e-4),
+    "host_seq": OperatorCoefficients(call_s=6e-6),
+}
+
+
+def synthetic_measurements(truth, sweep: Sweep) -> Measurements:
+    """What a perfectly repeatable device with the ``truth`` profile would measure over ``sweep``."""
+    data = Measurements()
+    for index, block_size in enumerate(sweep.block_sizes):
+        shapes = {"attention": sweep.attention_shapes(), "steps": sweep.step_shapes()}
+        if index == 0:
+            tokens = [prefill(n) for n in sweep.token_counts]
+            rows = [decode(r, 1) for r in sweep.sample_rows]
+            shapes.update(gemm=tokens, elementwise=tokens, kv_write=tokens, lm_head=rows, sampling=rows)
+        model = CostModel(TINY, truth, block_size)
+        samples, seconds = [], []
+        for group in GROUPS:
+            for shape in shapes.get(group.name, []):
+                features = shape_features(shape, block_size)
+                times = model.operator_times(features)
+                samples.append(Sample(group.name, group.name, features, lambda: 0.0))
+                seconds.append(sum(times[op] for op in group.operators + group.fixed))
+        runs = np.array(seconds)[:, None]
+        data.add(samples, Measured(runs[:, 0], runs))
+    return data
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_fit_recovers_a_known_device_and_its_attention_layout(padded: bool, tmp_path: Path) -> None:
+    base = load_device("cpu")
+    truth = dataclasses.replace(base.with_operators(TRUTH), padded_attention=padded)
+    sweep = dataclasses.replace(QUICK, block_sizes=(16, 64))
+    fitted, errors = fit_groups(TINY, dataclasses.replace(base, padded_attention=not padded), 16, synthetic_measurements(truth, sweep))
+
+    assert fitted.padded_attention is padded
+    chosen = [e for e in errors if " if " not in e.name]
+    assert chosen and all(e.mape < 1e-6 for e in chosen), chosen
+    rejected = next(e for e in errors if e.name.startswith("attention if"))
+    assert rejected.mape > 0.05  # the ragged batches in the sweep tell the two layouts apart
+    for op in ("gemm", "kv_write", "attn_decode", "paged_gather", "host_step", "host_seq"):
+        got, want = fitted.operators[op], TRUTH[op]
+        assert got.call_s == pytest.approx(want.call_s, rel=1e-5), op
+        assert got.memory_efficiency == (None if want.memory_efficiency is None else pytest.approx(want.memory_efficiency, rel=1e-5)), op
+    assert fitted.operators["gemm"].compute_efficiency == pytest.approx(0.31, rel=1e-5)
+
+    # profile -> TOML -> predictions: held-out shapes, at a block size the fit never saw
+    path = save_device(fitted, tmp_path / "fitted.toml")
+    loaded = load_device(path)
+    assert loaded == fitted
+    held_out = [ragged_decode(24, 700), prefill(300, 200) + ragged_decode(9, 333), prefill(77)]
+    for shape in held_out:
+        features = shape_features(shape, 32)
+        assert CostModel(TINY, loaded, 32).predict(features) == pytest.approx(CostModel(TINY, truth, 32).predict(features), rel=1e-4)
+
+
+def test_measure_interleaves_rounds_and_takes_medians() -> None:
+    order: list[int] = []
+    values = {0: iter([5.0, 1.0, 3.0]), 1: iter([2.0, 2.0, 9.0])}
+
+    def case(i: int):
+        def run() -> float:
+            order.append(i)
+            return next(values[i], 0.0)
+
+        return run
+
+    measured = measure([case(0), case(1)], warmup=0, repeats=3, rng=np.random.default_rng(0))
+    assert measured.median.tolist() == [3.0, 2.0]
+    assert sorted(order[:2]) == sorted(order[2:4]) == sorted(order[4:]) == [0, 1]  # one visit per case per round
+    assert measured.noise.max() == pytest.approx(3.5)  # 9 against a median of 2
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: two threads on a shared two-core machine wait on each other for whole time slices."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: Path, one_thread: None) -> None:
+    out = tmp_path / "cpu-tiny.toml"
+    lines: list[str] = []
+    result = run_profile("cpu", "tiny", out, sweep=SMALL, seed=3, echo=lines.append)
+
+    loaded = load_device(out)
+    assert loaded == result.device and loaded.name == "cpu"
+    assert loaded.source.startswith("kvsim profile --backend cpu --model tiny --seed 3 on ")
+    assert f"torch {torch.__version__} with num_threads=1," in loaded.source
+    base = load_device("cpu")
+    assert loaded.operators != base.operators
+    for coeffs in loaded.operators.values():
+        for value in (coeffs.call_s, coeffs.compute_efficiency, coeffs.memory_efficiency):
+            assert value is None or (np.isfinite(value) and value >= 0)
+    plan_features = shape_features(prefill(40) + ragged_decode(3, 50), BS)
+    assert CostModel(TINY, loaded, BS).predict(plan_features) != CostModel(TINY, base, BS).predict(plan_features)
+
+    names = {e.name for e in result.errors}
+    assert {"gemm", "forward without attention", "kv_write", "attention", "lm_head", "sampling", "block_copy", "swap"} <= names
+    assert {"steps", "held-out steps"} <= names
+    held = result.error("held-out steps")
+    assert held.samples >= SMALL.held_out_requests + 1  # every request's prefill plus at least one more step
+    assert 0 <= held.mape <= held.max_error and result.step_noise >= 0
+    assert any(line.startswith("held-out steps") for line in lines) and lines[-1].startswith("profiled in")
+
+
+def test_base_device_sweep_and_machine_follow_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = get_backend("cpu")
+    assert default_base_device(cpu) == "cpu" and sweep_for(cpu, quick=True) == QUICK
+    npu = types.SimpleNamespace(name="npu", device=torch.device("cpu"), torch_npu=make_torch_npu_standin())
+    npu.torch_npu.npu.get_device_name = lambda index: f"Ascend910B3 #{index}"
+    assert default_base_device(npu) == "ascend-910b3" and machine(npu) == "Ascend910B3 #0"
+    assert sweep_for(npu, quick=True).block_sizes == sweep_for(npu, quick=False).block_sizes == (128, 256)  # FIA's sizes
+    cuda = types.SimpleNamespace(name="cuda", device=torch.device("cuda", 0))
+    for device_name, profile_name in (("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=device_name: name)
+        assert default_base_device(cuda) == profile_name and machine(cuda) == device_name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ValueError, match="Tesla T4.*--base-device"):
+        default_base_device(cuda)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "tpu"], "unknown backend 'tpu'"),
+        (["--model", "nope"], "unknown model 'nope'"),
+        (["--base-device", "nope"], "unknown device 'nope'"),
+        (["--out", "no/such/dir/p.toml"], "directory no/such/dir does not exist"),
+        (["--backend", "cuda"] if not torch.cuda.is_available() else ["--backend", "cpu", "--device", "cuda"], "cuda"),
+    ],
+)
+def test_cli_bad_input_is_one_line(args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    full = ["--out", "p.toml", *args] if "--out" not in args else args
+    result = CliRunner().invoke(profile_command, full)
+    assert result.exit_code != 0
+    output = result.output.strip()
+    assert output.startswith("Error: ") and "\n" not in output and message in output, output
+    assert not (tmp_path / "p.toml").exists()
