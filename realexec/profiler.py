@@ -167,15 +167,10 @@ FULL = Sweep(
 
 @dataclass
 class Measured:
-    """Median seconds of each case, and how far single runs strayed from it."""
+    """Every timed run of each case, and each case's median."""
 
-    median: np.ndarray
+    median: np.ndarray  # [cases]
     runs: np.ndarray  # [cases, repeats]
-
-    @property
-    def noise(self) -> np.ndarray:
-        """|run - median| / median of every single run: the error of a perfect model against one run."""
-        return np.abs(self.runs / self.median[:, None] - 1.0).ravel()
 
 
 def measure(cases: Sequence[Case], warmup: int, repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
@@ -201,11 +196,13 @@ def measure(cases: Sequence[Case], warmup: int, repeats: int, rng: np.random.Gen
 
 
 class PlanBuilder:
-    """StepPlans of given shapes for one executor: fresh requests each time, blocks scattered over the pool.
+    """StepPlans of given shapes for one executor: fresh requests each time, blocks scattered as in a busy pool.
 
     Every plan gets new requests, because a sampled token is appended to its request and the
-    same plan could not run twice. Block ids are a random draw from the whole pool, as they are
-    after an engine has run a while; the cache's contents do not matter to the time.
+    same plan could not run twice. Block ids are a random draw, as they are after an engine has
+    run a while, from a region twice the step's own footprint: a serving engine's running batch
+    fills most of its pool, so what a step reads is about as spread (and as cache-resident) as
+    that. The cache's contents do not matter to the time.
     """
 
     def __init__(self, executor: Executor, rng: np.random.Generator) -> None:
@@ -218,7 +215,8 @@ class PlanBuilder:
         counts = [-(-(s.cached + s.new) // bs) for s in shape]
         if sum(counts) > self.executor.num_blocks:
             raise ValueError(f"a step of {sum(counts)} blocks does not fit the profiling pool of {self.executor.num_blocks}")
-        drawn = self.rng.permutation(self.executor.num_blocks)[: sum(counts)].tolist()
+        region = min(self.executor.num_blocks, 2 * sum(counts))
+        drawn = self.rng.permutation(region)[: sum(counts)].tolist()
         starts = np.cumsum([0] + counts).tolist()
         return [drawn[a:b] for a, b in zip(starts, starts[1:])]
 
@@ -437,7 +435,7 @@ class Measurements:
     labels: dict[str, list[str]] = field(default_factory=dict)
     features: dict[str, list[StepFeatures]] = field(default_factory=dict)
     median: dict[str, list[float]] = field(default_factory=dict)
-    noise: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    noise: dict[str, list[np.ndarray]] = field(default_factory=dict)  # |run / median - 1|: a perfect model's error on one run
 
     def add(self, samples: Sequence[Sample], measured: Measured) -> None:
         for i, sample in enumerate(samples):
@@ -463,7 +461,7 @@ def fit_groups(spec: ModelSpec, base: DeviceProfile, block_size: int, data: Meas
         fits = sorted((_fit_group(spec, layout, block_size, group, features, seconds) for layout in layouts), key=lambda fit: fit[2])
         (device, predicted, _), rejected = fits[0], fits[1:]
         labels = np.array(data.labels[group.name])
-        for label in dict.fromkeys(labels):
+        for label in dict.fromkeys(labels.tolist()):
             rows = labels == label
             errors.append(FitError.of(label, predicted[rows], seconds[rows]))
         if len(set(labels)) > 1:
