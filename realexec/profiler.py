@@ -43,6 +43,7 @@ from realexec.backends.base import AttentionMetadata
 from realexec.executor import Executor
 from sim.cost_model import STEP_OPERATORS, CostModel, StepFeatures, features_from_plan
 from sim.device import DeviceProfile, load_device, save_device
+from sim.memory import plan_memory
 from sim.model_spec import ModelSpec, load_model
 from sim.simulator import SimOptions, simulate
 from sim.step_timer import StepTiming
@@ -195,35 +196,52 @@ def measure(cases: Sequence[Case], warmup: int, repeats: int, rng: np.random.Gen
 # ---------------------------------------------------------------------------------- plans
 
 
-class PlanBuilder:
-    """StepPlans of given shapes for one executor: fresh requests each time, blocks scattered as in a busy pool.
+@dataclass
+class KVPool:
+    """Paged KV caches of one block size: the executor's own, or a bare one for attention alone."""
 
-    Every plan gets new requests, because a sampled token is appended to its request and the
-    same plan could not run twice. Block ids are a random draw, as they are after an engine has
-    run a while, from a region twice the step's own footprint: a serving engine's running batch
-    fills most of its pool, so what a step reads is about as spread (and as cache-resident) as
-    that. The cache's contents do not matter to the time.
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_size: int
+    num_blocks: int
+
+    def tables(self, shape: StepShape, rng: np.random.Generator) -> list[list[int]]:
+        """Block tables of a step of this shape, drawn as in a busy pool.
+
+        Block ids are a random draw, as they are after an engine has run a while, from a region
+        twice the step's own footprint: a serving engine's running batch fills most of its pool,
+        so what a step reads is about as spread (and as cache-resident) as that. The caches'
+        contents do not matter to the time.
+        """
+        counts = [-(-(s.cached + s.new) // self.block_size) for s in shape]
+        if sum(counts) > self.num_blocks:
+            raise ValueError(f"a step of {sum(counts)} blocks does not fit the profiling pool of {self.num_blocks}")
+        drawn = rng.permutation(min(self.num_blocks, 2 * sum(counts)))[: sum(counts)].tolist()
+        starts = np.cumsum([0] + counts).tolist()
+        return [drawn[a:b] for a, b in zip(starts, starts[1:])]
+
+    def metadata(self, shape: StepShape, rng: np.random.Generator, device: torch.device) -> AttentionMetadata:
+        """Attention metadata of a step of this shape, as the executor builds it."""
+        return AttentionMetadata.build(
+            [s.new for s in shape], [s.cached + s.new for s in shape], self.tables(shape, rng), self.block_size, device
+        )
+
+
+class PlanBuilder:
+    """StepPlans of given shapes for one executor, with fresh requests every time.
+
+    A sampled token is appended to its request, so the same plan could not run twice.
     """
 
     def __init__(self, executor: Executor, rng: np.random.Generator) -> None:
         self.executor = executor
+        self.pool = KVPool(executor.kv_caches, executor.block_size, executor.num_blocks)
         self.rng = rng
         self._next_id = 0
 
-    def tables(self, shape: StepShape) -> list[list[int]]:
-        bs = self.executor.block_size
-        counts = [-(-(s.cached + s.new) // bs) for s in shape]
-        if sum(counts) > self.executor.num_blocks:
-            raise ValueError(f"a step of {sum(counts)} blocks does not fit the profiling pool of {self.executor.num_blocks}")
-        region = min(self.executor.num_blocks, 2 * sum(counts))
-        drawn = self.rng.permutation(region)[: sum(counts)].tolist()
-        starts = np.cumsum([0] + counts).tolist()
-        return [drawn[a:b] for a, b in zip(starts, starts[1:])]
-
     def plan(self, shape: StepShape) -> StepPlan:
-        bs = self.executor.block_size
+        bs = self.pool.block_size
         plan = StepPlan(step=self._next_id)
-        for s, table in zip(shape, self.tables(shape)):
+        for s, table in zip(shape, self.pool.tables(shape, self.rng)):
             rid = f"profile-{self._next_id}"
             self.executor.add_request(Request(rid, self._next_id, 0.0, s.cached + s.new, 1))
             self._next_id += 1
@@ -231,16 +249,6 @@ class PlanBuilder:
             plan.block_tables[rid] = table
             plan.slot_mapping += [table[p // bs] * bs + p % bs for p in range(s.cached, s.cached + s.new)]
         return plan
-
-    def metadata(self, shape: StepShape) -> AttentionMetadata:
-        """Attention metadata of a step of this shape, as the executor builds it."""
-        return AttentionMetadata.build(
-            [s.new for s in shape], [s.cached + s.new for s in shape], self.tables(shape),
-            self.executor.block_size, self.executor.backend.device,
-        )
-
-    def features(self, shape: StepShape) -> StepFeatures:
-        return shape_features(shape, self.executor.block_size)
 
 
 def shape_features(shape: StepShape, block_size: int) -> StepFeatures:
@@ -291,11 +299,16 @@ class Sample:
 class OperatorBenches:
     """Cases for every group on one executor's model, caches and backend."""
 
-    def __init__(self, executor: Executor, builder: PlanBuilder, seed: int) -> None:
-        self.ex, self.builder = executor, builder
+    def __init__(self, executor: Executor, rng: np.random.Generator, seed: int) -> None:
+        self.ex = executor
+        self.builder = PlanBuilder(executor, rng)
+        self.rng = rng
         self.spec = executor.spec
         self.backend: KernelBackend = executor.backend
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def _features(self, shape: StepShape) -> StepFeatures:
+        return shape_features(shape, self.ex.block_size)
 
     def _randn(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         x = torch.randn(*shape, generator=self.gen, dtype=torch.float32)
@@ -315,7 +328,7 @@ class OperatorBenches:
                 x @ layer.gate_up_proj.T
                 act @ layer.down_proj.T
 
-        return Sample("gemm", "gemm", self.builder.features(prefill(tokens)), lambda: self._timed(run))
+        return Sample("gemm", "gemm", self._features(prefill(tokens)), lambda: self._timed(run))
 
     def forward_without_attention(self, tokens: int) -> Sample:
         """The decoder's forward pass with attention replaced by the identity: GEMMs + elementwise."""
@@ -325,7 +338,7 @@ class OperatorBenches:
         def run() -> None:
             self.ex.model.forward(ids, positions, lambda layer, q, k, v: q)
 
-        return Sample("elementwise", "forward without attention", self.builder.features(prefill(tokens)), lambda: self._timed(run))
+        return Sample("elementwise", "forward without attention", self._features(prefill(tokens)), lambda: self._timed(run))
 
     def kv_write(self, tokens: int) -> Sample:
         s, bs = self.spec, self.ex.block_size
@@ -333,36 +346,36 @@ class OperatorBenches:
         shape = prefill(tokens)
 
         def case() -> float:
-            table = self.builder.tables(shape)[0]
+            table = self.builder.pool.tables(shape, self.rng)[0]
             slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(tokens)], dtype=torch.int64).to(self.backend.device)
             return self._timed(lambda: [self.backend.write_kv(k, v, kc, vc, slots) for kc, vc in self.ex.kv_caches])
 
-        return Sample("kv_write", "kv_write", self.builder.features(shape), case)
+        return Sample("kv_write", "kv_write", self._features(shape), case)
 
-    def attention(self, shape: StepShape) -> Sample:
+    def attention(self, shape: StepShape, pool: KVPool) -> Sample:
         s = self.spec
         q = self._randn(sum(x.new for x in shape), s.num_heads, s.head_dim, dtype=self.ex.kv_dtype)
         scale = self.ex.model.scale
 
         def case() -> float:
-            meta = self.builder.metadata(shape)  # fresh: what a backend derives once per step is part of the cost
-            return self._timed(lambda: [self.backend.attention(q, kc, vc, meta, scale) for kc, vc in self.ex.kv_caches])
+            meta = pool.metadata(shape, self.rng, self.backend.device)  # fresh: what a backend derives per step is part of the cost
+            return self._timed(lambda: [self.backend.attention(q, kc, vc, meta, scale) for kc, vc in pool.caches])
 
         label = f"attention {'decode' if shape[0].is_decode else 'prefill'}"
-        return Sample("attention", label, self.builder.features(shape), case)
+        return Sample("attention", label, shape_features(shape, pool.block_size), case)
 
     def lm_head(self, rows: int) -> Sample:
         hidden = self._randn(rows, self.spec.hidden_size)
-        return Sample("lm_head", "lm_head", self.builder.features(decode(rows, 1)), lambda: self._timed(lambda: self.ex.model.logits(hidden)))
+        return Sample("lm_head", "lm_head", self._features(decode(rows, 1)), lambda: self._timed(lambda: self.ex.model.logits(hidden)))
 
     def sampling(self, rows: int) -> Sample:
         """Greedy sampling, as the executor samples: an argmax over the fp32 logits."""
         logits = self.ex.model.logits(self._randn(rows, self.spec.hidden_size))
-        return Sample("sampling", "sampling", self.builder.features(decode(rows, 1)), lambda: self._timed(lambda: logits.argmax(dim=-1)))
+        return Sample("sampling", "sampling", self._features(decode(rows, 1)), lambda: self._timed(lambda: logits.argmax(dim=-1)))
 
     def block_copy(self, blocks: int) -> Sample:
         def case() -> float:
-            ids = self.builder.rng.permutation(self.ex.num_blocks)[: 2 * blocks].tolist()
+            ids = self.rng.permutation(self.ex.num_blocks)[: 2 * blocks].tolist()
             pairs = list(zip(ids[:blocks], ids[blocks:]))
             return self._timed(lambda: self.backend.copy_blocks(self.ex.kv_caches, pairs))
 
@@ -370,8 +383,8 @@ class OperatorBenches:
 
     def swap(self, blocks: int, out: bool) -> Sample:
         def case() -> float:
-            device = self.builder.rng.permutation(self.ex.num_blocks)[:blocks].tolist()
-            host = self.builder.rng.permutation(self.ex.num_host_blocks)[:blocks].tolist()
+            device = self.rng.permutation(self.ex.num_blocks)[:blocks].tolist()
+            host = self.rng.permutation(self.ex.num_host_blocks)[:blocks].tolist()
             if out:
                 return self._timed(lambda: self.backend.swap(self.ex.kv_caches, self.ex.host_caches, list(zip(device, host))))
             return self._timed(lambda: self.backend.swap(self.ex.host_caches, self.ex.kv_caches, list(zip(host, device))))
@@ -380,7 +393,7 @@ class OperatorBenches:
 
     def step(self, shape: StepShape) -> Sample:
         """A whole step through the executor: what the simulator's step time must match."""
-        return Sample("steps", f"steps {_kind(shape)}", self.builder.features(shape), lambda: self.ex.step(self.builder.plan(shape)).duration_s)
+        return Sample("steps", f"steps {_kind(shape)}", self._features(shape), lambda: self.ex.step(self.builder.plan(shape)).duration_s)
 
 
 def _kind(shape: StepShape) -> str:
@@ -396,17 +409,19 @@ def _stack(features: Sequence[StepFeatures]) -> StepFeatures:
     return StepFeatures(**{f.name: np.array([getattr(x, f.name) for x in features], dtype=np.float64) for f in fields(StepFeatures)})
 
 
-def sweep_samples(benches: OperatorBenches, sweep: Sweep, every_operator: bool) -> list[Sample]:
-    """The cases of one executor: attention and whole steps at every block size, the rest at the first."""
-    samples = [benches.attention(shape) for shape in sweep.attention_shapes()]
-    samples += [benches.step(shape) for shape in sweep.step_shapes()]
-    if every_operator:
-        for n in sweep.token_counts:
-            samples += [benches.gemm(n), benches.forward_without_attention(n), benches.kv_write(n)]
-        for rows in sweep.sample_rows:
-            samples += [benches.lm_head(rows), benches.sampling(rows)]
-        for blocks in sweep.moved_blocks:
-            samples += [benches.block_copy(blocks), benches.swap(blocks, out=True), benches.swap(blocks, out=False)]
+def sweep_samples(benches: OperatorBenches, sweep: Sweep, pools: Sequence[KVPool], fits: Callable[[StepShape, int], bool]) -> list[Sample]:
+    """Every case: attention at every pool's block size, whole steps and the other operators on the executor.
+
+    ``fits(shape, block_size)`` drops shapes too large for the memory the profile may use.
+    """
+    samples = [benches.attention(shape, pool) for pool in pools for shape in sweep.attention_shapes() if fits(shape, pool.block_size)]
+    samples += [benches.step(shape) for shape in sweep.step_shapes() if fits(shape, benches.ex.block_size)]
+    for n in sweep.token_counts:
+        samples += [benches.gemm(n), benches.forward_without_attention(n), benches.kv_write(n)]
+    for rows in sweep.sample_rows:
+        samples += [benches.lm_head(rows), benches.sampling(rows)]
+    for blocks in sweep.moved_blocks:
+        samples += [benches.block_copy(blocks), benches.swap(blocks, out=True), benches.swap(blocks, out=False)]
     return samples
 
 
@@ -517,7 +532,7 @@ def held_out_run(executor: Executor, sweep: Sweep, seed: int) -> RecordingTimer:
         rate=1000.0, n_requests=sweep.held_out_requests, prompt=Uniform(min(16, longest), longest), output=Uniform(2, 48), turns=2,
         think_time_s=0.05, hash_block_size=executor.block_size, seed=seed,
     )
-    max_len = int(np.max(trace.prompt_tokens + trace.output_tokens))
+    max_len = min(int(np.max(trace.prompt_tokens + trace.output_tokens)), executor.spec.max_position)
     config = EngineConfig(
         num_blocks=executor.num_blocks, block_size=executor.block_size, max_model_len=max_len,
         max_num_seqs=max(sweep.decode_batches), max_num_batched_tokens=longest,
@@ -549,12 +564,17 @@ class Profile:
         return next(e for e in self.errors if e.name == name)
 
 
-def _executor(backend: KernelBackend, spec: ModelSpec, sweep: Sweep, block_size: int, seed: int) -> Executor:
-    """An executor whose pool holds the largest swept step (and the held-out run's requests)."""
-    shapes = sweep.step_shapes() + sweep.attention_shapes()
-    largest = max(sum(-(-(s.cached + s.new) // block_size) for s in shape) for shape in shapes)
-    blocks = max(largest, 2 * max(sweep.moved_blocks)) + 1
-    return Executor(spec, backend, num_blocks=blocks, block_size=block_size, num_host_blocks=max(sweep.moved_blocks), seed=seed)
+def kv_token_budget(spec: ModelSpec, base: DeviceProfile, block_size: int, pools: int) -> int:
+    """KV tokens one profiling pool may hold: half of what an engine would give its KV cache on ``base``, split over the pools.
+
+    Half, because attention may gather a padded copy of everything it reads next to the cache.
+    """
+    return plan_memory(spec, base, block_size=block_size).num_blocks * block_size // (2 * pools)
+
+
+def footprint(shape: StepShape, block_size: int) -> int:
+    """KV blocks a step of this shape holds."""
+    return sum(-(-(s.cached + s.new) // block_size) for s in shape)
 
 
 def profile(
@@ -566,26 +586,42 @@ def profile(
     echo: Echo | None = None,
     progress: bool = False,
 ) -> Profile:
-    """Measure ``backend`` running ``spec`` over ``sweep`` and fit ``base``'s coefficients to it."""
+    """Measure ``backend`` running ``spec`` over ``sweep`` and fit ``base``'s coefficients to it.
+
+    One executor at the first block size runs everything but attention at the other block sizes,
+    which reads bare pools of those sizes; every case of every block size is timed in the same
+    shuffled rounds, so a change of load on a shared machine cannot pass for a block-size effect.
+    """
     started = time.perf_counter()
     say = echo or (lambda _: None)
     rng = np.random.default_rng(seed)
-    data = Measurements()
-    held_out: RecordingTimer | None = None
-    for index, block_size in enumerate(sweep.block_sizes):
-        executor = _executor(backend, spec, sweep, block_size, seed)
-        builder = PlanBuilder(executor, rng)
-        samples = sweep_samples(OperatorBenches(executor, builder, seed), sweep, every_operator=index == 0)
-        say(f"block size {block_size}: {len(samples)} cases x {sweep.repeats} rounds")
-        runs = len(samples) * (sweep.warmup + sweep.repeats)
-        with tqdm(total=runs, desc=f"block size {block_size}", unit="run", disable=not progress, leave=False, mininterval=0.5) as bar:
-            data.add(samples, measure([s.run for s in samples], sweep.warmup, sweep.repeats, rng, tick=bar.update))
-        if index == 0:
-            say(f"block size {block_size}: held-out engine run of {sweep.held_out_requests} requests")
-            held_out = held_out_run(executor, sweep, seed)
     first = sweep.block_sizes[0]
+    budget = kv_token_budget(spec, base, first, len(sweep.block_sizes))
+
+    def fits(shape: StepShape, block_size: int) -> bool:
+        return footprint(shape, block_size) * block_size <= budget
+
+    shapes = sweep.step_shapes() + sweep.attention_shapes()
+    if not any(fits(shape, first) for shape in shapes):
+        raise ValueError(f"model {spec.name} leaves no memory for a KV cache on {base.name} ({base.hbm_bytes} bytes)")
+    blocks = max([footprint(shape, first) for shape in shapes if fits(shape, first)] + [2 * max(sweep.moved_blocks)])
+    executor = Executor(spec, backend, num_blocks=blocks, block_size=first, num_host_blocks=max(sweep.moved_blocks), seed=seed)
+    pools = [KVPool(executor.kv_caches, first, executor.num_blocks)]
+    for block_size in sweep.block_sizes[1:]:
+        blocks = max([footprint(shape, block_size) for shape in sweep.attention_shapes() if fits(shape, block_size)], default=0)
+        if blocks:
+            caches = backend.allocate_kv_cache(spec.num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim, executor.kv_dtype)
+            pools.append(KVPool(caches, block_size, blocks))
+    samples = sweep_samples(OperatorBenches(executor, rng, seed), sweep, pools, fits)
+    say(f"timing {len(samples)} cases: {sweep.warmup} warm-up and {sweep.repeats} timed rounds")
+    data = Measurements()
+    with tqdm(total=len(samples) * (sweep.warmup + sweep.repeats), unit="run", disable=not progress, leave=False, mininterval=0.5) as bar:
+        data.add(samples, measure([s.run for s in samples], sweep.warmup, sweep.repeats, rng, tick=bar.update))
+    del pools[1:]
+    say(f"held-out run: {sweep.held_out_requests} requests scheduled by the engine")
+    held_out = held_out_run(executor, sweep, seed)
+
     device, errors = fit_groups(spec, base, first, data)
-    assert held_out is not None
     predicted = CostModel(spec, device, first).predict(_stack(held_out.features))
     seconds, kinds = np.array(held_out.seconds), np.array(held_out.kinds)
     errors.append(FitError.of("held-out steps", predicted, seconds))
@@ -676,6 +712,8 @@ def report_lines(result: Profile) -> list[str]:
     """The fit's error per operator group and for whole steps, and the timing noise."""
     lines = [f"{'fit':<28}{'samples':>8}{'MAPE':>8}{'max':>8}"]
     lines += [f"{e.name:<28}{e.samples:>8}{e.mape:>8.1%}{e.max_error:>8.1%}" for e in result.errors]
+    layout = "padded to the batch's longest sequence" if result.device.padded_attention else "exact (no padding)"
+    lines.append(f"attention work: {layout}")
     lines.append(f"timing noise (mean |run / median - 1|): operators {result.operator_noise:.1%}, steps {result.step_noise:.1%}")
     lines.append(f"profiled in {result.seconds:.0f} s")
     return lines

@@ -75,12 +75,12 @@ TRUTH = {
 def synthetic_measurements(truth, sweep: Sweep) -> Measurements:
     """What a perfectly repeatable device with the ``truth`` profile would measure over ``sweep``."""
     data = Measurements()
-    for index, block_size in enumerate(sweep.block_sizes):
-        shapes = {"attention": sweep.attention_shapes(), "steps": sweep.step_shapes()}
+    for index, block_size in enumerate(sweep.block_sizes):  # as profile() measures: attention at every block size
+        shapes = {"attention": sweep.attention_shapes()}
         if index == 0:
             tokens = [prefill(n) for n in sweep.token_counts]
             rows = [decode(r, 1) for r in sweep.sample_rows]
-            shapes.update(gemm=tokens, elementwise=tokens, kv_write=tokens, lm_head=rows, sampling=rows)
+            shapes.update(gemm=tokens, elementwise=tokens, kv_write=tokens, lm_head=rows, sampling=rows, steps=sweep.step_shapes())
         model = CostModel(TINY, truth, block_size)
         samples, seconds = [], []
         for group in GROUPS:
