@@ -18,6 +18,17 @@ SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SMALL_ENGINE = dict(num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``slow`` tests stay out of the default run (the suite's time budget); any ``-m``
+    expression decides for itself: ``-m slow`` runs only them, ``-m "slow or not slow"`` all."""
+    if config.getoption("markexpr"):
+        return
+    skip = pytest.mark.skip(reason="slow: select with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @dataclass
 class Driver:
     """Steps an engine with a fixed step time, checking every plan's slots and the invariants."""
