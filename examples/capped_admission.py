@@ -12,7 +12,8 @@ where FCFS would evict the newest request, which holds the least.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from itertools import islice
 
 from policies.request import Request
 from policies.schedulers import SchedulerPolicy
@@ -25,9 +26,9 @@ class CappedAdmission(SchedulerPolicy):
             raise ValueError(f"capped_admission: max_new_per_step must be >= 1, not {max_new_per_step}")
         self.max_new_per_step = max_new_per_step
 
-    def waiting_order(self, waiting: Sequence[Request], now: float) -> Iterable[Request]:
+    def waiting_order(self, waiting: Iterable[Request], now: float) -> Iterable[Request]:
         """The queue in its order (preempted requests at the front), cut to the step's cap."""
-        return list(waiting)[: self.max_new_per_step]
+        return islice(waiting, self.max_new_per_step)
 
     def pick_victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=lambda r: (r.num_computed_tokens, r.arrival_s, r.seq_id))

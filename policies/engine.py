@@ -19,12 +19,12 @@ reason at arrival when they could never fit. Nothing in here reads a clock excep
 from __future__ import annotations
 
 import inspect
-from collections import deque
 from dataclasses import dataclass
 
 from policies.block_manager import BlockManager, KVStats
 from policies.config import EngineConfig
 from policies.plan import DecodeStretch, PlanEntry, StepPlan
+from policies.queue import RequestQueue
 from policies.registry import resolve_block_manager, resolve_scheduler
 from policies.request import Request, Status
 from policies.schedulers import SchedulerPolicy
@@ -71,9 +71,9 @@ class EngineCore:
             max_model_len=config.max_model_len,
         )
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue(self.policy.queue_key)
         self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
+        self.swapped = RequestQueue(self.policy.queue_key)
         self.counters = EngineCounters()
         self._next_seq_id = 0
         self._pending_rejections: list[tuple[str, str]] = []
@@ -119,7 +119,7 @@ class EngineCore:
         self.requests[request_id] = request
         reason = self._rejection_reason(request)
         if reason is None:
-            self.waiting.append(request)
+            self.waiting.add(request)
         else:
             request.status = Status.REJECTED
             request.reject_reason = reason
@@ -242,14 +242,14 @@ class EngineCore:
         if self.config.preemption_mode == "swap" and not cow_pending and self.kv.can_swap_out(victim):
             plan.swap_out.extend(self.kv.swap_out(victim))
             victim.status = Status.SWAPPED
-            self.swapped.appendleft(victim)
+            self.swapped.add_front(victim)
             mode = "swap"
             self.counters.swap_preemptions += 1
         else:
             self.kv.free(victim)
             victim.num_computed_tokens = 0
             victim.status = Status.WAITING
-            self.waiting.appendleft(victim)
+            self.waiting.add_front(victim)
             mode = "recompute"
             self.counters.recompute_preemptions += 1
         victim.num_preemptions += 1
@@ -297,12 +297,7 @@ class EngineCore:
             self._start_running(request, num_new)
         if not admitted:
             return
-        if self.waiting[0] is admitted[0] and all(a is w for a, w in zip(admitted, self.waiting)):
-            for _ in admitted:
-                self.waiting.popleft()
-        else:
-            chosen = {r.seq_id for r in admitted}
-            self.waiting = deque(r for r in self.waiting if r.seq_id not in chosen)
+        self.waiting.remove_all(admitted)
 
     @staticmethod
     def _seats(request: Request) -> int:
@@ -403,7 +398,7 @@ class EngineCore:
             else:  # no room to hold the child's KV: it starts over like a recompute preemption
                 child.num_computed_tokens = 0
                 child.status = Status.WAITING
-                self.waiting.append(child)
+                self.waiting.add(child)
             children.append(child)
         return children
 

@@ -8,7 +8,7 @@ prefills may be chunked and when admission is open.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from policies.registry import register_scheduler
 from policies.request import Request
@@ -22,10 +22,13 @@ class SchedulerPolicy:
     def __init__(self, chunked_prefill: bool = True) -> None:
         self.chunked_prefill = chunked_prefill
 
+    queue_key: Callable[[Request], tuple] | None = None  # static service order of the queues; None = FIFO
+
     def running_order(self, running: list[Request]) -> Iterable[Request]:
         return running
 
-    def waiting_order(self, waiting: Sequence[Request], now: float) -> Iterable[Request]:
+    def waiting_order(self, waiting: Iterable[Request], now: float) -> Iterable[Request]:
+        """Admission order: the queue as kept (by ``queue_key``), unless a policy says otherwise."""
         return waiting
 
     def pick_victim(self, candidates: list[Request]) -> Request:
@@ -65,8 +68,7 @@ def _priority_key(r: Request) -> tuple:
 class PriorityPolicy(SchedulerPolicy):
     """Lower ``priority`` value first, then arrival; the victim is the worst priority, latest arrival."""
 
-    def waiting_order(self, waiting: Sequence[Request], now: float) -> Iterable[Request]:
-        return sorted(waiting, key=_priority_key)
+    queue_key = staticmethod(_priority_key)
 
     def pick_victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=_priority_key)
@@ -90,8 +92,10 @@ class ShortestJobFirstPolicy(SchedulerPolicy):
     def job_length(self, r: Request) -> int:
         return r.remaining_output if self.oracle else r.prompt_tokens
 
-    def waiting_order(self, waiting: Sequence[Request], now: float) -> Iterable[Request]:
-        return sorted(waiting, key=lambda r: (self.job_length(r) - self.aging * (now - r.arrival_s), r.arrival_s, r.seq_id))
+    def queue_key(self, r: Request) -> tuple:
+        """``length - aging * (now - arrival)`` orders requests as ``length + aging * arrival`` does
+        (the ``now`` term is common to all), so the key is static and the queue stays sorted."""
+        return (self.job_length(r) + self.aging * r.arrival_s, r.arrival_s, r.seq_id)
 
     def pick_victim(self, candidates: list[Request]) -> Request:
         return max(candidates, key=lambda r: (self.job_length(r), r.arrival_s, r.seq_id))
