@@ -481,3 +481,25 @@ TestContiguousMaxLen = ContiguousMaxLenMachine.TestCase
 TestContiguousMaxLen.settings = MACHINE_SETTINGS
 TestContiguousOwnLength = ContiguousOwnLengthMachine.TestCase
 TestContiguousOwnLength.settings = MACHINE_SETTINGS
+
+
+def test_contiguous_regions_show_internal_waste_and_external_fragmentation():
+    """Regions sized for the request (4, 2 and 4 blocks) fill a 10-block pool; freeing the
+    first and last leaves 8 free blocks in two 4-block holes: half the free space is unusable
+    by a 5-block region, which is refused although the pool has room for it in total."""
+    kv = ContiguousBlockManager(10, BS, max_model_len=MAX_MODEL_LEN, reserve="request")
+    a, b, c = Request("a", 1, 0.0, 16, 1), Request("b", 2, 0.0, 8, 1), Request("c", 3, 0.0, 16, 1)
+    for r in (a, b, c):
+        assert kv.allocate_slots(r, 5)
+        r.num_computed_tokens = 5
+    assert [kv.regions[r.seq_id] for r in (a, b, c)] == [(0, 4), (4, 2), (6, 4)]
+    stats = kv.stats([a, b, c])
+    assert (stats.used, stats.free, stats.internal_waste_slots, stats.fragmentation) == (10, 0, 40 - 15, 0.0)
+
+    kv.free(a)
+    kv.free(c)
+    stats = kv.stats([b])
+    assert (stats.used, stats.free, stats.internal_waste_slots, stats.fragmentation) == (2, 8, 8 - 5, 0.5)
+    assert not kv.allocate_slots(Request("d", 4, 0.0, 20, 1), 20)  # 5 blocks: no hole is that large
+    assert kv.allocate_slots(Request("e", 5, 0.0, 16, 1), 16)  # 4 blocks: the first hole
+    assert kv.regions[5] == (0, 4)
