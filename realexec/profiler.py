@@ -499,14 +499,21 @@ def _fit_group(
 # ------------------------------------------------------------------------------- held-out run
 
 
+@dataclass
+class StepRecords:
+    """Steps run once each: their features, measured ``duration_s`` and kind (prefill, decode, mixed)."""
+
+    features: list[StepFeatures] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+
+
 class RecordingTimer:
-    """The executor as a step timer that keeps every step's features, measured duration and kind."""
+    """The executor as a step timer that records every step it runs."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        self.features: list[StepFeatures] = []
-        self.seconds: list[float] = []
-        self.kinds: list[str] = []
+        self.records = StepRecords()
 
     def add_request(self, request: Request) -> None:
         self.executor.add_request(request)
@@ -514,13 +521,13 @@ class RecordingTimer:
     def step(self, plan: StepPlan) -> StepTiming:
         timing = self.executor.step(plan)
         if plan.entries:
-            self.features.append(features_from_plan(plan, self.executor.block_size))
-            self.seconds.append(timing.duration_s)
-            self.kinds.append(plan.kind)
+            self.records.features.append(features_from_plan(plan, self.executor.block_size))
+            self.records.seconds.append(timing.duration_s)
+            self.records.kinds.append(plan.kind)
         return timing
 
 
-def held_out_run(executor: Executor, sweep: Sweep, seed: int) -> RecordingTimer:
+def held_out_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
     """An engine-scheduled synthetic trace replayed on ``executor``: steps no fit has seen.
 
     Two-turn conversations arriving faster than they are served give what a serving run has:
@@ -539,7 +546,7 @@ def held_out_run(executor: Executor, sweep: Sweep, seed: int) -> RecordingTimer:
     )
     timer = RecordingTimer(executor)
     simulate(trace, EngineCore(config), timer, SimOptions(exact=True))
-    return timer
+    return timer.records
 
 
 # --------------------------------------------------------------------------------- top level
@@ -558,7 +565,7 @@ class Profile:
     step_noise: float  # the same over whole steps: about the floor of any model's error against one run
     seconds: float  # wall time of the profiling run
     measurements: Measurements  # what the fit saw
-    held_out: RecordingTimer  # the held-out steps, measured once each
+    held_out: StepRecords  # the held-out steps
 
     def error(self, name: str) -> FitError:
         return next(e for e in self.errors if e.name == name)
