@@ -707,7 +707,7 @@ def run_profile(
         f"{time.strftime('%Y-%m-%d')}; fitted from {base.name}; held-out per-step MAPE {held.mape:.1%} "
         f"against single steps whose timing noise is {result.step_noise:.1%}"
     )
-    result = replace(result, device=result.device.with_operators({}, source=source))
+    result = replace(result, device=replace(result.device, name=f"{base.name}-calibrated", source=source))
     save_device(result.device, out)
     if echo:
         for line in report_lines(result):

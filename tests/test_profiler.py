@@ -154,7 +154,7 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     result = run_profile("cpu", "tiny", out, sweep=SMALL, seed=3, echo=lines.append)
 
     loaded = load_device(out)
-    assert loaded == result.device and loaded.name == "cpu"
+    assert loaded == result.device and loaded.name == "cpu-calibrated"
     assert loaded.source.startswith("kvsim profile --backend cpu --model tiny --seed 3 on ")
     assert f"torch {torch.__version__} with num_threads=1," in loaded.source
     base = load_device("cpu")
