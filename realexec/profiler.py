@@ -1,24 +1,29 @@
 """``kvsim profile``: measure a kernel backend running the paged decoder and fit the cost model to it.
 
-Two kinds of measurement, both on the executor's own model, caches and kernels:
+Everything runs on one executor's model, caches and kernels (plus bare KV pools of the other
+block sizes for attention):
 
-1. Operator microbenchmarks, each operator class alone at swept shapes (summed over all layers,
-   as the cost model counts them): the GEMMs at several token counts; the forward pass with
-   attention left out, whose time beyond the GEMMs is the elementwise class; KV writes; paged
-   attention for prefill, chunked prefill and decode over several contexts and block sizes (the
-   block size separates the per-block ``paged_gather`` cost from the per-byte one); the LM head,
-   greedy sampling, block copies and swaps. Each class's coefficients are fitted from them with
-   :meth:`CostModel.fit`.
-2. Whole steps: StepPlans (prefill, chunked prefill over a cached prefix, decode batches, mixed
-   batches) run through :meth:`Executor.step`, whose ``duration_s`` (device + host) is what the
-   simulator must predict. The ``host_step`` and ``host_seq`` terms are fitted on what the
-   operators leave unexplained. A held-out set, never fitted, is an engine-scheduled synthetic
-   trace replayed through the executor one step at a time, as ``kvsim execute`` runs one.
+1. Operator microbenchmarks, each operator class alone at swept shapes, summed over all layers
+   as the cost model counts them: the GEMMs at several token counts; the forward pass with
+   attention replaced by the identity, whose time beyond the GEMMs is the elementwise class; KV
+   writes; paged attention for decode batches (even and ragged), prompts, chunks over a cached
+   prefix and two prompts at once, at every block size (which separates the per-block
+   ``paged_gather`` cost from the per-byte one, and the ragged batches tell whether the kernels
+   pad a batch to its longest sequence); the LM head, greedy sampling, block copies and swaps.
+2. Whole steps: StepPlans (prefill, chunked prefill, decode batches, mixed batches) run through
+   :meth:`Executor.step`, whose ``duration_s`` (device + host) is what the simulator predicts;
+   the ``host_step`` and ``host_seq`` terms are fitted on what the operators leave unexplained.
+3. A held-out set, never fitted: an engine-scheduled synthetic trace replayed through the
+   executor one step at a time, as ``kvsim execute`` runs one; its per-step error is reported.
 
-Timing hygiene: every case is warmed up, then measured in rounds that visit the cases in a
-seeded shuffled order, so a slow spell on a shared machine spreads over all cases instead of
-biasing one; a case's time is its median. How far single measurements stray from that median
-is reported as the timing noise: it bounds the per-step error any model can reach on this machine.
+Groups are fitted in :data:`GROUPS` order with :meth:`CostModel.fit` (minimum MAPE), each with
+the coefficients fitted before it held fixed.
+
+Timing hygiene: every case is warmed up, then timed in rounds that visit all cases in a seeded
+shuffled order, so a slow spell on a shared machine spreads over all of them instead of biasing
+one (or passing for a block-size effect); a case's time is its median. How far single runs
+stray from that median is reported as the timing noise: a model's per-step error against
+single runs cannot go much below it. ``torch`` threads are left as they are and recorded.
 """
 
 from __future__ import annotations
