@@ -44,7 +44,9 @@ def test_a_prefill_chunk_that_does_not_finish_the_prompt_samples_nothing(make_dr
     d = make_driver(max_num_batched_tokens=8)
     d.engine.add_request("r", 0.0, 20, 2)
     plans = d.run()
-    assert [d.batch(p) for p in plans] == [[("r", 0, 8, "p")], [("r", 8, 8, "p")], [("r", 16, 4, "p")], [("r", 20, 1, "d")]]
+    assert [d.batch(p) for p in plans] == [
+        [("r", 0, 8, "p")], [("r", 8, 8, "p")], [("r", 16, 4, "p")], [("r", 20, 1, "d")],
+    ]  # fmt: skip
     assert [[e.samples for e in p.entries] for p in plans] == [[False], [False], [True], [True]]
     assert [p.kind for p in plans] == ["prefill", "prefill", "prefill", "decode"]
 
@@ -58,12 +60,16 @@ def test_a_prefill_chunk_that_does_not_finish_the_prompt_samples_nothing(make_dr
         ({"num_blocks": 4}, 16, 2, "exceeds_kv_pool"),  # 17 tokens of KV, 16 slots
         ({"num_blocks": 10, "watermark": 0.2}, 30, 4, "exceeds_kv_pool"),  # 33 tokens, 8 blocks outside the watermark
         ({"scheduler_params": {"chunked_prefill": False}}, 30, 4, "exceeds_token_budget"),  # 33 > 32
-        ({"scheduler_params": {"chunked_prefill": False}, "long_prefill_token_threshold": 8}, 8, 2, "exceeds_token_budget"),
-        ({"block_manager": "contiguous", "max_model_len": 80}, 60, 10, "exceeds_kv_pool"),  # an 80-token region > 64 slots
-        ({"block_manager": "contiguous", "max_model_len": 52, "num_blocks": 13, "watermark": 0.1}, 28, 4, "exceeds_kv_pool"),
+        ({"scheduler_params": {"chunked_prefill": False}, "long_prefill_token_threshold": 8}, 8, 2,
+         "exceeds_token_budget"),
+        ({"block_manager": "contiguous", "max_model_len": 80}, 60, 10, "exceeds_kv_pool"),  # 80-token region > 64 slots
+        ({"block_manager": "contiguous", "max_model_len": 52, "num_blocks": 13, "watermark": 0.1}, 28, 4,
+         "exceeds_kv_pool"),  # a 13-block region, 12 blocks outside the watermark
     ],
 )
-def test_a_request_that_can_never_run_is_rejected_at_arrival_with_its_reason(make_driver, overrides, prompt, output, reason):
+def test_a_request_that_can_never_run_is_rejected_at_arrival_with_its_reason(
+    make_driver, overrides, prompt, output, reason
+):
     d = make_driver(**overrides)
     request = d.engine.add_request("x", 0.0, prompt, output)
     assert (request.status, request.reject_reason) == (Status.REJECTED, reason)
@@ -154,7 +160,8 @@ def test_running_out_of_blocks_is_an_outcome_not_an_exception(make_driver, manag
         d.engine.add_request(f"r{i}", i * 0.5, 6 + 3 * (i % 4), 4 + (i % 5), n_samples=1 + (i % 3 == 0))
     d.run()
     assert d.engine.counters.rejected == 0
-    assert all(r.status is Status.FINISHED and r.num_output_tokens == r.output_tokens for r in d.engine.requests.values())
+    requests = d.engine.requests.values()
+    assert all(r.status is Status.FINISHED and r.num_output_tokens == r.output_tokens for r in requests)
     if manager != "contiguous":  # a region reserved whole at admission never needs to grow
         assert d.engine.counters.preemptions > 0
     assert d.engine.kv_stats().used == 0 and d.engine.kv_stats().host_blocks_used == 0
@@ -230,8 +237,9 @@ def _workload_log(scheduler: str, manager: str, mode: str) -> str:
     while arrivals or engine.has_unfinished():
         while arrivals and arrivals[0] <= steps:
             i, prompt, family = 25 - len(arrivals), int(rng.integers(1, 30)), int(rng.integers(0, 3))
-            engine.add_request(f"r{i}", arrivals.pop(0), prompt, int(rng.integers(1, 12)), priority=int(rng.integers(0, 3)),
-                               n_samples=int(rng.integers(1, 3)), token_ids=tuple(range(family, family + prompt)))  # fmt: skip
+            engine.add_request(f"r{i}", arrivals.pop(0), prompt, int(rng.integers(1, 12)),
+                               priority=int(rng.integers(0, 3)), n_samples=int(rng.integers(1, 3)),
+                               token_ids=tuple(range(family, family + prompt)))  # fmt: skip
         plan = engine.schedule(float(steps))
         steps += 1
         engine.commit(plan, float(steps))
@@ -327,7 +335,8 @@ engine_spec = st.fixed_dictionaries(
 
 
 # make_driver is a stateless factory: sharing it across examples is safe.
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(engine_spec, st.lists(request_spec, min_size=1, max_size=14))
 def test_any_workload_drains_with_every_invariant_holding(make_driver, config, requests):
     """Whatever the policies, pool and arrivals: every step keeps the invariants, every request
