@@ -140,7 +140,7 @@ def test_the_mooncake_reuse_bound_is_37_4_percent(shared_trace):
 @pytest.mark.parametrize(
     ("block_size", "hit_tokens"),
     [
-        pytest.param(16, 54_097_440, marks=pytest.mark.slow),  # 5.7M blocks in the pool: 2.4 GB, 35 s
+        pytest.param(16, 54_097_440, marks=pytest.mark.slow),  # a 5.7M-block pool: about 30 s
         (128, 54_089_728),  # the Ascend kernels' block size
         pytest.param(512, 54_063_104, marks=pytest.mark.slow),
     ],
