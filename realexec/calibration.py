@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from realexec.backends.cpu import cpu_threads
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVSIM_CACHE", Path.home() / ".cache" / "kvsim")) / "profiles"
@@ -32,7 +34,8 @@ def _processor_name() -> str:
 
 
 def machine_fingerprint(backend: str) -> str:
-    parts = [backend, platform.machine(), _processor_name(), str(os.cpu_count()), torch.__version__, str(torch.get_num_threads())]
+    threads = cpu_threads() if backend == "cpu" else torch.get_num_threads()
+    parts = [backend, platform.machine(), _processor_name(), str(os.cpu_count()), torch.__version__, str(threads)]
     if backend == "cuda" and torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]

@@ -4,10 +4,16 @@
 still alive (tracked by weak reference), not the process's RSS: the device-memory figure the
 simulator is validated against is the KV pool, and on a CPU there is no allocator to ask.
 The swap pool is host memory on every device, so it is not counted here either.
+
+Timing runs on one intra-op thread unless ``KVSIM_CPU_THREADS`` says otherwise: on a 2-core
+VM two threads made step times 3-25x noisier, and with one thread ``kvsim validate``'s TTFT
+and TPOT p50 errors fell from 102 % / 88 % to 7 % / 6 % (docs/benchmarks.md). Profiles are
+only comparable at the same thread count, which is part of the machine fingerprint.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -21,6 +27,14 @@ from realexec.backends.portable import TorchBackend
 R = TypeVar("R")
 
 
+def cpu_threads() -> int:
+    """Intra-op threads the cpu backend times with (``KVSIM_CPU_THREADS``, default 1)."""
+    value = os.environ.get("KVSIM_CPU_THREADS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"KVSIM_CPU_THREADS must be a positive integer, not {value!r}")
+    return int(value)
+
+
 class CpuBackend(TorchBackend):
     name = "cpu"
     # CPU SDPA has vectorised fp32 and bf16 kernels but no fast fp16 path.
@@ -28,6 +42,7 @@ class CpuBackend(TorchBackend):
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
+        torch.set_num_threads(cpu_threads())
         self._caches: list[weakref.ref[torch.Tensor]] = []
 
     def allocate_kv_cache(
