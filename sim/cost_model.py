@@ -326,8 +326,8 @@ class CostModel:
         Alternation can settle on a wrong split between the roofs, so it starts from several
         compute rates on either side of the profile's, and the lowest MAPE wins (the profile's own
         start on ties). Unknowns the samples cannot identify (no calls, or a roof that binds no
-        sample, e.g. compute in decode attention) keep their starting values. Returns
-        coefficients for :meth:`DeviceProfile.with_operators`.
+        sample even at the profile's rate, e.g. compute in decode attention) keep the profile's
+        values. Returns coefficients for :meth:`DeviceProfile.with_operators`.
         """
         seconds = np.asarray(seconds, dtype=np.float64)
         if seconds.ndim != 1 or not np.all(seconds > 0):
@@ -352,7 +352,12 @@ class CostModel:
             rates = _refine(work, target, seconds, start, max_iterations)
             fits.append((_mape(work, rates, target, seconds), rates))
         best = min(error for error, _ in fits)
-        rates = next(rates for error, rates in fits if error <= best + 1e-9)
+        error, rates = next((error, rates) for error, rates in fits if error <= best + 1e-9)
+        for op in operators:  # a roof that binds no sample at the profile's rate either keeps the profile's rate
+            for j in (0, 1):
+                trial = {**rates, op: [self._rates[op][j] if k == j else r for k, r in enumerate(rates[op])]}
+                if _mape(work, trial, target, seconds) <= error:
+                    rates = trial
         return {op: self._coefficients(op, rates[op]) for op in operators}
 
     def _coefficients(self, op: str, rate: list[float]) -> OperatorCoefficients:
