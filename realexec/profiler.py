@@ -149,7 +149,7 @@ QUICK = Sweep(
     sample_rows=(1, 2, 4, 8, 16, 32),
     moved_blocks=(1, 8, 32),
     warmup=1,
-    repeats=5,
+    repeats=9,
     held_out_requests=16,
 )
 
