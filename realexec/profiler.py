@@ -10,11 +10,12 @@ block sizes for attention):
    prefix and two prompts at once, at every block size (which separates the per-block
    ``paged_gather`` cost from the per-byte one, and the ragged batches tell whether the kernels
    pad a batch to its longest sequence); the LM head, greedy sampling, block copies and swaps.
-2. Whole steps: StepPlans (prefill, chunked prefill, decode batches, mixed batches) run through
-   :meth:`Executor.step`, whose ``duration_s`` (device + host) is what the simulator predicts;
-   the ``host_step`` and ``host_seq`` terms are fitted on what the operators leave unexplained.
-3. A held-out set, never fitted: an engine-scheduled synthetic trace replayed through the
-   executor one step at a time, as ``kvsim execute`` runs one; its per-step error is reported.
+2. Whole steps, whose ``duration_s`` (device + host) from :meth:`Executor.step` is what the
+   simulator predicts: StepPlans of swept shapes (prefill, chunked prefill, decode batches, mixed
+   batches), and the steps an engine schedules for a synthetic trace replayed through the
+   executor as ``kvsim execute`` runs one (several chunks beside ragged decodes, prefix hits).
+   The ``host_step`` and ``host_seq`` terms are fitted on what the operators leave unexplained.
+3. A held-out engine run of another synthetic trace, never fitted: its per-step error is reported.
 
 Groups are fitted in :data:`GROUPS` order with :meth:`CostModel.fit` (minimum MAPE), each with
 the coefficients fitted before it held fixed.
@@ -104,7 +105,7 @@ class Sweep:
     moved_blocks: tuple[int, ...]  # block copies and swaps
     warmup: int
     repeats: int
-    held_out_requests: int  # requests of the engine-scheduled held-out trace
+    engine_requests: int  # requests of each engine-scheduled trace (one fitted, one held out)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -150,7 +151,7 @@ QUICK = Sweep(
     moved_blocks=(1, 8, 32),
     warmup=1,
     repeats=9,
-    held_out_requests=16,
+    engine_requests=16,
 )
 
 FULL = Sweep(
@@ -164,7 +165,7 @@ FULL = Sweep(
     moved_blocks=(1, 4, 16, 64),
     warmup=2,
     repeats=9,
-    held_out_requests=48,
+    engine_requests=48,
 )
 
 
@@ -457,6 +458,12 @@ class Measurements:
     median: dict[str, list[float]] = field(default_factory=dict)
     noise: dict[str, list[np.ndarray]] = field(default_factory=dict)  # |run / median - 1|: a perfect model's error on one run
 
+    def add_once(self, steps: StepRecords) -> None:
+        """Whole steps measured once each (an engine run): fitted with the steps group, no noise figure."""
+        self.labels.setdefault("steps", []).extend(f"engine {kind}" for kind in steps.kinds)
+        self.features.setdefault("steps", []).extend(steps.features)
+        self.median.setdefault("steps", []).extend(steps.seconds)
+
     def add(self, samples: Sequence[Sample], measured: Measured) -> None:
         for i, sample in enumerate(samples):
             self.labels.setdefault(sample.group, []).append(sample.label)
@@ -501,7 +508,7 @@ def _fit_group(
     return fitted, predicted, float(np.mean(np.abs(predicted / seconds - 1.0)))
 
 
-# ------------------------------------------------------------------------------- held-out run
+# ----------------------------------------------------------------------------- engine runs
 
 
 @dataclass
@@ -514,17 +521,27 @@ class StepRecords:
 
 
 class RecordingTimer:
-    """The executor as a step timer that records every step it runs."""
+    """The executor as a step timer that records every step it runs.
 
-    def __init__(self, executor: Executor) -> None:
+    Request ids get ``prefix``, so several engine runs can share one executor (trace ids repeat).
+    """
+
+    def __init__(self, executor: Executor, prefix: str) -> None:
         self.executor = executor
+        self.prefix = prefix
         self.records = StepRecords()
 
     def add_request(self, request: Request) -> None:
-        self.executor.add_request(request)
+        self.executor.add_request(replace(request, request_id=self.prefix + request.request_id))
 
     def step(self, plan: StepPlan) -> StepTiming:
-        timing = self.executor.step(plan)
+        p = self.prefix
+        timing = self.executor.step(replace(
+            plan,
+            entries=[replace(e, request_id=p + e.request_id) for e in plan.entries],
+            block_tables={p + rid: table for rid, table in plan.block_tables.items()},
+            forks=[(p + parent, [p + child for child in children]) for parent, children in plan.forks],
+        ))
         if plan.entries:
             self.records.features.append(features_from_plan(plan, self.executor.block_size))
             self.records.seconds.append(timing.duration_s)
@@ -532,8 +549,8 @@ class RecordingTimer:
         return timing
 
 
-def held_out_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
-    """An engine-scheduled synthetic trace replayed on ``executor``: steps no fit has seen.
+def engine_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
+    """An engine-scheduled synthetic trace replayed on ``executor``, each step measured once.
 
     Two-turn conversations arriving faster than they are served give what a serving run has:
     batched decodes of mixed contexts, prompts split into chunks beside them, and second turns
@@ -541,7 +558,7 @@ def held_out_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
     """
     longest = max(sweep.prefill_tokens)
     trace = synthesize(
-        rate=1000.0, n_requests=sweep.held_out_requests, prompt=Uniform(min(16, longest), longest), output=Uniform(2, 48), turns=2,
+        rate=1000.0, n_requests=sweep.engine_requests, prompt=Uniform(min(16, longest), longest), output=Uniform(2, 48), turns=2,
         think_time_s=0.05, hash_block_size=executor.block_size, seed=seed,
     )
     max_len = min(int(np.max(trace.prompt_tokens + trace.output_tokens)), executor.spec.max_position)
@@ -549,7 +566,7 @@ def held_out_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
         num_blocks=executor.num_blocks, block_size=executor.block_size, max_model_len=max_len,
         max_num_seqs=max(sweep.decode_batches), max_num_batched_tokens=longest,
     )
-    timer = RecordingTimer(executor)
+    timer = RecordingTimer(executor, prefix=f"engine-{seed}-")
     simulate(trace, EngineCore(config), timer, SimOptions(exact=True))
     return timer.records
 
@@ -630,8 +647,9 @@ def profile(
     with tqdm(total=len(samples) * (sweep.warmup + sweep.repeats), unit="run", disable=not progress, leave=False, mininterval=0.5) as bar:
         data.add(samples, measure([s.run for s in samples], sweep.warmup, sweep.repeats, rng, tick=bar.update))
     del pools[1:]
-    say(f"held-out run: {sweep.held_out_requests} requests scheduled by the engine")
-    held_out = held_out_run(executor, sweep, seed)
+    say(f"engine runs: two traces of {sweep.engine_requests} requests, one fitted and one held out")
+    data.add_once(engine_run(executor, sweep, seed + 1))
+    held_out = engine_run(executor, sweep, seed)
 
     device, errors = fit_groups(spec, base, first, data)
     predicted = CostModel(spec, device, first).predict(_stack(held_out.features))
