@@ -211,19 +211,27 @@ class KVPool:
     num_blocks: int
 
     def tables(self, shape: StepShape, rng: np.random.Generator) -> list[list[int]]:
-        """Block tables of a step of this shape, drawn as in a busy pool.
+        """Block tables of a step of this shape, laid out as an engine's free queue hands them out.
 
-        Block ids are a random draw, as they are after an engine has run a while, from a region
-        twice the step's own footprint: a serving engine's running batch fills most of its pool,
-        so what a step reads is about as spread (and as cache-resident) as that. The caches'
-        contents do not matter to the time.
+        A request's blocks come off a FIFO free queue together at admission, so each sequence
+        holds a run of consecutive blocks; the runs sit in random order with random gaps in a
+        region twice the step's footprint (a serving engine's running batch fills most of its
+        pool, so what a step reads is about as spread, and as cache-resident, as that). On a CPU
+        the layout matters: consecutive blocks gather faster than scattered ones.
         """
         counts = [-(-(s.cached + s.new) // self.block_size) for s in shape]
-        if sum(counts) > self.num_blocks:
-            raise ValueError(f"a step of {sum(counts)} blocks does not fit the profiling pool of {self.num_blocks}")
-        drawn = rng.permutation(min(self.num_blocks, 2 * sum(counts)))[: sum(counts)].tolist()
-        starts = np.cumsum([0] + counts).tolist()
-        return [drawn[a:b] for a, b in zip(starts, starts[1:])]
+        footprint = sum(counts)
+        if footprint > self.num_blocks:
+            raise ValueError(f"a step of {footprint} blocks does not fit the profiling pool of {self.num_blocks}")
+        spare = min(self.num_blocks, 2 * footprint) - footprint
+        gaps = rng.multinomial(spare, np.full(len(counts) + 1, 1.0 / (len(counts) + 1)))
+        tables: list[list[int]] = [[] for _ in counts]
+        start = 0
+        for i, gap in zip(rng.permutation(len(counts)).tolist(), gaps):
+            start += int(gap)
+            tables[i] = list(range(start, start + counts[i]))
+            start += counts[i]
+        return tables
 
     def metadata(self, shape: StepShape, rng: np.random.Generator, device: torch.device) -> AttentionMetadata:
         """Attention metadata of a step of this shape, as the executor builds it."""
@@ -554,17 +562,22 @@ def engine_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
 
     Two-turn conversations arriving faster than they are served give what a serving run has:
     batched decodes of mixed contexts, prompts split into chunks beside them, and second turns
-    that prefill only what their cached first turn does not cover.
+    that prefill only what their cached first turn does not cover. The engine's pool holds the
+    ``max_num_seqs`` longest requests at once, as a server's pool is sized to its batch, so the
+    blocks it hands out span a region about as large as a served batch's (on a CPU, a pool
+    that fits the cache times very differently from one that does not).
     """
     longest = max(sweep.prefill_tokens)
     trace = synthesize(
         rate=1000.0, n_requests=sweep.engine_requests, prompt=Uniform(min(16, longest), longest), output=Uniform(2, 48), turns=2,
         think_time_s=0.05, hash_block_size=executor.block_size, seed=seed,
     )
-    max_len = min(int(np.max(trace.prompt_tokens + trace.output_tokens)), executor.spec.max_position)
+    lengths = np.minimum(trace.prompt_tokens + trace.output_tokens, executor.spec.max_position)
+    batch = max(sweep.decode_batches)
+    blocks = int(np.sum(-(-np.sort(lengths)[-batch:] // executor.block_size)))
     config = EngineConfig(
-        num_blocks=executor.num_blocks, block_size=executor.block_size, max_model_len=max_len,
-        max_num_seqs=max(sweep.decode_batches), max_num_batched_tokens=longest,
+        num_blocks=min(executor.num_blocks, blocks), block_size=executor.block_size, max_model_len=int(lengths.max()),
+        max_num_seqs=batch, max_num_batched_tokens=longest,
     )
     timer = RecordingTimer(executor, prefix=f"engine-{seed}-")
     simulate(trace, EngineCore(config), timer, SimOptions(exact=True))
