@@ -113,7 +113,7 @@ class Sweep:
             values = value if isinstance(value, tuple) else (value,)
             least = 0 if f.name in ("warmup", "prefix_tokens") else 1
             if not values or min(values) < least:
-                raise ValueError(f"sweep: {f.name} must be {'non-empty, ' if isinstance(value, tuple) else ''}all >= {least}, got {value!r}")
+                raise ValueError(f"sweep: {f.name} must be non-empty and at least {least}, got {value!r}")
 
     def attention_shapes(self) -> list[StepShape]:
         """Decode batches (even and ragged), prompts, chunks over a cached prefix, and two prompts at once."""
@@ -130,7 +130,8 @@ class Sweep:
         shapes += [decode(b, c) for b in self.decode_batches for c in self.decode_contexts]
         shapes += [ragged_decode(b, c) for b, c in _pairs(self.decode_batches[1:], self.decode_contexts)]
         chunk = self.prefill_tokens[len(self.prefill_tokens) // 2]
-        shapes += [prefill(chunk, self.prefix_tokens[-1], False) + ragged_decode(b, c) for b, c in _pairs(self.decode_batches, self.decode_contexts)]
+        chunked = prefill(chunk, self.prefix_tokens[-1], samples=False)
+        shapes += [chunked + ragged_decode(b, c) for b, c in _pairs(self.decode_batches, self.decode_contexts)]
         return shapes
 
 
@@ -668,7 +669,9 @@ def profile(
     predicted = CostModel(spec, device, first).predict(_stack(held_out.features))
     seconds, kinds = np.array(held_out.seconds), np.array(held_out.kinds)
     errors.append(FitError.of("held-out steps", predicted, seconds))
-    errors += [FitError.of(f"held-out {kind}", predicted[kinds == kind], seconds[kinds == kind]) for kind in STEP_KINDS if np.any(kinds == kind)]
+    for kind in STEP_KINDS:
+        if np.any(kinds == kind):
+            errors.append(FitError.of(f"held-out {kind}", predicted[kinds == kind], seconds[kinds == kind]))
     noise = {group: float(np.mean(np.concatenate(runs))) for group, runs in data.noise.items()}
     step_noise = noise.pop("steps")
     operator_noise = float(np.mean(list(noise.values())))

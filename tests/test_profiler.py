@@ -19,6 +19,7 @@ from realexec.cli_profile import profile as profile_command  # noqa: E402
 from realexec.profiler import (  # noqa: E402
     GROUPS,
     QUICK,
+    KVPool,
     Measured,
     Measurements,
     Sample,
@@ -137,6 +138,19 @@ def test_measure_interleaves_rounds_and_takes_medians() -> None:
     assert measured.median.tolist() == [3.0, 2.0]
     assert sorted(order[:2]) == sorted(order[2:4]) == sorted(order[4:]) == [0, 1]  # one visit per case per round
     assert measured.runs[1].tolist() == [2.0, 2.0, 9.0]  # each case's runs in its own row, whatever the visiting order
+
+
+def test_block_tables_are_runs_of_consecutive_blocks_in_a_compact_region() -> None:
+    pool, rng = KVPool(caches=[], block_size=16, num_blocks=1000), np.random.default_rng(1)
+    shape = ragged_decode(5, 100) + prefill(40, cached=30)
+    tables = pool.tables(shape, rng)
+    assert [len(t) for t in tables] == [-(-(s.cached + s.new) // 16) for s in shape]
+    blocks = [b for t in tables for b in t]
+    assert len(set(blocks)) == len(blocks) and max(blocks) < 2 * len(blocks)
+    assert all(t == list(range(t[0], t[0] + len(t))) for t in tables)
+    assert pool.tables(shape, rng) != tables  # a fresh layout every step
+    with pytest.raises(ValueError, match="does not fit the profiling pool of 3"):
+        KVPool(caches=[], block_size=16, num_blocks=3).tables(decode(4, 100), rng)
 
 
 @pytest.fixture
