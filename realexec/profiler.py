@@ -116,11 +116,16 @@ class Sweep:
                 raise ValueError(f"sweep: {f.name} must be non-empty and at least {least}, got {value!r}")
 
     def attention_shapes(self) -> list[StepShape]:
-        """Decode batches (even and ragged), prompts, chunks over a cached prefix, and two prompts at once."""
+        """Decode batches (even and ragged), prompts, chunks over a cached prefix, and several at once.
+
+        Several at once: two prompts, and a prompt's last chunk over its cached prefix beside a
+        new prompt (what a chunked-prefill scheduler puts in one step).
+        """
         shapes = [decode(b, c) for b in self.decode_batches for c in self.decode_contexts]
         shapes += [ragged_decode(b, c) for b, c in _pairs(self.decode_batches[1:], self.decode_contexts)]
         shapes += [prefill(n, c) for n in self.prefill_tokens for c in self.prefix_tokens]
         shapes += [prefill(n) + prefill(max(1, n // 4)) for n in self.prefill_tokens]
+        shapes += [prefill(max(1, n // 8), self.prefix_tokens[-1]) + prefill(n) for n in self.prefill_tokens]
         return shapes
 
     def step_shapes(self) -> list[StepShape]:
