@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import traces
-from sim.cost_model import CostModel, CostModelTimer
+from sim.cost_model import CostModelTimer
 from sim.outputs import write_requests, write_steps
 from sim.run_config import RunConfig, resolve
 from sim.simulator import SimOptions, simulate
@@ -36,7 +36,7 @@ CASES = {
 
 def run_once(trace, config: RunConfig, exact: bool = False):
     resolved = resolve(config)
-    timer = CostModelTimer(CostModel(resolved.model, resolved.device, config.block_size, resolved.memory.kv_dtype))
+    timer = CostModelTimer(resolved.cost_model())
     started = time.perf_counter()
     run = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact))
     sim_s = time.perf_counter() - started

@@ -16,7 +16,7 @@ from realexec.calibration import calibrated_profile
 from realexec.cli import REAL_DEFAULTS, execute_run, for_backend
 from realexec.validation import Thresholds, compare_decisions, validate_runs
 from sim.cli_options import run_config_from, run_options
-from sim.cost_model import CostModel, CostModelTimer
+from sim.cost_model import CostModelTimer
 from sim.outputs import DECISIONS
 from sim.run_config import load_run_trace, resolve
 from sim.runner import run_trace
@@ -65,7 +65,7 @@ def cross_validate(config, trace, backend: str, profile_path: Path, out_dir: Pat
     real, real_summary = execute_run(config, backend, out_dir / "real", progress=progress)
 
     sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))
-    cost = CostModel(sim_resolved.model, sim_resolved.device, config.block_size, sim_resolved.memory.kv_dtype)
+    cost = sim_resolved.cost_model()
 
     timed = [d for d, t in zip(real.steps.columns["duration_s"], real.steps.columns["timed"]) if t]
     replay_timer = ReplayTimer(timed, predict=cost.step_time)

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from sim.cli_options import run_config_from, run_options
-from sim.cost_model import CostModel, CostModelTimer
+from sim.cost_model import CostModelTimer
 from sim.outputs import format_summary
 from sim.run_config import load_run_trace, resolve
 from sim.runner import run_trace
@@ -25,7 +25,7 @@ def simulate(out_dir: Path, exact: bool | None, check: bool, quiet: bool, **opti
         config = run_config_from(options).updated(exact=exact)
         resolved = resolve(config)
         trace = load_run_trace(config)
-        timer = CostModelTimer(CostModel(resolved.model, resolved.device, config.block_size, resolved.memory.kv_dtype))
+        timer = CostModelTimer(resolved.cost_model())
     except (ValueError, KeyError) as exc:
         raise click.ClickException(str(exc).strip("'\"")) from None
     _, summary = run_trace(resolved, trace, timer, out_dir, check=check, progress=not quiet)

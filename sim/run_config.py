@@ -13,6 +13,7 @@ from pathlib import Path
 import traces
 from policies.config import EngineConfig
 from policies.engine import EngineCore
+from sim.cost_model import CostModel
 from sim.device import DeviceProfile, load_device
 from sim.memory import MemoryPlan, plan_memory
 from sim.model_spec import ModelSpec, load_model
@@ -84,6 +85,10 @@ class ResolvedRun:
 
     def new_engine(self) -> EngineCore:
         return EngineCore(self.engine_config)
+
+    def cost_model(self) -> CostModel:
+        """The cost model for this run's model, device, block size and KV dtype."""
+        return CostModel(self.model, self.device, self.config.block_size, self.memory.kv_dtype)
 
     def to_dict(self) -> dict:
         return {

@@ -59,12 +59,12 @@ def expand_grid(base: RunConfig, grid: dict[str, list]) -> Iterator[tuple[str, R
 
 def run_one(name: str, config: RunConfig, out_dir: str) -> dict:
     """One simulation of the sweep (runs in a worker process or a Ray task)."""
-    from sim.cost_model import CostModel, CostModelTimer
+    from sim.cost_model import CostModelTimer
     from sim.run_config import load_run_trace, resolve
     from sim.runner import run_trace
 
     resolved = resolve(config)
-    timer = CostModelTimer(CostModel(resolved.model, resolved.device, config.block_size, resolved.memory.kv_dtype))
+    timer = CostModelTimer(resolved.cost_model())
     _, summary = run_trace(resolved, load_run_trace(config), timer, Path(out_dir) / _safe(name))
     row = {"name": name, **{k: summary[k] for k in HEADLINE}}
     for metric in LATENCIES:

@@ -13,14 +13,14 @@ from click.testing import CliRunner
 import traces
 from policies.plan import expand_decision_log
 from sim.cli import main
-from sim.cost_model import CostModel, CostModelTimer
+from sim.cost_model import CostModelTimer
 from sim.run_config import RunConfig, resolve
 from sim.simulator import SimOptions, simulate
 
 
 def run(trace, exact: bool, check: bool = False, **overrides):
     resolved = resolve(RunConfig(**overrides))
-    timer = CostModelTimer(CostModel(resolved.model, resolved.device, resolved.config.block_size, resolved.memory.kv_dtype))
+    timer = CostModelTimer(resolved.cost_model())
     log = io.StringIO()
     result = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact, check=check, decisions=log))
     return result, log.getvalue()
