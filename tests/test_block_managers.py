@@ -86,7 +86,19 @@ class HostModel:
         return blocks
 
 
-class PagedModel:
+class SwapModel:
+    """Swap-out as every manager does it (``BlockManager.swap_out``): whole table to host, then free."""
+
+    def swap_out(self, r: Request) -> list[tuple[int, int]] | None:
+        table = self.table(r)
+        if len(table) > len(self.host.free):
+            return None
+        host = self.host.take(r.seq_id, len(table))
+        self.free(r)
+        return list(zip(table, host))
+
+
+class PagedModel(SwapModel):
     """The paged pool, with prefix caching when ``caching``."""
 
     def __init__(self, caching: bool) -> None:
@@ -174,14 +186,6 @@ class PagedModel:
         self.registered[child.seq_id] = self.registered[parent.seq_id]
         return True
 
-    def swap_out(self, r: Request) -> list[tuple[int, int]] | None:
-        table = self.table(r)
-        if len(table) > len(self.host.free):
-            return None
-        host = self.host.take(r.seq_id, len(table))
-        self.free(r)
-        return list(zip(table, host))
-
     def swap_in(self, r: Request) -> list[tuple[int, int]] | None:
         if len(self.host.tables[r.seq_id]) > len(self.queue):
             return None
@@ -206,7 +210,7 @@ class PagedModel:
         )  # fmt: skip
 
 
-class ContiguousModel:
+class ContiguousModel(SwapModel):
     """One region per request, first fit over an occupancy array; nothing shared or cached."""
 
     def __init__(self, reserve: str) -> None:
@@ -263,14 +267,6 @@ class ContiguousModel:
         self.pending += [(self.regions[parent.seq_id][0] + i, start + i) for i in range(used)]
         self.copies += used
         return True
-
-    def swap_out(self, r: Request) -> list[tuple[int, int]] | None:
-        table = self.table(r)
-        if len(table) > len(self.host.free):
-            return None
-        host = self.host.take(r.seq_id, len(table))
-        self.free(r)
-        return list(zip(table, host))
 
     def swap_in(self, r: Request) -> list[tuple[int, int]] | None:
         start = self._claim(r)
