@@ -35,7 +35,7 @@ class LazyGroup(click.Group):
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             missing = (exc.name or "?").split(".")[0]
-            if module_name.split(".")[0] == missing or module_name == exc.name:
+            if module_name.split(".")[0] == missing:  # our own module is absent, not a dependency
                 raise click.ClickException(f"`kvsim {name}` is not available in this build") from None
             hint = {"torch": "pip install torch==2.13.0", "plotly": "pip install plotly"}.get(missing, f"pip install {missing}")
             raise click.ClickException(f"`kvsim {name}` needs the package {missing!r}: {hint}") from None
