@@ -20,9 +20,10 @@ block sizes for attention):
 Groups are fitted in :data:`GROUPS` order with :meth:`CostModel.fit` (minimum MAPE), each with
 the coefficients fitted before it held fixed.
 
-Timing hygiene: every case is warmed up, then timed in rounds that visit all cases in a seeded
-shuffled order, so a slow spell on a shared machine spreads over all of them instead of biasing
-one (or passing for a block-size effect); a case's time is its median. How far single runs
+Timing hygiene: cases are timed in rounds that visit all of them in a seeded shuffled order, so a
+slow spell on a shared machine spreads over all of them instead of biasing one (or passing for a
+block-size effect), and each timed run follows an untimed run of the same case, so it finds the
+caches as a serving run's similar previous step leaves them; a case's time is its median. How far single runs
 stray from that median is reported as the timing noise: a model's per-step error against
 single runs cannot go much below it. ``torch`` threads are left as they are and recorded.
 """
@@ -103,7 +104,6 @@ class Sweep:
     decode_contexts: tuple[int, ...]
     sample_rows: tuple[int, ...]  # LM head and sampling
     moved_blocks: tuple[int, ...]  # block copies and swaps
-    warmup: int
     repeats: int
     engine_requests: int  # requests of each engine-scheduled trace (one fitted, one held out)
 
@@ -111,7 +111,7 @@ class Sweep:
         for f in fields(self):
             value = getattr(self, f.name)
             values = value if isinstance(value, tuple) else (value,)
-            least = 0 if f.name in ("warmup", "prefix_tokens") else 1
+            least = 0 if f.name == "prefix_tokens" else 1
             if not values or min(values) < least:
                 raise ValueError(f"sweep: {f.name} must be non-empty and at least {least}, got {value!r}")
 
@@ -155,7 +155,6 @@ QUICK = Sweep(
     decode_contexts=(16, 128, 512, 1024),
     sample_rows=(1, 2, 4, 8, 16, 32),
     moved_blocks=(1, 8, 32),
-    warmup=1,
     repeats=9,
     engine_requests=16,
 )
@@ -169,7 +168,6 @@ FULL = Sweep(
     decode_contexts=(16, 64, 128, 256, 512, 768, 1024, 2048),
     sample_rows=(1, 2, 4, 8, 16, 32, 64),
     moved_blocks=(1, 4, 16, 64),
-    warmup=2,
     repeats=9,
     engine_requests=48,
 )
@@ -186,19 +184,19 @@ class Measured:
     runs: np.ndarray  # [cases, repeats]
 
 
-def measure(cases: Sequence[Case], warmup: int, repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
-    """Warm every case up, then time ``repeats`` rounds, each visiting the cases in a fresh shuffled order.
+def measure(cases: Sequence[Case], repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
+    """Time ``repeats`` rounds, each visiting the cases in a fresh shuffled order, every timed run primed.
 
-    ``tick`` is called after every run (a progress bar's update).
+    Each timed run follows an untimed run of the same case, which leaves the caches holding that
+    case's weights and KV blocks, as the step before it does in a serving run (a decode step
+    follows a decode step of about the same batch). Timed right after some other case instead, a
+    batch-1 decode step measured 27 % slower on a CPU, and the profile overestimated every small
+    step of a served trace (docs/benchmarks.md). ``tick`` is called after every timed run.
     """
-    for case in cases:
-        for _ in range(warmup):
-            case()
-            if tick is not None:
-                tick()
     runs = np.empty((len(cases), repeats))
     for r in range(repeats):
         for i in rng.permutation(len(cases)):
+            cases[i]()
             runs[i, r] = cases[i]()
             if tick is not None:
                 tick()
@@ -661,10 +659,10 @@ def profile(
             caches = backend.allocate_kv_cache(spec.num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim, executor.kv_dtype)
             pools.append(KVPool(caches, block_size, blocks))
     samples = sweep_samples(OperatorBenches(executor, rng, seed), sweep, pools, fits)
-    say(f"timing {len(samples)} cases: {sweep.warmup} warm-up and {sweep.repeats} timed rounds")
+    say(f"timing {len(samples)} cases in {sweep.repeats} rounds, each timed run after an untimed one")
     data = Measurements()
-    with tqdm(total=len(samples) * (sweep.warmup + sweep.repeats), unit="run", disable=not progress, leave=False, mininterval=0.5) as bar:
-        data.add(samples, measure([s.run for s in samples], sweep.warmup, sweep.repeats, rng, tick=bar.update))
+    with tqdm(total=len(samples) * sweep.repeats, unit="run", disable=not progress, leave=False, mininterval=0.5) as bar:
+        data.add(samples, measure([s.run for s in samples], sweep.repeats, rng, tick=bar.update))
     del pools[1:]
     say(f"engine runs: two traces of {sweep.engine_requests} requests, one fitted and one held out")
     data.add_once(engine_run(executor, sweep, seed + 1))

@@ -52,7 +52,6 @@ SMALL = Sweep(
     decode_contexts=(16, 64),
     sample_rows=(1, 4),
     moved_blocks=(1, 4),
-    warmup=1,
     repeats=2,
     engine_requests=2,
 )
@@ -123,21 +122,24 @@ def test_fit_recovers_a_known_device_and_its_attention_layout(padded: bool, tmp_
         assert CostModel(TINY, loaded, 32).predict(features) == pytest.approx(CostModel(TINY, truth, 32).predict(features), rel=1e-4)
 
 
-def test_measure_interleaves_rounds_and_takes_medians() -> None:
+def test_measure_interleaves_primed_rounds_and_takes_medians() -> None:
     order: list[int] = []
-    values = {0: iter([5.0, 1.0, 3.0]), 1: iter([2.0, 2.0, 9.0])}
+    # Each round runs a case twice in a row and keeps the second (primed) time.
+    values = {0: iter([0.0, 5.0, 0.0, 1.0, 0.0, 3.0]), 1: iter([0.0, 2.0, 0.0, 2.0, 0.0, 9.0])}
 
     def case(i: int):
         def run() -> float:
             order.append(i)
-            return next(values[i], 0.0)
+            return next(values[i])
 
         return run
 
-    measured = measure([case(0), case(1)], warmup=0, repeats=3, rng=np.random.default_rng(0))
+    measured = measure([case(0), case(1)], repeats=3, rng=np.random.default_rng(0))
     assert measured.median.tolist() == [3.0, 2.0]
-    assert sorted(order[:2]) == sorted(order[2:4]) == sorted(order[4:]) == [0, 1]  # one visit per case per round
-    assert measured.runs[1].tolist() == [2.0, 2.0, 9.0]  # each case's runs in its own row, whatever the visiting order
+    assert measured.runs[1].tolist() == [2.0, 2.0, 9.0]  # each case's timed runs in its own row, whatever the order
+    pairs = [order[k : k + 2] for k in range(0, len(order), 2)]
+    assert all(a == b for a, b in pairs)  # every timed run right after an untimed run of the same case
+    assert sorted(p[0] for p in pairs[:2]) == sorted(p[0] for p in pairs[2:4]) == sorted(p[0] for p in pairs[4:]) == [0, 1]
 
 
 def test_block_tables_are_runs_of_consecutive_blocks_in_a_compact_region() -> None:
