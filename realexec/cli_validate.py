@@ -82,6 +82,7 @@ def cross_validate(config, trace, backend: str, profile_path: Path, out_dir: Pat
     kv_pool = real.engine.config.num_blocks * memory.bytes_per_block
     validation = validate_runs(real, real_summary, sim_summary, decisions, replay_timer.predicted, replay_timer.kinds,
                                kv_pool, memory.weight_bytes + memory.activation_bytes + kv_pool, thresholds)
+    validation["timing"]["per_step"]["noise_floor"] = sim_resolved.device.step_timing_noise
     validation.update(
         backend=backend,
         profile=str(profile_path),
@@ -97,6 +98,9 @@ def format_checks(validation: dict) -> str:
     for c in validation["checks"]:
         value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
         lines.append(f"{c['name']:<28}{value:>8}{c['threshold']:>8.3f}   {'pass' if c['passed'] else 'FAIL'}")
+    noise = validation["timing"]["per_step"].get("noise_floor")
+    if noise is not None:
+        lines.append(f"step timing noise while profiling: {noise:.3f} (no model predicts single steps better than that)")
     decisions = validation["decision_identity"]
     lines.append(f"decision logs: {'identical' if decisions['identical'] else 'DIVERGE at step ' + str(decisions['first_divergence']['step'])}"
                  f" over {decisions['steps_compared']} steps")

@@ -749,7 +749,8 @@ def run_profile(
         f"{time.strftime('%Y-%m-%d')}; fitted from {base.name}; held-out per-step MAPE {held.mape:.1%} "
         f"against single steps whose timing noise is {result.step_noise:.1%}"
     )
-    result = replace(result, device=replace(result.device, name=f"{base.name}-calibrated", source=source))
+    calibrated = replace(result.device, name=f"{base.name}-calibrated", source=source, step_timing_noise=round(result.step_noise, 4))
+    result = replace(result, device=calibrated)
     save_device(result.device, out)
     if echo:
         for line in report_lines(result):

@@ -195,6 +195,9 @@ def _timing_section(page: Page, timing: dict, pairs: dict[str, np.ndarray], sour
     for kind, stats in per_step.get("by_kind", {}).items():
         rows.append([kind, _pct(stats.get("mape")), _ms(stats.get("p90_abs_error_s")), str(stats.get("steps", "n/a"))])
     page.table(["steps", "MAPE", "p90 |error| (ms)", "count"], rows)
+    if per_step.get("noise_floor") is not None:
+        page.note(f"Timing noise of single steps while the profile was measured (mean |run / median - 1|): "
+                  f"{100 * per_step['noise_floor']:.1f} %. No model predicts single steps much better than that on this machine.")
 
 
 def step_scatter(pairs: dict[str, np.ndarray]) -> go.Figure:

@@ -115,6 +115,10 @@ class DeviceProfile:
     # batch, every sequence padded to the group's longest query and context in whole blocks (kvsim's
     # portable PyTorch path); False for paged kernels that skip padding (torch_npu, FlashInfer).
     padded_attention: bool = False
+    # Written by ``kvsim profile``: mean |single step / its median - 1| over whole steps timed
+    # while profiling. No model predicts single steps better than this on that machine, so
+    # ``kvsim validate`` reports it beside the per-step error. None for profiles not measured.
+    step_timing_noise: float | None = None
 
     def matrix_peak(self, dtype: str) -> float:
         try:
@@ -150,6 +154,8 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     lines = [f"name = {_toml_str(profile.name)}", f"source = {_toml_str(profile.source)}"]
     lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _SCALAR_FIELDS]
     lines.append(f"padded_attention = {'true' if profile.padded_attention else 'false'}")
+    if profile.step_timing_noise is not None:
+        lines.append(f"step_timing_noise = {_toml_num(profile.step_timing_noise)}")
     lines += ["", "[matrix_flops]"]
     lines += [f"{dt} = {_toml_num(profile.matrix_flops[dt])}" for dt in MATRIX_DTYPES]
     for op, keys in OPERATOR_KEYS.items():
@@ -182,6 +188,8 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     values["padded_attention"] = data.get("padded_attention", False)
     if not isinstance(values["padded_attention"], bool):
         raise ValueError(f"{path}: field padded_attention must be true or false, got {values['padded_attention']!r}")
+    if "step_timing_noise" in data:
+        values["step_timing_noise"] = _number(data, "step_timing_noise", float, path, "", allow_zero=True)
     matrix = _table(data, "matrix_flops", path)
     _reject_unknown(matrix, set(MATRIX_DTYPES), path, "matrix_flops.")
     values["matrix_flops"] = {dt: _number(matrix, dt, float, path, "matrix_flops.") for dt in MATRIX_DTYPES}

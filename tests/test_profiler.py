@@ -171,6 +171,7 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
 
     loaded = load_device(out)
     assert loaded == result.device and loaded.name == "cpu-calibrated"
+    assert loaded.step_timing_noise == round(result.step_noise, 4)  # what validate reports as the noise floor
     assert loaded.source.startswith("kvsim profile --backend cpu --model tiny --seed 3 on ")
     assert f"torch {torch.__version__} with num_threads=1," in loaded.source
     base = load_device("cpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,9 @@ def test_save_device_round_trips(name: str, tmp_path: Path) -> None:
     again = load_device(save_device(calibrated, tmp_path / "calibrated.toml"))
     assert again == calibrated and again != dev
     assert again.operators["gemm"].call_s == 1.234567891e-6
+    assert dev.step_timing_noise is None  # only profiles measured by kvsim profile carry it
+    measured = replace(calibrated, step_timing_noise=0.1372)
+    assert load_device(save_device(measured, tmp_path / "measured.toml")) == measured
 
 
 def test_launch_s_defaults_to_the_device_launch_overhead(tmp_path: Path) -> None:

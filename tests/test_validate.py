@@ -8,6 +8,7 @@ the replay reproduces the real decision log, and the JSON carries every metric.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from realexec.cli import REAL_DEFAULTS  # noqa: E402
 from realexec.cli_validate import cross_validate  # noqa: E402
 from realexec.validation import Thresholds, compare_decisions  # noqa: E402
 from sim.cli import main  # noqa: E402
-from sim.device import DEVICES_DIR  # noqa: E402
+from sim.device import DEVICES_DIR, load_device, save_device  # noqa: E402
 from sim.run_config import load_run_trace  # noqa: E402
 
 BASE_PROFILE = DEVICES_DIR / "cpu.toml"  # uncalibrated: fine for checking the machinery
@@ -51,7 +52,8 @@ def test_validation_json_has_every_metric(validation):
     on_disk = json.loads((out / "validation.json").read_text())
     assert on_disk["decision_identity"] == result["decision_identity"]
     per_step = on_disk["timing"]["per_step"]
-    assert {"mape", "p90_abs_error_s", "steps", "by_kind"} <= set(per_step)
+    assert {"mape", "p90_abs_error_s", "steps", "by_kind", "noise_floor"} <= set(per_step)
+    assert per_step["noise_floor"] is None  # the bundled cpu profile was not measured on this machine
     assert set(per_step["by_kind"]) <= {"prefill", "decode", "mixed"} and per_step["by_kind"]
     for metric in ("ttft_s", "tpot_s", "e2e_s"):
         for q in ("p50", "p99"):
@@ -76,12 +78,15 @@ def test_a_diverging_log_names_the_first_step():
     assert result["first_divergence"]["sim"]["entries"][0][0] == "b"
 
 
-def test_validate_cli_fails_naming_the_failed_threshold(tmp_path):
+def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text("max_requests = 4\n[validation]\nstep_mape = 0.0\n")
-    result = CliRunner().invoke(main, ["validate", "--config", str(config), "--profile", str(BASE_PROFILE),
-                                       "--out", str(tmp_path / "v"), "--quiet"])
+    profile = save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.2), tmp_path / "measured.toml")
+    result = CliRunner().invoke(main, ["validate", "--config", str(config), "--profile", str(profile),
+                                       "--out", str(tmp_path / "v")])
     assert result.exit_code == 1, result.output
     assert "validation failed: step_mape" in result.output
+    assert "step timing noise while profiling: 0.200" in result.output
+    assert json.loads((tmp_path / "v" / "validation.json").read_text())["timing"]["per_step"]["noise_floor"] == 0.2
     assert (tmp_path / "v" / "report.html").exists()
     assert (tmp_path / "v" / "validation.json").exists()
