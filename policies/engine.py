@@ -160,10 +160,15 @@ class EngineCore:
             self.swapped.remove(request)
             self.kv.drop_swapped(request)
         else:
-            self.waiting.remove(request)
+            self._leave_waiting(request)
         request.status = Status.ABORTED
         self.counters.aborted += 1
         return True
+
+    def _leave_waiting(self, request: Request) -> None:
+        """Take a waiting request out for good, with what prefix lookups kept for it (its block hashes)."""
+        self.waiting.remove(request)
+        self.kv.free(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._pending_rejections)
@@ -313,7 +318,7 @@ class EngineCore:
     def _reject_unschedulable(self, plan: StepPlan, now: float) -> None:
         """Nothing runs and nothing can be admitted: the head of the policy's queue can never run."""
         request = next(iter(self.policy.waiting_order(self.waiting, now)))
-        self.waiting.remove(request)
+        self._leave_waiting(request)
         request.status = Status.REJECTED
         request.reject_reason = "unschedulable"
         self.counters.rejected += 1

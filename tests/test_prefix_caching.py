@@ -192,3 +192,16 @@ def test_prefix_queries_and_hits_count_first_admissions_only(make_driver):
     assert d.engine.requests["B"].prefix_hit_tokens == 0
     stats = d.engine.kv_stats()
     assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (14, 0)
+
+
+def test_a_waiting_request_aborted_after_prefix_lookups_leaves_no_hash_list_behind(make_driver):
+    """Lookups hash a waiting request's prompt each step it is considered; aborting it must drop that state."""
+    d = make_driver(num_blocks=20, max_model_len=128, max_num_batched_tokens=128)
+    d.engine.add_request("A", 0.0, 64, 8, token_ids=T[:64])
+    d.step()
+    d.engine.add_request("B", 0.5, 64, 8, token_ids=unique_tokens(7, 64))
+    assert d.batch(d.step()) == [("A", 64, 1, "d")]  # B does not fit beside A: it waits
+    kv, b = d.engine.kv, d.engine.requests["B"]
+    assert b.seq_id in kv.hashes
+    assert d.engine.abort("B")
+    assert b.seq_id not in kv.hashes and d.engine.requests["A"].seq_id in kv.hashes
