@@ -14,6 +14,7 @@ import click
 
 from realexec.calibration import calibrated_profile
 from realexec.cli import REAL_DEFAULTS, execute_run, for_backend
+from realexec.speed_check import speed_check
 from realexec.validation import Thresholds, compare_decisions, validate_runs
 from sim.cli_options import run_config_from, run_options
 from sim.cost_model import CostModelTimer
@@ -76,6 +77,7 @@ def cross_validate(config, trace, backend: str, profile_path: Path, out_dir: Pat
     real_lines = (out_dir / "real" / DECISIONS).read_text().splitlines()
     decisions = compare_decisions(real_lines, replay_log.getvalue().splitlines())
 
+    speed = speed_check(backend, cost, seed=config.seed)  # right after the real run: the machine as it ran
     _, sim_summary = run_trace(sim_resolved, trace, CostModelTimer(cost), out_dir / "sim", exact=True, progress=progress)
 
     memory = resolve(config).memory  # what the memory model says the real run's device holds
@@ -83,6 +85,7 @@ def cross_validate(config, trace, backend: str, profile_path: Path, out_dir: Pat
     validation = validate_runs(real, real_summary, sim_summary, decisions, replay_timer.predicted, replay_timer.kinds,
                                kv_pool, memory.weight_bytes + memory.activation_bytes + kv_pool, thresholds)
     validation["timing"]["per_step"]["noise_floor"] = sim_resolved.device.step_timing_noise
+    validation["timing"]["speed_check"] = speed.to_dict()
     validation.update(
         backend=backend,
         profile=str(profile_path),
@@ -101,6 +104,9 @@ def format_checks(validation: dict) -> str:
     noise = validation["timing"]["per_step"].get("noise_floor")
     if noise is not None:
         lines.append(f"step timing noise while profiling: {noise:.3f} (no model predicts single steps better than that)")
+    ratio = validation["timing"]["speed_check"]["ratio"]
+    lines.append(f"speed check: reference steps took {ratio:.2f}x the profile's prediction"
+                 + (" (the machine's speed changed since it was profiled: --reprofile)" if abs(ratio - 1) > max(noise or 0, 0.1) else ""))
     decisions = validation["decision_identity"]
     lines.append(f"decision logs: {'identical' if decisions['identical'] else 'DIVERGE at step ' + str(decisions['first_divergence']['step'])}"
                  f" over {decisions['steps_compared']} steps")

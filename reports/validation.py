@@ -198,6 +198,10 @@ def _timing_section(page: Page, timing: dict, pairs: dict[str, np.ndarray], sour
     if per_step.get("noise_floor") is not None:
         page.note(f"Timing noise of single steps while the profile was measured (mean |run / median - 1|): "
                   f"{100 * per_step['noise_floor']:.1f} %. No model predicts single steps much better than that on this machine.")
+    speed = timing.get("speed_check")
+    if speed:
+        page.note(f"Speed check after the real run: reference steps ({', '.join(speed['labels'])}) took "
+                  f"{speed['ratio']:.2f}x the profile's prediction; far from 1, the machine's speed changed since it was profiled.")
 
 
 def step_scatter(pairs: dict[str, np.ndarray]) -> go.Figure:

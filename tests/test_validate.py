@@ -54,6 +54,11 @@ def test_validation_json_has_every_metric(validation):
     per_step = on_disk["timing"]["per_step"]
     assert {"mape", "p90_abs_error_s", "steps", "by_kind", "noise_floor"} <= set(per_step)
     assert per_step["noise_floor"] is None  # the bundled cpu profile was not measured on this machine
+    speed = on_disk["timing"]["speed_check"]
+    assert len(speed["labels"]) == len(speed["measured_s"]) == len(speed["predicted_s"]) == 3
+    assert all(m > 0 for m in speed["measured_s"]) and all(p > 0 for p in speed["predicted_s"])
+    ratios = sorted(m / p for m, p in zip(speed["measured_s"], speed["predicted_s"]))
+    assert speed["ratio"] == pytest.approx(ratios[1])
     assert set(per_step["by_kind"]) <= {"prefill", "decode", "mixed"} and per_step["by_kind"]
     for metric in ("ttft_s", "tpot_s", "e2e_s"):
         for q in ("p50", "p99"):
@@ -87,6 +92,7 @@ def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(t
     assert result.exit_code == 1, result.output
     assert "validation failed: step_mape" in result.output
     assert "step timing noise while profiling: 0.200" in result.output
+    assert "speed check: reference steps took " in result.output
     assert json.loads((tmp_path / "v" / "validation.json").read_text())["timing"]["per_step"]["noise_floor"] == 0.2
     assert (tmp_path / "v" / "report.html").exists()
     assert (tmp_path / "v" / "validation.json").exists()

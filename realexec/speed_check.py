@@ -1,0 +1,62 @@
+"""Is the machine as fast now as when its profile was measured? A few reference steps say.
+
+A profile holds for the machine state it was measured in. On a shared host that state drifts:
+on the 2-core development VM the same CPU step's median moved by up to 1.9x between processes
+minutes apart (docs/benchmarks.md), and a cached profile then misses every step by that much,
+whatever its model. ``kvsim validate`` therefore times three reference steps next to its real
+run, primed and interleaved as the profiler times its cases, and reports how their measured
+time compares with the profile's prediction: a ratio far from 1 means re-profile (``--reprofile``)
+before reading the timing errors as the model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from realexec.backends import get_backend
+from realexec.executor import Executor
+from realexec.profiler import PlanBuilder, StepShape, decode, footprint, measure, prefill, shape_features
+from sim.cost_model import CostModel
+
+REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
+    ("decode 1 x 128", decode(1, 128)),
+    ("decode 8 x 256", decode(8, 256)),
+    ("prefill 256", prefill(256)),
+)
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """Median measured and predicted seconds of each reference step."""
+
+    labels: list[str]
+    measured_s: list[float]
+    predicted_s: list[float]
+
+    @property
+    def ratio(self) -> float:
+        """Median of measured / predicted: 1.3 means the machine runs 30 % slower than its profile says."""
+        return float(np.median(np.array(self.measured_s) / np.array(self.predicted_s)))
+
+    def to_dict(self) -> dict:
+        return {"labels": self.labels, "measured_s": self.measured_s, "predicted_s": self.predicted_s, "ratio": self.ratio}
+
+
+def speed_check(backend_name: str, cost: CostModel, seed: int = 0) -> SpeedCheck:
+    """Time the reference steps on ``backend_name`` and predict them with ``cost``."""
+    block_size = cost.block_size
+    blocks = 2 * max(footprint(shape, block_size) for _, shape in REFERENCE_SHAPES)  # room for spread-out tables
+    executor = Executor(cost.model, get_backend(backend_name), num_blocks=blocks, block_size=block_size, seed=seed,
+                        kv_dtype=cost.kv_dtype)
+    rng = np.random.default_rng(seed)
+    builder = PlanBuilder(executor, rng)
+    cases = [lambda shape=shape: executor.step(builder.plan(shape)).duration_s for _, shape in REFERENCE_SHAPES]
+    measured = measure(cases, REPEATS, rng).median
+    return SpeedCheck(
+        labels=[label for label, _ in REFERENCE_SHAPES],
+        measured_s=[float(m) for m in measured],
+        predicted_s=[float(cost.predict(shape_features(shape, block_size))) for _, shape in REFERENCE_SHAPES],
+    )
