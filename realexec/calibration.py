@@ -1,7 +1,8 @@
 """Which calibrated cost-model profile fits this machine, and making one when none does.
 
 A profile measured on one machine says little about another, so profiles are cached per
-machine fingerprint (processor, core count, torch version and threads, backend device name)
+machine fingerprint (processor, core count, torch version and threads, backend device name,
+profiler version)
 under ``$KVSIM_CACHE`` (default ``~/.cache/kvsim/profiles``). ``kvsim validate`` uses the
 cached one or profiles on the spot (``kvsim profile --quick``) and caches the result.
 """
@@ -17,6 +18,11 @@ from typing import Callable
 import torch
 
 from realexec.backends.cpu import cpu_threads
+
+
+# Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
+# by an older profiler are not reused (2: every timed run primed by a run of the same case).
+PROFILER_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -35,7 +41,8 @@ def _processor_name() -> str:
 
 def machine_fingerprint(backend: str) -> str:
     threads = cpu_threads() if backend == "cpu" else torch.get_num_threads()
-    parts = [backend, platform.machine(), _processor_name(), str(os.cpu_count()), torch.__version__, str(threads)]
+    parts = [backend, platform.machine(), _processor_name(), str(os.cpu_count()), torch.__version__, str(threads),
+             f"profiler {PROFILER_VERSION}"]
     if backend == "cuda" and torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]

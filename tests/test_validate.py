@@ -96,3 +96,17 @@ def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(t
     assert json.loads((tmp_path / "v" / "validation.json").read_text())["timing"]["per_step"]["noise_floor"] == 0.2
     assert (tmp_path / "v" / "report.html").exists()
     assert (tmp_path / "v" / "validation.json").exists()
+
+
+def test_calibrated_profiles_are_cached_per_machine_and_profiler_version(tmp_path, monkeypatch):
+    from realexec import calibration
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    runs: list[Path] = []
+    monkeypatch.setattr("realexec.profiler.run_profile", lambda backend, model, out, **kw: runs.append(Path(out)))
+    path = calibration.calibrated_profile("cpu", "tiny")
+    assert runs == [path] and path.parent == tmp_path / "profiles"
+    path.write_text("cached")
+    assert calibration.calibrated_profile("cpu", "tiny") == path and len(runs) == 1  # reused, not measured again
+    monkeypatch.setattr(calibration, "PROFILER_VERSION", calibration.PROFILER_VERSION + 1)
+    assert calibration.calibrated_profile("cpu", "tiny") != path and len(runs) == 2  # a newer profiler measures anew
