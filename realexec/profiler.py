@@ -23,9 +23,9 @@ the coefficients fitted before it held fixed.
 Timing hygiene: cases are timed in rounds that visit all of them in a seeded shuffled order, so a
 slow spell on a shared machine spreads over all of them instead of biasing one (or passing for a
 block-size effect), and each timed run follows an untimed run of the same case, so it finds the
-caches as a serving run's similar previous step leaves them; a case's time is its median. How far single runs
-stray from that median is reported as the timing noise: a model's per-step error against
-single runs cannot go much below it. ``torch`` threads are left as they are and recorded.
+caches as a serving run's similar previous step leaves them; a case's time is its median. How
+far single runs stray from that median is reported as the timing noise: a model's per-step
+error against single runs cannot go much below it. ``torch`` threads are left as they are and recorded.
 """
 
 from __future__ import annotations

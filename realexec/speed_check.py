@@ -17,7 +17,7 @@ import numpy as np
 
 from realexec.backends import get_backend
 from realexec.executor import Executor
-from realexec.profiler import PlanBuilder, StepShape, decode, footprint, measure, prefill, shape_features
+from realexec.profiler import OperatorBenches, StepShape, decode, footprint, measure, prefill
 from sim.cost_model import CostModel
 
 REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
@@ -46,17 +46,17 @@ class SpeedCheck:
 
 
 def speed_check(backend_name: str, cost: CostModel, seed: int = 0) -> SpeedCheck:
-    """Time the reference steps on ``backend_name`` and predict them with ``cost``."""
+    """Time the reference steps on ``backend_name`` as the profiler times whole steps, and predict them with ``cost``."""
     block_size = cost.block_size
     blocks = 2 * max(footprint(shape, block_size) for _, shape in REFERENCE_SHAPES)  # room for spread-out tables
     executor = Executor(cost.model, get_backend(backend_name), num_blocks=blocks, block_size=block_size, seed=seed,
                         kv_dtype=cost.kv_dtype)
     rng = np.random.default_rng(seed)
-    builder = PlanBuilder(executor, rng)
-    cases = [lambda shape=shape: executor.step(builder.plan(shape)).duration_s for _, shape in REFERENCE_SHAPES]
-    measured = measure(cases, REPEATS, rng).median
+    benches = OperatorBenches(executor, rng, seed)
+    samples = [benches.step(shape) for _, shape in REFERENCE_SHAPES]
+    measured = measure([s.run for s in samples], REPEATS, rng).median
     return SpeedCheck(
         labels=[label for label, _ in REFERENCE_SHAPES],
         measured_s=[float(m) for m in measured],
-        predicted_s=[float(cost.predict(shape_features(shape, block_size))) for _, shape in REFERENCE_SHAPES],
+        predicted_s=[float(cost.predict(s.features)) for s in samples],
     )
