@@ -1,0 +1,113 @@
+"""Fingerprint every simulate output over a grid of workloads x schedulers x block managers.
+
+    python benchmarks/decision_identity.py --write benchmarks/identity/<name>.json
+    python benchmarks/decision_identity.py --compare benchmarks/identity/<name>.json
+
+A refactor or a speed-up must not change a single decision: this runs ``kvsim simulate`` as a
+user would (a subprocess per case, so it fingerprints whatever version is installed) and
+records the SHA-256 of decisions.jsonl, requests.csv, steps.csv and summary.json (minus its
+wall-clock fields). ``--compare`` exits 1 naming every case whose fingerprint moved.
+
+Workloads: the bundled demo (tiny model, cpu profile), the bundled Mooncake sample (500
+requests) and the first 2,000 rows of the Azure conversation trace (skipped when
+../shared/traces is absent), on ascend-910b3 (Qwen2.5-7B for Mooncake, Llama-2-7B for Azure); plus two
+tight-pool cases per workload that force recompute and swap preemption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SHARED_AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+SCHEDULERS = ("fcfs", "chunked", "priority", "sjf", "static")
+MANAGERS = ("paged", "prefix", "contiguous")
+VOLATILE_SUMMARY_KEYS = ("wall_s",)
+
+
+def workloads() -> dict[str, list[str]]:
+    big = ["--model", "llama-2-7b", "--device", "ascend-910b3"]
+    cases = {
+        "demo": ["--trace", "demo"],
+        "mooncake_500": ["--trace", "mooncake_500", "--model", "qwen2.5-7b", "--device", "ascend-910b3",
+                         "--max-model-len", "32768"],
+    }
+    if SHARED_AZURE.exists():
+        cases["azure_2000"] = ["--trace", str(SHARED_AZURE), "--max-requests", "2000", *big]
+    return cases
+
+
+def cases() -> dict[str, list[str]]:
+    grid: dict[str, list[str]] = {}
+    for name, args in workloads().items():
+        for scheduler in SCHEDULERS:
+            for manager in MANAGERS:
+                grid[f"{name}/{scheduler}/{manager}"] = [*args, "--scheduler", scheduler, "--block-manager", manager]
+        tight = "60" if name == "demo" else "400"
+        for mode in ("recompute", "swap"):
+            grid[f"{name}/fcfs/prefix/tight-{mode}"] = [*args, "--num-blocks", tight, "--preemption-mode", mode,
+                                                      "--swap-space", "4"]
+    return grid
+
+
+def fingerprint(out: Path) -> dict[str, str]:
+    prints = {}
+    for name in ("decisions.jsonl", "requests.csv", "steps.csv"):
+        prints[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
+    summary = json.loads((out / "summary.json").read_text())
+    for key in VOLATILE_SUMMARY_KEYS:
+        summary.pop(key, None)
+    prints["summary.json"] = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()
+    return prints
+
+
+def run_case(args: list[str], out: Path) -> dict[str, str]:
+    command = ["kvsim", "simulate", *args, "--out", str(out), "--quiet", *EXTRA_ARGS]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return fingerprint(out)
+
+
+EXTRA_ARGS: list[str] = []
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", type=Path, help="record the fingerprints here")
+    parser.add_argument("--compare", type=Path, help="compare with fingerprints recorded earlier")
+    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--extra", default="", help="extra simulate flags, space-separated (e.g. '--decisions full')")
+    options = parser.parse_args()
+    EXTRA_ARGS.extend(options.extra.split())
+    expected = json.loads(options.compare.read_text()) if options.compare else {}
+    results: dict[str, dict[str, str]] = {}
+    moved = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, (name, args) in enumerate(cases().items()):
+            if options.only not in name:
+                continue
+            results[name] = run_case(args, Path(scratch) / str(index))
+            if name in expected and expected[name] != results[name]:
+                changed = [k for k in results[name] if expected[name].get(k) != results[name][k]]
+                moved.append(f"{name}: {', '.join(changed)}")
+            print(f"{name}: {'MOVED' if moved and moved[-1].startswith(name + ':') else 'ok'}", flush=True)
+    if options.write:
+        options.write.parent.mkdir(parents=True, exist_ok=True)
+        options.write.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    if options.compare:
+        missing = sorted(set(expected) - set(results)) if not options.only else []
+        for line in moved:
+            print("moved:", line)
+        for name in missing:
+            print("not run:", name)
+        print(f"{len(results) - len(moved)} of {len(results)} cases identical")
+        return 1 if moved or missing else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
