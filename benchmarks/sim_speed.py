@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import traces
-from sim.cost_model import CostModelTimer
-from sim.outputs import write_requests, write_steps
-from sim.run_config import RunConfig, resolve
-from sim.simulator import SimOptions, simulate
+from kvsim import traces
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.outputs import write_requests, write_steps
+from kvsim.sim.run_config import RunConfig, resolve
+from kvsim.sim.simulator import SimOptions, simulate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 CASES = {

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import islice
 
-from policies.request import Request
-from policies.schedulers import SchedulerPolicy
+from kvsim.policies.request import Request
+from kvsim.policies.schedulers import SchedulerPolicy
 
 
 class CappedAdmission(SchedulerPolicy):

@@ -1,0 +1,8 @@
+"""The engine core both worlds drive: request state, block managers, schedulers, step plans.
+
+Pure Python (no SimPy, no torch). Importing the package registers the built-in policies by
+name (``fcfs``, ``chunked``, ``priority``, ``sjf``, ``static``; ``paged``, ``prefix``,
+``contiguous``) through the decorators in their own modules.
+"""
+
+from kvsim.policies import contiguous, paged, schedulers  # noqa: F401  (registration)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from policies.request import Request
+from kvsim.policies.request import Request
 
 
 @dataclass

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import bisect
 
-from policies.block_manager import BlockManager, KVStats
-from policies.paged import cdiv
-from policies.registry import register_block_manager
-from policies.request import Request
+from kvsim.policies.block_manager import BlockManager, KVStats
+from kvsim.policies.paged import cdiv
+from kvsim.policies.registry import register_block_manager
+from kvsim.policies.request import Request
 
 
 @register_block_manager("contiguous")

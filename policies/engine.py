@@ -21,13 +21,13 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from policies.block_manager import BlockManager, KVStats
-from policies.config import EngineConfig
-from policies.plan import DecodeStretch, PlanEntry, StepPlan
-from policies.queue import RequestQueue
-from policies.registry import resolve_block_manager, resolve_scheduler
-from policies.request import Request, Status
-from policies.schedulers import SchedulerPolicy
+from kvsim.policies.block_manager import BlockManager, KVStats
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
+from kvsim.policies.queue import RequestQueue
+from kvsim.policies.registry import resolve_block_manager, resolve_scheduler
+from kvsim.policies.request import Request, Status
+from kvsim.policies.schedulers import SchedulerPolicy
 
 KVCounts = tuple[int, int, int, int]  # (used, cached, free) blocks and internal-waste slots
 

@@ -14,7 +14,7 @@ the decision log does not depend on the interpreter's hash randomisation.
 
 from __future__ import annotations
 
-from policies.request import Request
+from kvsim.policies.request import Request
 
 ROOT_HASH = 0x6B7673696D  # arbitrary fixed parent of every first block
 _TOKENS, _TRACE, _PROMPT, _GENERATED = 1, 2, 3, 4

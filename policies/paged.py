@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from policies.block_manager import BlockManager, KVStats
-from policies.hashing import check_block_size_compatible, extend_block_hashes
-from policies.registry import register_block_manager
-from policies.request import Request
+from kvsim.policies.block_manager import BlockManager, KVStats
+from kvsim.policies.hashing import check_block_size_compatible, extend_block_hashes
+from kvsim.policies.registry import register_block_manager
+from kvsim.policies.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -10,7 +10,7 @@ import bisect
 from collections import deque
 from typing import Callable, Iterator
 
-from policies.request import Request
+from kvsim.policies.request import Request
 
 QueueKey = Callable[[Request], tuple]
 

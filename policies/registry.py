@@ -1,4 +1,9 @@
-"""Pluggable policies: built-ins register by name, user classes load by ``module:Class``."""
+"""Pluggable policies: each class registers its name where it is defined; user classes load by
+``module:Class``.
+
+This module imports no policy: the built-ins register when ``kvsim.policies`` is imported (its
+``__init__`` imports their modules), so there is no import circle.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +42,6 @@ def _resolve(table: dict[str, type], kind: str, spec: str) -> type:
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot load {kind} {spec!r}: {exc}") from None
-    _load_builtins()
     if spec not in table:
         raise ValueError(f"unknown {kind} {spec!r}; registered: {', '.join(sorted(table))}; or give module:Class")
     return table[spec]
@@ -50,8 +54,3 @@ def resolve_scheduler(spec: str) -> type:
 def resolve_block_manager(spec: str) -> type:
     return _resolve(BLOCK_MANAGERS, "block manager", spec)
 
-
-def _load_builtins() -> None:
-    importlib.import_module("policies.schedulers")
-    importlib.import_module("policies.paged")
-    importlib.import_module("policies.contiguous")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from policies.registry import register_scheduler
-from policies.request import Request
+from kvsim.policies.registry import register_scheduler
+from kvsim.policies.request import Request
 
 
 class SchedulerPolicy:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from policies.engine import EngineCore
-from policies.request import Request
-from traces.schema import Trace
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.request import Request
+from kvsim.traces.schema import Trace
 
 
 def request_id_of(index: int) -> str:

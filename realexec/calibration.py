@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from realexec.backends.cpu import cpu_threads
+from kvsim.realexec.backends.cpu import cpu_threads
 
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
@@ -50,7 +50,7 @@ def machine_fingerprint(backend: str) -> str:
 
 def calibrated_profile(backend: str, model: str, *, refresh: bool = False, echo: Callable[[str], None] | None = None) -> Path:
     """Path of this machine's calibrated profile for (backend, model), profiling now if there is none."""
-    from realexec.profiler import run_profile
+    from kvsim.realexec.profiler import run_profile
 
     path = cache_dir() / f"{backend}-{Path(model).stem}-{machine_fingerprint(backend)}.toml"
     if path.exists() and not refresh:

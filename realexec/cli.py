@@ -11,12 +11,12 @@ from pathlib import Path
 
 import click
 
-from realexec.backends import get_backend
-from realexec.executor import Executor
-from sim.cli_options import run_config_from, run_options
-from sim.outputs import format_summary
-from sim.run_config import RunConfig, load_run_trace, resolve
-from sim.runner import run_trace
+from kvsim.realexec.backends import get_backend
+from kvsim.realexec.executor import Executor
+from kvsim.sim.cli_options import run_config_from, run_options
+from kvsim.sim.outputs import format_summary
+from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
+from kvsim.sim.runner import run_trace
 
 # What `kvsim execute` / `validate` run when not told otherwise: the tiny model on the CPU,
 # a KV pool of a few hundred blocks (small enough that preemption happens on the demo), and

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from realexec.backends import BackendUnavailable
-from realexec.profiler import run_profile
+from kvsim.realexec.backends import BackendUnavailable
+from kvsim.realexec.profiler import run_profile
 
 
 @click.command()

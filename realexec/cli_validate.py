@@ -12,17 +12,17 @@ from pathlib import Path
 
 import click
 
-from realexec.calibration import calibrated_profile
-from realexec.cli import REAL_DEFAULTS, execute_run, for_backend
-from realexec.speed_check import speed_check
-from realexec.validation import Thresholds, compare_decisions, validate_runs
-from sim.cli_options import run_config_from, run_options
-from sim.cost_model import CostModelTimer
-from sim.outputs import DECISIONS
-from sim.run_config import load_run_trace, resolve
-from sim.runner import run_trace
-from sim.simulator import SimOptions, simulate
-from sim.step_timer import ReplayTimer
+from kvsim.realexec.calibration import calibrated_profile
+from kvsim.realexec.cli import REAL_DEFAULTS, execute_run, for_backend
+from kvsim.realexec.speed_check import speed_check
+from kvsim.realexec.validation import Thresholds, compare_decisions, validate_runs
+from kvsim.sim.cli_options import run_config_from, run_options
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.outputs import DECISIONS
+from kvsim.sim.run_config import load_run_trace, resolve
+from kvsim.sim.runner import run_trace
+from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.step_timer import ReplayTimer
 
 
 @click.command()
@@ -47,7 +47,7 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, out_dir: 
     except (ValueError, KeyError, RuntimeError) as exc:
         raise click.ClickException(str(exc).strip("'\"")) from None
 
-    from reports.validation import write_validation_report
+    from kvsim.reports.validation import write_validation_report
 
     report = write_validation_report(validation, {k: out_dir / k for k in ("real", "sim", "replay")}, out_dir / "report.html")
     if not quiet:

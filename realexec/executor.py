@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from policies.plan import PlanEntry, StepPlan
-from policies.request import Request
-from realexec.backends.base import AttentionMetadata, KernelBackend
-from realexec.model import Attend, DecoderModel
-from realexec.prompts import prompt_tokens
-from realexec.weights import torch_dtype
-from sim.model_spec import ModelSpec
-from sim.step_timer import StepTiming
+from kvsim.policies.plan import PlanEntry, StepPlan
+from kvsim.policies.request import Request
+from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
+from kvsim.realexec.model import Attend, DecoderModel
+from kvsim.realexec.prompts import prompt_tokens
+from kvsim.realexec.weights import torch_dtype
+from kvsim.sim.model_spec import ModelSpec
+from kvsim.sim.step_timer import StepTiming
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from realexec.weights import load_weights, random_weights, torch_dtype
-from sim.model_spec import ModelSpec
+from kvsim.realexec.weights import load_weights, random_weights, torch_dtype
+from kvsim.sim.model_spec import ModelSpec
 
 # attend(layer, q [T, heads, head_dim], k [T, kv_heads, head_dim], v [T, kv_heads, head_dim])
 #   -> attention output [T, heads, head_dim]

@@ -41,20 +41,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from policies.config import EngineConfig
-from policies.engine import EngineCore
-from policies.plan import PlanEntry, StepPlan
-from policies.request import Request
-from realexec.backends import KernelBackend, get_backend
-from realexec.backends.base import AttentionMetadata
-from realexec.executor import Executor
-from sim.cost_model import STEP_OPERATORS, CostModel, StepFeatures, features_from_plan
-from sim.device import DeviceProfile, load_device, save_device
-from sim.memory import plan_memory
-from sim.model_spec import ModelSpec, load_model
-from sim.simulator import SimOptions, simulate
-from sim.step_timer import StepTiming
-from traces.synth import Uniform, synthesize
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import PlanEntry, StepPlan
+from kvsim.policies.request import Request
+from kvsim.realexec.backends import KernelBackend, get_backend
+from kvsim.realexec.backends.base import AttentionMetadata
+from kvsim.realexec.executor import Executor
+from kvsim.sim.cost_model import STEP_OPERATORS, CostModel, StepFeatures, features_from_plan
+from kvsim.sim.device import DeviceProfile, load_device, save_device
+from kvsim.sim.memory import plan_memory
+from kvsim.sim.model_spec import ModelSpec, load_model
+from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.step_timer import StepTiming
+from kvsim.traces.synth import Uniform, synthesize
 
 Echo = Callable[[str], None]
 Case = Callable[[], float]  # runs once, returns the seconds to count

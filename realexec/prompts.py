@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.request import Request
+from kvsim.policies.request import Request
 
 _BLOCK_STREAM = 0  # domain tags keep a hash value and a content id from ever sharing a stream
 _CONTENT_STREAM = 1

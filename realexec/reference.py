@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from realexec.backends.reference import dense_attention
-from realexec.model import Attend, DecoderModel
+from kvsim.realexec.backends.reference import dense_attention
+from kvsim.realexec.model import Attend, DecoderModel
 
 
 def causal_attend(model: DecoderModel, seq_len: int, kv_dtype: torch.dtype | None = None) -> Attend:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from realexec.backends import get_backend
-from realexec.executor import Executor
-from realexec.profiler import OperatorBenches, StepShape, decode, footprint, measure, prefill
-from sim.cost_model import CostModel
+from kvsim.realexec.backends import get_backend
+from kvsim.realexec.executor import Executor
+from kvsim.realexec.profiler import OperatorBenches, StepShape, decode, footprint, measure, prefill
+from kvsim.sim.cost_model import CostModel
 
 REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
     ("decode 1 x 128", decode(1, 128)),

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.simulator import SimRun
-from sim.toml_io import load_toml
+from kvsim.sim.simulator import SimRun
+from kvsim.sim.toml_io import load_toml
 
 
 @dataclass

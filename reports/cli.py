@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from reports.compare import Slo, write_compare_report
-from reports.runs import ReportInputError, read_json
-from reports.validation import RUN_NAMES, missing_keys, write_validation_report
+from kvsim.reports.compare import Slo, write_compare_report
+from kvsim.reports.runs import ReportInputError, read_json
+from kvsim.reports.validation import RUN_NAMES, missing_keys, write_validation_report
 
 
 @click.group("report")

@@ -16,9 +16,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from reports.figures import cdf_figure, latency_cdfs, palette, series_data, styled
-from reports.page import Cell, Page
-from reports.runs import ReportInputError, Run, default_labels, load_run
+from kvsim.reports.figures import cdf_figure, latency_cdfs, palette, series_data, styled
+from kvsim.reports.page import Cell, Page
+from kvsim.reports.runs import ReportInputError, Run, default_labels, load_run
 
 WASTE_NOTE = (
     "steps.csv records KV blocks (in use, cached, free) but not the tokens they hold, so internal waste "

@@ -11,8 +11,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from reports.downsample import MAX_POINTS, even_indices, minmax_indices
-from reports.runs import Run
+from kvsim.reports.downsample import MAX_POINTS, even_indices, minmax_indices
+from kvsim.reports.runs import Run
 
 LATENCIES = {"ttft_s": "TTFT", "tpot_s": "TPOT", "e2e_s": "End-to-end latency"}
 KIND_COLORS = {"prefill": "#1f77b4", "decode": "#ff7f0e", "mixed": "#2ca02c", "idle": "#7f7f7f"}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.outputs import REQUESTS, STEPS, SUMMARY
+from kvsim.sim.outputs import REQUESTS, STEPS, SUMMARY
 
 # the columns reports read (a subset of sim.metrics' STEP_COLUMNS and REQUEST_COLUMNS)
 STEP_FIELDS = ("step", "start_s", "duration_s", "kind", "batch_size", "prefill_tokens", "decode_tokens",

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import plotly.graph_objects as go
 
-from reports.downsample import MAX_POINTS, minmax_indices
-from reports.figures import KIND_COLORS, LATENCIES, cdf_figure, latency_cdfs, series_data, styled
-from reports.page import Cell, Page
-from reports.runs import ReportInputError, Run, is_run_dir, load_run
+from kvsim.reports.downsample import MAX_POINTS, minmax_indices
+from kvsim.reports.figures import KIND_COLORS, LATENCIES, cdf_figure, latency_cdfs, series_data, styled
+from kvsim.reports.page import Cell, Page
+from kvsim.reports.runs import ReportInputError, Run, is_run_dir, load_run
 
 RUN_NAMES = ("real", "sim", "replay")
 RUN_COLORS = {"real": "#222222", "sim": "#1f77b4", "replay": "#ff7f0e"}

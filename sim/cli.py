@@ -12,14 +12,14 @@ import click
 
 # name -> (module:attribute, one-line help shown without importing the module)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "trace": ("traces.cli:trace", "Inspect, synthesise and convert request traces."),
-    "simulate": ("sim.cli_simulate:simulate", "Replay a trace through the SimPy simulator."),
-    "memory": ("sim.cli_memory:memory", "HBM breakdown and KV block count for a model on a device."),
-    "sweep": ("sim.cli_sweep:sweep", "Run many what-if simulations (local processes or Ray)."),
-    "execute": ("realexec.cli:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
-    "profile": ("realexec.cli_profile:profile", "Measure a backend and fit the cost model's coefficients."),
-    "validate": ("realexec.cli_validate:validate", "Cross-validate the simulator against the real executor."),
-    "report": ("reports.cli:report", "HTML reports from simulate/execute runs."),
+    "trace": ("kvsim.traces.cli:trace", "Inspect, synthesise and convert request traces."),
+    "simulate": ("kvsim.sim.cli_simulate:simulate", "Replay a trace through the SimPy simulator."),
+    "memory": ("kvsim.sim.cli_memory:memory", "HBM breakdown and KV block count for a model on a device."),
+    "sweep": ("kvsim.sim.cli_sweep:sweep", "Run many what-if simulations (local processes or Ray)."),
+    "execute": ("kvsim.realexec.cli:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
+    "profile": ("kvsim.realexec.cli_profile:profile", "Measure a backend and fit the cost model's coefficients."),
+    "validate": ("kvsim.realexec.cli_validate:validate", "Cross-validate the simulator against the real executor."),
+    "report": ("kvsim.reports.cli:report", "HTML reports from simulate/execute runs."),
 }
 
 

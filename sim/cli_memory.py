@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from sim.device import load_device
-from sim.memory import (
+from kvsim.sim.device import load_device
+from kvsim.sim.memory import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -16,7 +16,7 @@ from sim.memory import (
     MemoryPlan,
     plan_memory,
 )
-from sim.model_spec import load_model
+from kvsim.sim.model_spec import load_model
 
 
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import click
 
-from sim.run_config import RunConfig, load_run_config
+from kvsim.sim.run_config import RunConfig, load_run_config
 
 # (flags, RunConfig field, click kwargs)
 RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
-from sim.cli_options import run_config_from, run_options
-from sim.cost_model import CostModelTimer
-from sim.outputs import format_summary
-from sim.run_config import load_run_trace, resolve
-from sim.runner import run_trace
+from kvsim.sim.cli_options import run_config_from, run_options
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.outputs import format_summary
+from kvsim.sim.run_config import load_run_trace, resolve
+from kvsim.sim.runner import run_trace
 
 
 @click.command()

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from sim.sweep import expand_grid, load_sweep, run_sweep
+from kvsim.sim.sweep import expand_grid, load_sweep, run_sweep
 
 
 @click.command()

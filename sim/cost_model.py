@@ -59,11 +59,11 @@ from typing import NamedTuple, Sequence, Union
 
 import numpy as np
 
-from policies.plan import StepPlan
-from policies.request import Request
-from sim.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
-from sim.model_spec import DTYPE_BYTES, ModelSpec
-from sim.step_timer import StepTiming
+from kvsim.policies.plan import StepPlan
+from kvsim.policies.request import Request
+from kvsim.sim.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
+from kvsim.sim.model_spec import DTYPE_BYTES, ModelSpec
+from kvsim.sim.step_timer import StepTiming
 
 Num = Union[float, np.ndarray]
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Iterable
 
-from sim.toml_io import load_toml
+from kvsim.sim.toml_io import load_toml
 
 DEVICES_DIR = Path(__file__).parent / "devices"
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from sim.device import DeviceProfile
-from sim.model_spec import DTYPE_BYTES, ModelSpec
+from kvsim.sim.device import DeviceProfile
+from kvsim.sim.model_spec import DTYPE_BYTES, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 128  # the Ascend paged kernels' recommended size (vllm-ascend forces it)
 DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default

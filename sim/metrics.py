@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from policies.plan import StepPlan
-from policies.request import Request, Status
+from kvsim.policies.plan import StepPlan
+from kvsim.policies.request import Request, Status
 
 PERCENTILES = (50, 90, 99)
 

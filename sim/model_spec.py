@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from sim.toml_io import load_toml
+from kvsim.sim.toml_io import load_toml
 
 MODELS_DIR = Path(__file__).parent / "models"
 

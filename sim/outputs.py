@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from sim.metrics import REQUEST_COLUMNS, STEP_COLUMNS, StepLog
+from kvsim.sim.metrics import REQUEST_COLUMNS, STEP_COLUMNS, StepLog
 
 SUMMARY = "summary.json"
 REQUESTS = "requests.csv"

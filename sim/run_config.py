@@ -10,15 +10,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-import traces
-from policies.config import EngineConfig
-from policies.engine import EngineCore
-from sim.cost_model import CostModel
-from sim.device import DeviceProfile, load_device
-from sim.memory import MemoryPlan, plan_memory
-from sim.model_spec import ModelSpec, load_model
-from sim.toml_io import load_toml
-from traces.schema import Trace
+from kvsim import traces
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.engine import EngineCore
+from kvsim.sim.cost_model import CostModel
+from kvsim.sim.device import DeviceProfile, load_device
+from kvsim.sim.memory import MemoryPlan, plan_memory
+from kvsim.sim.model_spec import ModelSpec, load_model
+from kvsim.sim.toml_io import load_toml
+from kvsim.traces.schema import Trace
 
 GIB = 2**30
 

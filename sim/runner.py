@@ -11,11 +11,11 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from sim.outputs import DECISIONS, write_requests, write_steps, write_summary
-from sim.run_config import ResolvedRun
-from sim.simulator import SimOptions, SimRun, simulate
-from sim.step_timer import StepTimer
-from traces.schema import Trace
+from kvsim.sim.outputs import DECISIONS, write_requests, write_steps, write_summary
+from kvsim.sim.run_config import ResolvedRun
+from kvsim.sim.simulator import SimOptions, SimRun, simulate
+from kvsim.sim.step_timer import StepTimer
+from kvsim.traces.schema import Trace
 
 
 def run_trace(

@@ -25,13 +25,13 @@ from typing import Callable, TextIO
 import numpy as np
 import simpy
 
-from policies.engine import EngineCore
-from policies.plan import StepPlan
-from policies.request import Request
-from policies.trace_feed import add_trace_request
-from sim.metrics import StepLog, TokenTimes, request_rows, summarize
-from sim.step_timer import StepTimer, StepTiming
-from traces.schema import Trace
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import StepPlan
+from kvsim.policies.request import Request
+from kvsim.policies.trace_feed import add_trace_request
+from kvsim.sim.metrics import StepLog, TokenTimes, request_rows, summarize
+from kvsim.sim.step_timer import StepTimer, StepTiming
+from kvsim.traces.schema import Trace
 
 
 @dataclass

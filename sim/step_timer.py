@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policies.plan import StepPlan
-from policies.request import Request
+from kvsim.policies.plan import StepPlan
+from kvsim.policies.request import Request
 
 
 @dataclass

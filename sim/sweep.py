@@ -25,8 +25,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Iterator
 
-from sim.run_config import RunConfig
-from sim.toml_io import load_toml
+from kvsim.sim.run_config import RunConfig
+from kvsim.sim.toml_io import load_toml
 
 HEADLINE = ("requests_completed", "requests_rejected", "throughput_tok_s", "preemptions", "prefix_hit_rate",
             "num_kv_blocks", "peak_kv_blocks_used", "mean_kv_usage", "wall_s")
@@ -59,9 +59,9 @@ def expand_grid(base: RunConfig, grid: dict[str, list]) -> Iterator[tuple[str, R
 
 def run_one(name: str, config: RunConfig, out_dir: str) -> dict:
     """One simulation of the sweep (runs in a worker process or a Ray task)."""
-    from sim.cost_model import CostModelTimer
-    from sim.run_config import load_run_trace, resolve
-    from sim.runner import run_trace
+    from kvsim.sim.cost_model import CostModelTimer
+    from kvsim.sim.run_config import load_run_trace, resolve
+    from kvsim.sim.runner import run_trace
 
     resolved = resolve(config)
     timer = CostModelTimer(resolved.cost_model())

@@ -8,9 +8,9 @@ from typing import Callable
 
 import pytest
 
-from policies.config import EngineConfig
-from policies.engine import EngineCore
-from policies.plan import StepPlan
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import StepPlan
 
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -83,7 +83,7 @@ def make_driver(make_engine) -> Callable[..., Driver]:
 @pytest.fixture(scope="session")
 def shared_trace() -> Callable:
     """``shared_trace(relative_path, limit=None)``: a trace under ../shared/traces (skips when absent)."""
-    import traces
+    from kvsim import traces
 
     cache: dict[tuple[str, int | None], object] = {}
 

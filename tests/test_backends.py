@@ -17,10 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from realexec.backends import AttentionMetadata, BackendUnavailable, get_backend  # noqa: E402
-from realexec.backends.cache_ops import block_runs  # noqa: E402
-from realexec.backends.cpu import CpuBackend  # noqa: E402
-from realexec.backends.testing import load_case, random_case  # noqa: E402
+from kvsim.realexec.backends import AttentionMetadata, BackendUnavailable, get_backend  # noqa: E402
+from kvsim.realexec.backends.cache_ops import block_runs  # noqa: E402
+from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
+from kvsim.realexec.backends.paged_cases import load_case, random_case  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_FLASHINFER = HAS_CUDA and importlib.util.find_spec("flashinfer") is not None
@@ -51,7 +51,7 @@ TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 def backend(request):
     if request.param == "cpu":
         return CpuBackend()
-    from realexec.backends.cuda import CudaBackend
+    from kvsim.realexec.backends.cuda import CudaBackend
 
     kernel = request.param.split("-")[1]
     made = CudaBackend(paged_kernel=kernel)
@@ -327,11 +327,11 @@ def test_importing_backends_survives_a_torch_npu_wheel_without_cann(tmp_path: Pa
 
 @pytest.mark.parametrize("user_value,expected", [(None, "0"), ("1", "1")])
 def test_autoload_is_switched_off_unless_the_user_chose(monkeypatch, user_value, expected) -> None:
-    import realexec.backends
+    import kvsim.realexec.backends as backends_package
 
     if user_value is None:
         monkeypatch.delenv("TORCH_DEVICE_BACKEND_AUTOLOAD", raising=False)
     else:
         monkeypatch.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", user_value)
-    importlib.reload(realexec.backends)
+    importlib.reload(backends_package)
     assert os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] == expected

@@ -12,10 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from realexec.backends import BackendUnavailable, get_backend  # noqa: E402
-from realexec.backends.npu import NpuBackend, import_torch_npu  # noqa: E402
-from realexec.backends.testing import load_case, random_case  # noqa: E402
-from realexec.backends.torch_npu_standin import ContractViolation, make_torch_npu_standin  # noqa: E402
+from kvsim.realexec.backends import BackendUnavailable, get_backend  # noqa: E402
+from kvsim.realexec.backends.npu import NpuBackend, import_torch_npu  # noqa: E402
+from kvsim.realexec.backends.paged_cases import load_case, random_case  # noqa: E402
+from torch_npu_standin import ContractViolation, make_torch_npu_standin  # noqa: E402
 
 SCENARIOS = {
     "prefill": ([13, 40], [13, 40]),

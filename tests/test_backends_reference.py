@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from realexec.backends.reference import dense_attention  # noqa: E402
+from kvsim.realexec.backends.reference import dense_attention  # noqa: E402
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:

@@ -16,10 +16,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from policies.block_manager import BlockManager
-from policies.contiguous import ContiguousBlockManager
-from policies.paged import PagedBlockManager, PrefixCachingBlockManager
-from policies.request import Request
+from kvsim.policies.block_manager import BlockManager
+from kvsim.policies.contiguous import ContiguousBlockManager
+from kvsim.policies.paged import PagedBlockManager, PrefixCachingBlockManager
+from kvsim.policies.request import Request
 
 BS = 4
 NUM_BLOCKS = 12

@@ -10,16 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.plan import PlanEntry, StepPlan
-from sim.cost_model import (
+from kvsim.policies.plan import PlanEntry, StepPlan
+from kvsim.sim.cost_model import (
     OPERATORS,
     CostModel,
     CostModelTimer,
     StepFeatures,
     features_from_plan,
 )
-from sim.device import OperatorCoefficients, load_device
-from sim.model_spec import load_model
+from kvsim.sim.device import OperatorCoefficients, load_device
+from kvsim.sim.model_spec import load_model
 
 FEATURE_NAMES = [f.name for f in dataclasses.fields(StepFeatures)]
 

@@ -14,18 +14,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import traces  # noqa: E402
-from policies.config import EngineConfig  # noqa: E402
-from policies.engine import EngineCore  # noqa: E402
-from policies.request import Status  # noqa: E402
-from realexec.backends import get_backend  # noqa: E402
-from realexec.backends.npu import NpuBackend  # noqa: E402
-from realexec.backends.torch_npu_standin import make_torch_npu_standin  # noqa: E402
-from realexec.executor import Executor  # noqa: E402
-from realexec.prompts import prompt_tokens  # noqa: E402
-from realexec.reference import dense_generate  # noqa: E402
-from sim.model_spec import load_model  # noqa: E402
-from sim.simulator import SimOptions, simulate  # noqa: E402
+from kvsim import traces  # noqa: E402
+from kvsim.policies.config import EngineConfig  # noqa: E402
+from kvsim.policies.engine import EngineCore  # noqa: E402
+from kvsim.policies.request import Status  # noqa: E402
+from kvsim.realexec.backends import get_backend  # noqa: E402
+from kvsim.realexec.backends.npu import NpuBackend  # noqa: E402
+from torch_npu_standin import make_torch_npu_standin  # noqa: E402
+from kvsim.realexec.executor import Executor  # noqa: E402
+from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
+from kvsim.realexec.reference import dense_generate  # noqa: E402
+from kvsim.sim.model_spec import load_model  # noqa: E402
+from kvsim.sim.simulator import SimOptions, simulate  # noqa: E402
 
 SPEC = load_model("tiny")
 

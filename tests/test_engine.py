@@ -8,14 +8,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.config import EngineConfig
-from policies.engine import EngineCore
-from policies.plan import StepPlan
-from policies.registry import register_scheduler, resolve_block_manager, resolve_scheduler
-from policies.request import Status
-from policies.schedulers import FCFSPolicy
-from policies.trace_feed import drain
-from traces.schema import Trace
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import StepPlan
+from kvsim.policies.registry import register_scheduler, resolve_block_manager, resolve_scheduler
+from kvsim.policies.request import Status
+from kvsim.policies.schedulers import FCFSPolicy
+from kvsim.policies.trace_feed import drain
+from kvsim.traces.schema import Trace
 
 MANAGERS = ["paged", "prefix", "contiguous"]
 SCHEDULERS = ["fcfs", "chunked", "priority", "sjf", "static"]
@@ -186,7 +186,7 @@ def test_configuration_errors_name_what_is_wrong():
 
 def test_policies_resolve_by_registered_name_or_module_path():
     assert resolve_scheduler("fcfs") is FCFSPolicy
-    assert resolve_scheduler("policies.schedulers:FCFSPolicy") is FCFSPolicy
+    assert resolve_scheduler("kvsim.policies.schedulers:FCFSPolicy") is FCFSPolicy
     assert resolve_block_manager("prefix").__name__ == "PrefixCachingBlockManager"
     with pytest.raises(ValueError, match="'fcfs' is already registered by FCFSPolicy"):
         register_scheduler("fcfs")(type("Other", (FCFSPolicy,), {}))

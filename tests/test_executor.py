@@ -13,14 +13,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from policies.plan import PlanEntry, StepPlan  # noqa: E402
-from policies.request import Request  # noqa: E402
-from realexec.backends import get_backend  # noqa: E402
-from realexec.executor import Executor  # noqa: E402
-from realexec.prompts import prompt_tokens  # noqa: E402
-from realexec.reference import dense_generate  # noqa: E402
-from sim.model_spec import load_model  # noqa: E402
-from sim.step_timer import StepTiming  # noqa: E402
+from kvsim.policies.plan import PlanEntry, StepPlan  # noqa: E402
+from kvsim.policies.request import Request  # noqa: E402
+from kvsim.realexec.backends import get_backend  # noqa: E402
+from kvsim.realexec.executor import Executor  # noqa: E402
+from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
+from kvsim.realexec.reference import dense_generate  # noqa: E402
+from kvsim.sim.model_spec import load_model  # noqa: E402
+from kvsim.sim.step_timer import StepTiming  # noqa: E402
 
 TINY = load_model("tiny")
 BS = 16  # block size

@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from realexec.backends.cpu import CpuBackend  # noqa: E402
-from realexec.backends.testing import PagedCase, load_case, random_case  # noqa: E402
-from realexec.backends.torch_npu_standin import (  # noqa: E402
+from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
+from kvsim.realexec.backends.paged_cases import PagedCase, load_case, random_case  # noqa: E402
+from torch_npu_standin import (  # noqa: E402
     RULES,
     ContractViolation,
     NotModelled,

@@ -10,11 +10,11 @@ import itertools
 import numpy as np
 import pytest
 
-import traces
-from policies.config import EngineConfig
-from policies.engine import EngineCore
-from policies.request import Status
-from policies.trace_feed import drain
+from kvsim import traces
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.request import Status
+from kvsim.policies.trace_feed import drain
 
 pytestmark = pytest.mark.shared
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from policies.paged import PrefixCachingBlockManager
-from policies.request import Request
+from kvsim.policies.paged import PrefixCachingBlockManager
+from kvsim.policies.request import Request
 
 T = tuple(range(100, 200))  # a prompt's token ids; requests sharing a prefix of T share blocks
 

@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 
 from click.testing import CliRunner  # noqa: E402
 
-from realexec.backends import get_backend  # noqa: E402
-from realexec.backends.torch_npu_standin import make_torch_npu_standin  # noqa: E402
-from realexec.cli_profile import profile as profile_command  # noqa: E402
-from realexec.profiler import (  # noqa: E402
+from kvsim.realexec.backends import get_backend  # noqa: E402
+from torch_npu_standin import make_torch_npu_standin  # noqa: E402
+from kvsim.realexec.cli_profile import profile as profile_command  # noqa: E402
+from kvsim.realexec.profiler import (  # noqa: E402
     GROUPS,
     QUICK,
     KVPool,
@@ -35,9 +35,9 @@ from realexec.profiler import (  # noqa: E402
     shape_features,
     sweep_for,
 )
-from sim.cost_model import CostModel  # noqa: E402
-from sim.device import OperatorCoefficients, load_device, save_device  # noqa: E402
-from sim.model_spec import load_model  # noqa: E402
+from kvsim.sim.cost_model import CostModel  # noqa: E402
+from kvsim.sim.device import OperatorCoefficients, load_device, save_device  # noqa: E402
+from kvsim.sim.model_spec import load_model  # noqa: E402
 
 TINY = load_model("tiny")
 BS = 16

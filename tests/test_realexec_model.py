@@ -9,12 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from policies.request import Request  # noqa: E402
-from realexec.model import DecoderModel  # noqa: E402
-from realexec.prompts import prompt_tokens  # noqa: E402
-from realexec.reference import causal_attend, dense_generate  # noqa: E402
-from realexec.weights import load_weights, random_weights, save_weights, weight_shapes  # noqa: E402
-from sim.model_spec import load_model  # noqa: E402
+from kvsim.policies.request import Request  # noqa: E402
+from kvsim.realexec.model import DecoderModel  # noqa: E402
+from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
+from kvsim.realexec.reference import causal_attend, dense_generate  # noqa: E402
+from kvsim.realexec.weights import load_weights, random_weights, save_weights, weight_shapes  # noqa: E402
+from kvsim.sim.model_spec import load_model  # noqa: E402
 
 TINY = load_model("tiny")
 

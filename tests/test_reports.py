@@ -15,13 +15,13 @@ import pytest
 from click.testing import CliRunner
 from plotly.offline import get_plotlyjs
 
-from policies.plan import expand_decision_log
-from reports.compare import Slo, slo_attainment, write_compare_report
-from reports.downsample import even_indices, minmax_indices
-from reports.render_check import CHROMIUM, decode_png, render_check
-from reports.runs import ReportInputError, default_labels, load_run
-from reports.validation import step_pairs, write_validation_report
-from sim.cli import main as kvsim
+from kvsim.policies.plan import expand_decision_log
+from kvsim.reports.compare import Slo, slo_attainment, write_compare_report
+from kvsim.reports.downsample import even_indices, minmax_indices
+from kvsim.reports.render_check import CHROMIUM, decode_png, render_check
+from kvsim.reports.runs import ReportInputError, default_labels, load_run
+from kvsim.reports.validation import step_pairs, write_validation_report
+from kvsim.sim.cli import main as kvsim
 
 DEMO_RUNS = {
     # two devices: the CPU run stands in for the measured world, the 910B3 one for the prediction

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from policies.config import EngineConfig
-from policies.engine import EngineCore
-from policies.request import Status
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.request import Status
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -228,7 +228,7 @@ def test_the_watermark_holds_blocks_back_from_admission_but_not_from_running_req
 
 def test_a_custom_policy_loads_by_module_path_with_parameters_from_its_toml_run_config(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    from sim.run_config import load_run_config, resolve
+    from kvsim.sim.run_config import load_run_config, resolve
 
     engine = resolve(load_run_config(EXAMPLES / "capped_admission.toml")).new_engine()
     assert type(engine.policy).__name__ == "CappedAdmission" and engine.policy.max_new_per_step == 2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.device import (
+from kvsim.sim.device import (
     DEVICES_DIR,
     OPERATOR_KEYS,
     OperatorCoefficients,
@@ -15,7 +15,7 @@ from sim.device import (
     load_device,
     save_device,
 )
-from sim.model_spec import MODELS_DIR, load_model
+from kvsim.sim.model_spec import MODELS_DIR, load_model
 
 # Published parameter counts (model cards / HF "model size").
 KNOWN_SIZES = {

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import traces
-from policies.plan import expand_decision_log
-from sim.cli import main
-from sim.cost_model import CostModelTimer
-from sim.run_config import RunConfig, resolve
-from sim.simulator import SimOptions, simulate
+from kvsim import traces
+from kvsim.policies.plan import expand_decision_log
+from kvsim.sim.cli import main
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.run_config import RunConfig, resolve
+from kvsim.sim.simulator import SimOptions, simulate
 
 
 def run(trace, exact: bool, check: bool = False, **overrides):

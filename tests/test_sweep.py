@@ -6,9 +6,9 @@ import csv
 
 from click.testing import CliRunner
 
-from sim.cli import main
-from sim.run_config import RunConfig
-from sim.sweep import expand_grid
+from kvsim.sim.cli import main
+from kvsim.sim.run_config import RunConfig
+from kvsim.sim.sweep import expand_grid
 
 
 def test_grid_is_the_cartesian_product():

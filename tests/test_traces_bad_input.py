@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import traces
-from traces import TraceFormatError
+from kvsim import traces
+from kvsim.traces import TraceFormatError
 
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 OK_AZURE_ROW = "2023-11-16 18:15:46.6805900,374,44\n"

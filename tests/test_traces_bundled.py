@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import traces
-from traces.bundled import DATA_DIR, make_demo
+from kvsim import traces
+from kvsim.traces.bundled import DATA_DIR, make_demo
 
 PACKAGED_SUFFIXES = {".csv", ".jsonl", ".md", ".txt"}  # pyproject's package-data patterns
 

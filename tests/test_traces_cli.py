@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import traces
-from sim.cli import main as kvsim
-from traces.cli import trace
+from kvsim import traces
+from kvsim.sim.cli import main as kvsim
+from kvsim.traces.cli import trace
 
 STATS_KEYS = {"rows", "duration_s", "rate_rps", "interarrival_cv", "prompt_tokens", "output_tokens", "prefix_reuse_bound"}
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import traces
-from traces import Ragged, Trace
+from kvsim import traces
+from kvsim.traces import Ragged, Trace
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import traces
-from traces.cli import trace
+from kvsim import traces
+from kvsim.traces.cli import trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 

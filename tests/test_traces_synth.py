@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import traces
-from traces import Empirical, Fixed, LogNormal, Uniform
+from kvsim import traces
+from kvsim.traces import Empirical, Fixed, LogNormal, Uniform
 
 
 def cv(x: np.ndarray) -> float:

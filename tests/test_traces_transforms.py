@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import traces
-from traces import Ragged, Trace
+from kvsim import traces
+from kvsim.traces import Ragged, Trace
 
 
 def small(block: int = 4) -> Trace:

@@ -18,12 +18,12 @@ pytest.importorskip("plotly")
 
 from click.testing import CliRunner  # noqa: E402
 
-from realexec.cli import REAL_DEFAULTS  # noqa: E402
-from realexec.cli_validate import cross_validate  # noqa: E402
-from realexec.validation import Thresholds, compare_decisions  # noqa: E402
-from sim.cli import main  # noqa: E402
-from sim.device import DEVICES_DIR, load_device, save_device  # noqa: E402
-from sim.run_config import load_run_trace  # noqa: E402
+from kvsim.realexec.cli import REAL_DEFAULTS  # noqa: E402
+from kvsim.realexec.cli_validate import cross_validate  # noqa: E402
+from kvsim.realexec.validation import Thresholds, compare_decisions  # noqa: E402
+from kvsim.sim.cli import main  # noqa: E402
+from kvsim.sim.device import DEVICES_DIR, load_device, save_device  # noqa: E402
+from kvsim.sim.run_config import load_run_trace  # noqa: E402
 
 BASE_PROFILE = DEVICES_DIR / "cpu.toml"  # uncalibrated: fine for checking the machinery
 
@@ -99,11 +99,11 @@ def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(t
 
 
 def test_calibrated_profiles_are_cached_per_machine_and_profiler_version(tmp_path, monkeypatch):
-    from realexec import calibration
+    from kvsim.realexec import calibration
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
     runs: list[Path] = []
-    monkeypatch.setattr("realexec.profiler.run_profile", lambda backend, model, out, **kw: runs.append(Path(out)))
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: runs.append(Path(out)))
     path = calibration.calibrated_profile("cpu", "tiny")
     assert runs == [path] and path.parent == tmp_path / "profiles"
     path.write_text("cached")

@@ -1,20 +1,20 @@
 """Request traces: one columnar schema, loaders for real formats, generators and transforms.
 
-    import traces
+    from kvsim import traces
     t = traces.load("conversation_trace.jsonl")          # format detected from content
     t = traces.clamp(traces.window(t, 0, 600), 8192)
     traces.save(t, "sample.jsonl")                        # canonical, round-trips exactly
     print(traces.stats(t))
 """
 
-from traces.bundled import BUNDLED, bundled, load_named
-from traces.canonical import save
-from traces.errors import TraceFormatError
-from traces.formats import FORMATS
-from traces.loader import detect_format, load
-from traces.schema import Ragged, Trace
-from traces.stats import Summary, TraceStats, prefix_reuse_bound, stats
-from traces.synth import (
+from kvsim.traces.bundled import BUNDLED, bundled, load_named
+from kvsim.traces.canonical import save
+from kvsim.traces.errors import TraceFormatError
+from kvsim.traces.formats import FORMATS
+from kvsim.traces.loader import detect_format, load
+from kvsim.traces.schema import Ragged, Trace
+from kvsim.traces.stats import Summary, TraceStats, prefix_reuse_bound, stats
+from kvsim.traces.synth import (
     Empirical,
     Fixed,
     LengthDist,
@@ -25,7 +25,7 @@ from traces.synth import (
     poisson_arrivals,
     synthesize,
 )
-from traces.transforms import clamp, first, sample, scale_rate, shrink_lengths, spread_buckets, take, window
+from kvsim.traces.transforms import clamp, first, sample, scale_rate, shrink_lengths, spread_buckets, take, window
 
 __all__ = [
     "BUNDLED", "FORMATS", "Empirical", "Fixed", "LengthDist", "LogNormal", "Ragged", "Summary", "Trace",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.loader import load
-from traces.schema import Trace
-from traces.transforms import clamp, scale_rate, shrink_lengths, spread_buckets, take
+from kvsim.traces.loader import load
+from kvsim.traces.schema import Trace
+from kvsim.traces.transforms import clamp, scale_rate, shrink_lengths, spread_buckets, take
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 

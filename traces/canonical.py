@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from traces.errors import TraceFormatError
-from traces.formats import CANONICAL_TAG, Layout, first_line, read_jsonl
-from traces.rows import RAGGED_COLUMNS, REQUIRED_COLUMNS, SCALAR_COLUMNS, to_trace
-from traces.schema import Ragged, Trace
+from kvsim.traces.errors import TraceFormatError
+from kvsim.traces.formats import CANONICAL_TAG, Layout, first_line, read_jsonl
+from kvsim.traces.rows import RAGGED_COLUMNS, REQUIRED_COLUMNS, SCALAR_COLUMNS, to_trace
+from kvsim.traces.schema import Ragged, Trace
 
 VERSION = 1
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import click
 
-import traces
-from traces.formats import FORMAT_ALIASES, FORMATS, TICKS_PER_SECOND
-from traces.schema import Trace
-from traces.stats import Summary, TraceStats
+from kvsim import traces
+from kvsim.traces.formats import FORMAT_ALIASES, FORMATS, TICKS_PER_SECOND
+from kvsim.traces.schema import Trace
+from kvsim.traces.stats import Summary, TraceStats
 
 
 @contextlib.contextmanager

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from traces import parse
-from traces.errors import Problem, RowProblems, TraceFormatError
-from traces.rows import RAGGED_COLUMNS, REQUIRED_COLUMNS, SCALAR_COLUMNS, RawRows
+from kvsim.traces import parse
+from kvsim.traces.errors import Problem, RowProblems, TraceFormatError
+from kvsim.traces.rows import RAGGED_COLUMNS, REQUIRED_COLUMNS, SCALAR_COLUMNS, RawRows
 
 TICKS_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9, "datetime": 1e9}
 

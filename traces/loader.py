@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from traces.canonical import read_canonical
-from traces.formats import (
+from kvsim.traces.canonical import read_canonical
+from kvsim.traces.formats import (
     FORMAT_ALIASES,
     FORMATS,
     detect,
@@ -17,8 +17,8 @@ from traces.formats import (
     read_jsonl,
     read_text,
 )
-from traces.rows import to_trace
-from traces.schema import Trace
+from kvsim.traces.rows import to_trace
+from kvsim.traces.schema import Trace
 
 
 def load(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from traces.errors import Problem, RowProblems
+from kvsim.traces.errors import Problem, RowProblems
 
 
 class _Missing:

@@ -14,8 +14,8 @@ from itertools import chain
 
 import numpy as np
 
-from traces.errors import Problem, RowProblems, TraceFormatError
-from traces.schema import Ragged, Trace
+from kvsim.traces.errors import Problem, RowProblems, TraceFormatError
+from kvsim.traces.schema import Ragged, Trace
 
 SCALAR_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens", "session_id", "priority", "n_samples")
 RAGGED_COLUMNS = ("prefix_hashes", "token_ids")

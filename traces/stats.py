@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from traces.schema import Trace
+from kvsim.traces.schema import Trace
 
 
 @dataclass(frozen=True)

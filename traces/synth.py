@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from traces.schema import Ragged, Trace
+from kvsim.traces.schema import Ragged, Trace
 
 # ---------------------------------------------------------------- arrival processes
 
@@ -253,7 +253,7 @@ def parse_length(spec: str, column: str = "prompt_tokens") -> LengthDist:
     kind, _, args = spec.partition(":")
     try:
         if kind == "empirical" and args:
-            from traces.bundled import load_named
+            from kvsim.traces.bundled import load_named
 
             return Empirical.from_trace(load_named(args), column)
         numbers = [float(a) for a in args.split(",")] if args else []

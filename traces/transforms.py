@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from traces.schema import Ragged, Trace
+from kvsim.traces.schema import Ragged, Trace
 
 
 def scale_rate(trace: Trace, factor: float) -> Trace:

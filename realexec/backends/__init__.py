@@ -11,8 +11,8 @@ import os
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-from realexec.backends.base import AttentionMetadata, KernelBackend  # noqa: E402
-from realexec.backends.errors import BackendUnavailable  # noqa: E402
+from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend  # noqa: E402
+from kvsim.realexec.backends.errors import BackendUnavailable  # noqa: E402
 
 BACKEND_NAMES = ("cpu", "cuda", "npu")
 
@@ -25,17 +25,17 @@ def get_backend(name: str, device: str | None = None) -> KernelBackend:
     Raises ``BackendUnavailable`` with a one-line reason when the backend cannot run here.
     """
     if name == "cpu":
-        from realexec.backends.cpu import CpuBackend
+        from kvsim.realexec.backends.cpu import CpuBackend
 
         if device not in (None, "cpu"):
             raise ValueError(f"the cpu backend runs on 'cpu', not {device!r}")
         return CpuBackend()
     if name == "cuda":
-        from realexec.backends.cuda import CudaBackend
+        from kvsim.realexec.backends.cuda import CudaBackend
 
         return CudaBackend(device)
     if name == "npu":
-        from realexec.backends.npu import NpuBackend
+        from kvsim.realexec.backends.npu import NpuBackend
 
         return NpuBackend(device)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")

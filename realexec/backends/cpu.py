@@ -21,8 +21,8 @@ from typing import TypeVar
 
 import torch
 
-from realexec.backends.cache_ops import KVCaches, allocate_caches, swap_blocks
-from realexec.backends.portable import TorchBackend
+from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, swap_blocks
+from kvsim.realexec.backends.portable import TorchBackend
 
 R = TypeVar("R")
 

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from realexec.backends.base import AttentionMetadata
-from realexec.backends.cache_ops import KVCaches, allocate_caches, swap_blocks
-from realexec.backends.errors import BackendUnavailable
-from realexec.backends.portable import TorchBackend
+from kvsim.realexec.backends.base import AttentionMetadata
+from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, swap_blocks
+from kvsim.realexec.backends.errors import BackendUnavailable
+from kvsim.realexec.backends.portable import TorchBackend
 
 R = TypeVar("R")
 

@@ -38,7 +38,7 @@ switch off while it imports torch, then restores the user's value for child proc
 machine without CANN the explicit import is where the failure surfaces, as one
 ``BackendUnavailable`` line, and only for the npu backend.
 
-Tests pass a stand-in module (``torch_npu_standin``) as ``torch_npu_module`` with ``device="cpu"``.
+Tests pass a stand-in module (``tests/torch_npu_standin.py``) as ``torch_npu_module`` with ``device="cpu"``.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from realexec.backends.base import AttentionMetadata, KernelBackend
-from realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks, swap_blocks
-from realexec.backends.errors import BackendUnavailable
+from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
+from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks, swap_blocks
+from kvsim.realexec.backends.errors import BackendUnavailable
 
 R = TypeVar("R")
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from realexec.backends.base import AttentionMetadata, KernelBackend
-from realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
+from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
+from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
 
 QUERY_TILE = 128  # query tokens per SDPA call within a prefill batch
 DECODE_BUCKETS = 4  # decode sequences are split into at most this many batches by context length

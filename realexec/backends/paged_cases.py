@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from realexec.backends.base import AttentionMetadata, KernelBackend
-from realexec.backends.reference import dense_attention
+from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
+from kvsim.realexec.backends.reference import dense_attention
 
 
 @dataclass

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from realexec.backends.reference import dense_attention
+from kvsim.realexec.backends.reference import dense_attention
 
 OPS_DOC = "torch_npu/_op_plugin_docs.py"
 ATB_DOC = "torch_npu/op_plugin/atb/_atb_api_docs.py"
