@@ -6,23 +6,27 @@ Every operator ``op`` is timed as::
 
 with ``peak``/``bandwidth`` the device roofs the operator runs on, and ``compute_efficiency``,
 ``memory_efficiency`` and ``call_s`` (TOML ``launch_s``, or ``block_s`` for paged_gather) read from the
-device profile's ``[operators.<op>]`` table. Work is summed over all layers of one step.
+device profile's ``[operators.<op>]`` table. Work is summed over all layers of one step. Every
+efficiency is at most 1 where it is measured, so no operator runs faster than its roofline.
 
 Notation: ``L`` layers, ``h`` hidden size, ``q = heads*head_dim``, ``kv = kv_heads*head_dim``,
 ``I`` MLP size, ``V`` vocabulary, ``a``/``w`` activation/weight dtype bytes, ``c`` KV bytes of one token
 in one layer (K and V, + int8 scales), ``P = h(q+2kv) + qh + 3hI`` matmul weights of one layer,
-``T`` = num_tokens, ``S`` = num_sampled, other names as in :class:`StepFeatures`, ``[x]`` = 1 if x > 0 else 0.
-Roofs: *matrix* = ``matrix_flops[activation dtype]``, *vector* = ``vector_flops``, *HBM* =
-``hbm_bandwidth``, *host* = ``host_link_bandwidth``. Per operator, ``flops | bytes | calls``:
+``T`` = num_tokens, ``T'`` = T padded to the engine's nearest captured graph size (``T' = T`` outside
+a graph; sim/engine_overhead.py), ``S`` = num_sampled, other names as in :class:`StepFeatures`,
+``[x]`` = 1 if x > 0 else 0. Roofs: *matrix* = ``matrix_flops[activation dtype]``, *vector* =
+``vector_flops``, *HBM* = ``hbm_bandwidth``, *host* = ``host_link_bandwidth``. Per operator,
+``flops | bytes | calls``:
 
 - ``gemm`` (matrix, HBM; QKV, O, gate_up, down):
-  ``2 T L P | [T] L P w + a T L (4h + 2q + 2kv + 3I) | 4 L [T]``
+  ``2 L P (T' + H_t [T]) | [T] L P w + a T' L (4h + 2q + 2kv + 3I) | 4 L [T]``
 - ``elementwise`` (vector, HBM; fused add+RMSNorm x2, RoPE, q/k norms if the model has them,
   SiLU-and-mul, the embedding gather and the final norm), with ``g = q + kv`` and ``k`` = 1 under qk_norm:
-  ``T (L (8h + (3 + 4k) g + 5I) + 10h) | a T (L (8h + (2 + 2k) g + 3I) + 6h) | (4L + 2 + k L) [T]``
-- ``kv_write`` (HBM): ``- | T L (2 kv a + c) | L [T]``
+  ``T' (L (8h + (3 + 4k) g + 5I) + 10h) | a T' (L (8h + (2 + 2k) g + 3I) + 6h) | (4L + 2 + k L) [T]``
+- ``kv_write`` (HBM): ``- | T' L (2 kv a + c) | L [T]``
 - ``attn_prefill`` (matrix, HBM): ``4 q L attn_pairs | L (prefill_ctx_tokens c + 2 q a prefill_tokens) | L [prefill_tokens]``
-- ``attn_decode`` (matrix, HBM): ``4 q L decode_ctx_tokens | L (decode_ctx_tokens c + 2 q a decode_seqs) | L [decode_seqs]``
+- ``attn_decode`` (matrix, HBM):
+  ``4 q L decode_ctx_tokens | L ((decode_ctx_tokens + H_c decode_seqs) c + 2 q a decode_seqs) | L [decode_seqs]``
 - ``paged_gather`` (block-table walk; ``call_s`` = ``block_s``): ``- | - | L blocks_touched``
 - ``lm_head`` (matrix, HBM): ``2 S h V | [S] V h w + S (h a + 4 V) | [S]``
 - ``sampling`` (vector, HBM; fp32 softmax and draw): ``5 S V | 12 S V | 3 [S]``
@@ -30,13 +34,24 @@ Roofs: *matrix* = ``matrix_flops[activation dtype]``, *vector* = ``vector_flops`
 - ``swap`` (host): ``- | swap_blocks block_bytes | 2 L [swap_blocks]``
 - ``host_step`` (``call_s`` = ``step_s``): ``- | - | [num_seqs]``
 - ``host_seq`` (``call_s`` = ``seq_s``): ``- | - | num_seqs``
+- ``host_token`` (``call_s`` = ``token_s``): ``- | - | T``
 
-The two host terms are what a step costs beyond its kernels' rooflines: building the input
-tensors, launching, reading the sampled tokens back, and per-step planning in Python, once per
-step and once per sequence (a sequence's tokens, positions and block-table row). Per-token
-host work is left out: beside a token's GEMM work it is a fraction of a percent on every
-device measured. Profiles without them (the bundled roofline estimates) cost them at 0;
-``kvsim profile`` measures them.
+Operator costs depend on shape, not only on work: ``H_t`` (gemm ``half_tokens``) is the token count
+at which the GEMMs reach half their compute efficiency (small-M GEMMs leave most of the matrix
+units idle: efficiency ``T / (T + H_t)`` is the same as ``H_t`` extra tokens of work), and ``H_c``
+(attn_decode ``half_context``) the context at which decode attention reaches half its bandwidth
+(short KV streams are latency-bound: efficiency ``ctx / (ctx + H_c)`` per sequence). Both are 0
+(constant efficiency) unless a profile sets them; both only add work, so the roofline stays a floor.
+
+The host terms are what a step costs beyond its kernels: scheduling, building the input tensors,
+reading the sampled tokens back and processing outputs, once per step, per sequence and per
+token. Profiles without them cost them at 0; ``kvsim profile`` measures the first two on a
+backend, and the serving profiles of the bundled devices carry values fitted on published
+serving measurements (``kvsim fidelity``).
+
+How kernels and host work combine into a step is the device's ``[engine]`` (eager dispatch,
+graph replay with padding, async scheduling: sim/engine_overhead.py). A profile without one (the
+CPU executor's) adds them up: step = kernels + host terms.
 
 Mixed batches count one attention launch per layer for each of prefill and decode, as separate
 kernels would. Small block sizes cost through ``paged_gather``: more blocks for the same tokens.
@@ -47,9 +62,10 @@ as one dense batch, like kvsim's portable PyTorch path), attention does the padd
 by their ``padded_`` counterparts, every sequence of a group counted at the group's longest query
 and context, in whole blocks.
 
-``predict`` sums every operator except ``swap``: swap traffic crosses the host link and the simulator
-accounts for it separately through :meth:`CostModel.swap_time`. Block copies (copy-on-write) are part
-of the step. :meth:`CostModel.fit` recovers the coefficients from measured operator times.
+``predict`` sums the step's split (:meth:`CostModel.step_split`), which leaves out ``swap``: swap
+traffic crosses the host link and the simulator accounts for it separately through
+:meth:`CostModel.swap_time`. Block copies (copy-on-write) are part of the step.
+:meth:`CostModel.fit` recovers the coefficients from measured operator times.
 """
 
 from __future__ import annotations
@@ -59,6 +75,7 @@ from typing import NamedTuple, Sequence, Union
 
 import numpy as np
 
+from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
 from kvsim.sim.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
@@ -70,6 +87,11 @@ Num = Union[float, np.ndarray]
 OPERATORS: tuple[str, ...] = tuple(OPERATOR_KEYS)
 MATRIX_OPERATORS = frozenset({"gemm", "attn_prefill", "attn_decode", "lm_head"})  # the rest use vector_flops
 STEP_OPERATORS: tuple[str, ...] = tuple(op for op in OPERATORS if op != "swap")
+HOST_OPERATORS: tuple[str, ...] = ("host_step", "host_seq", "host_token")
+KERNEL_OPERATORS: tuple[str, ...] = tuple(op for op in STEP_OPERATORS if op not in HOST_OPERATORS)
+# Kernels the host dispatches one by one outside a graph (paged_gather's calls are blocks, not kernels).
+DISPATCHED_OPERATORS: tuple[str, ...] = tuple(op for op in KERNEL_OPERATORS if op != "paged_gather")
+DISPATCH_STALL = "dispatch_stall"  # step split: time the device waits for eager dispatch
 
 LOGIT_BYTES = 4  # logits and probabilities are fp32
 SAMPLING_FLOPS_PER_LOGIT = 5  # temperature, max, exp, sum, divide
@@ -124,7 +146,7 @@ def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
         values["num_tokens"] += n
         values["num_seqs"] += 1
         values["num_sampled"] += e.samples
-        values["blocks_touched"] += -(-end // block_size)
+        values["blocks_touched"] += cdiv(end, block_size)
         if e.is_prefill:
             values["prefill_tokens"] += n
             values["attn_pairs"] += n * e.first_position + n * (n + 1) // 2
@@ -137,7 +159,7 @@ def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
     for is_prefill in (True, False):
         group = [e for e in plan.entries if e.is_prefill == is_prefill]
         if group:
-            blocks = max(-(-e.end_position // block_size) for e in group)
+            blocks = max(cdiv(e.end_position, block_size) for e in group)
             values["padded_blocks_touched"] += len(group) * blocks
             if is_prefill:
                 values["padded_prefill_ctx_tokens"] = len(group) * blocks * block_size
@@ -199,6 +221,9 @@ class CostModel:
         m, L, a, w, c = self.model, self._L, self._a, self._w, self._kv_token_layer
         q, kv, h, vocab = m.q_size, m.kv_size, m.hidden_size, m.vocab_size
         T, S = f.num_tokens, f.num_sampled
+        Tp = T if self.device.engine is None else self.device.engine.padded_tokens(T)
+        half_tokens = self.device.operators["gemm"].half
+        half_context = self.device.operators["attn_decode"].half
         if self.device.padded_attention:
             pairs, prefill_ctx, decode_ctx = f.padded_attn_pairs, f.padded_prefill_ctx_tokens, f.padded_decode_ctx_tokens
             blocks = f.padded_blocks_touched
@@ -206,14 +231,14 @@ class CostModel:
             pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
         return {
             "gemm": OperatorWork(
-                flops=2 * T * L * self._layer_matmul_params,
-                bytes=_on(T) * L * self._layer_matmul_params * w + a * T * L * self._gemm_act_elems,
+                flops=2 * (Tp + half_tokens * _on(T)) * L * self._layer_matmul_params,
+                bytes=_on(T) * L * self._layer_matmul_params * w + a * Tp * L * self._gemm_act_elems,
                 calls=4 * L * _on(T),
             ),
             "elementwise": OperatorWork(
-                flops=T * self._elem_flops, bytes=a * T * self._elem_moved, calls=self._elem_launches * _on(T)
+                flops=Tp * self._elem_flops, bytes=a * Tp * self._elem_moved, calls=self._elem_launches * _on(T)
             ),
-            "kv_write": OperatorWork(flops=0.0, bytes=T * L * (2 * kv * a + c), calls=L * _on(T)),
+            "kv_write": OperatorWork(flops=0.0, bytes=Tp * L * (2 * kv * a + c), calls=L * _on(T)),
             "attn_prefill": OperatorWork(
                 flops=4 * q * L * pairs,
                 bytes=L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens),
@@ -221,7 +246,7 @@ class CostModel:
             ),
             "attn_decode": OperatorWork(
                 flops=4 * q * L * decode_ctx,
-                bytes=L * (decode_ctx * c + 2 * q * a * f.decode_seqs),
+                bytes=L * ((decode_ctx + half_context * f.decode_seqs) * c + 2 * q * a * f.decode_seqs),
                 calls=L * _on(f.decode_seqs),
             ),
             "paged_gather": OperatorWork(flops=0.0, bytes=0.0, calls=L * blocks),
@@ -239,6 +264,7 @@ class CostModel:
             "swap": OperatorWork(flops=0.0, bytes=f.swap_blocks * self._block_bytes, calls=2 * L * _on(f.swap_blocks)),
             "host_step": OperatorWork(flops=0.0, bytes=0.0, calls=_on(f.num_seqs)),
             "host_seq": OperatorWork(flops=0.0, bytes=0.0, calls=f.num_seqs),
+            "host_token": OperatorWork(flops=0.0, bytes=0.0, calls=T),
         }
 
     # --- time ------------------------------------------------------------------------------
@@ -253,10 +279,33 @@ class CostModel:
             times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
         return times
 
-    def predict(self, f: StepFeatures) -> Num:
-        """Step time: every operator but swap (see the module docstring)."""
+    def step_split(self, f: StepFeatures) -> dict[str, Num]:
+        """Seconds of a step by operator, as they add up to the step's time under the device's engine.
+
+        Kernels keep their times; the engine adds a ``dispatch_stall`` (the device waiting for
+        eager dispatch) and scales the host terms to the part of them it does not hide behind the
+        device (all of it unless scheduling is async). Without an engine: kernels + host terms.
+        """
         times = self.operator_times(f)
-        total = sum(times[op] for op in STEP_OPERATORS)
+        split = {op: times[op] for op in STEP_OPERATORS}
+        engine = self.device.engine
+        if engine is None:
+            return split
+        work = self.operator_work(f)
+        device = sum(times[op] for op in KERNEL_OPERATORS)
+        host = sum(times[op] for op in HOST_OPERATORS)
+        calls = sum(work[op].calls for op in DISPATCHED_OPERATORS)
+        _, stall, exposed = engine.step_seconds(device, calls, host, f.num_tokens)
+        share = np.divide(exposed, host, out=np.zeros_like(np.asarray(host, dtype=np.float64)), where=np.asarray(host) > 0)
+        share = float(share) if np.ndim(share) == 0 else share
+        for op in HOST_OPERATORS:
+            split[op] = times[op] * share
+        split[DISPATCH_STALL] = stall
+        return split
+
+    def predict(self, f: StepFeatures) -> Num:
+        """Step time: the sum of :meth:`step_split` (every operator but swap; module docstring)."""
+        total = sum(self.step_split(f).values())
         return float(total) if np.ndim(total) == 0 else total
 
     def step_time(self, plan: StepPlan) -> float:
@@ -280,7 +329,7 @@ class CostModel:
             return np.zeros(num_steps)
         n = float(ctx.size)
         after = np.arange(1, num_steps + 1, dtype=np.int64)  # step i reads context_lens + after[i]
-        longest = -(-(int(ctx.max()) + after) // self.block_size)  # blocks of the longest context
+        longest = cdiv(int(ctx.max()) + after, self.block_size)  # blocks of the longest context
         f = StepFeatures(
             num_tokens=n,
             num_seqs=n,
@@ -365,7 +414,7 @@ class CostModel:
         peak, bandwidth = self.roofs(op)
         compute = None if current.compute_efficiency is None else 1.0 / (rate[0] * peak)
         memory = None if current.memory_efficiency is None else 1.0 / (rate[1] * bandwidth)
-        return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory)
+        return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory, half=current.half)
 
 
 def _refine(
@@ -444,8 +493,8 @@ class CostModelTimer:
 
     def step(self, plan: StepPlan) -> StepTiming:
         """The step's predicted time, plus its swap traffic, which holds the host link first."""
-        times = self.cost_model.operator_times(features_from_plan(plan, self.cost_model.block_size))
-        operators = {op: float(times[op]) for op in STEP_OPERATORS}
+        split = self.cost_model.step_split(features_from_plan(plan, self.cost_model.block_size))
+        operators = {op: float(t) for op, t in split.items()}
         duration = sum(operators.values())
         swapped = len(plan.swap_out) + len(plan.swap_in)
         if swapped:

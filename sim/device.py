@@ -31,6 +31,11 @@ Layout::
     [operators.host_step]             # optional (default 0: not modelled); kvsim profile measures it
     step_s = 1e-4                     # seconds of host work per step that runs the model
 
+    [engine]                          # optional: how the serving engine runs a step
+    mode = "graph"                    # (sim/engine_overhead.py; without it, kernels and host
+    dispatch_s = 3e-5                 #  terms simply add up, as for the CPU executor)
+    capture_sizes = [1, 2, 4, 8]
+
 Which keys each operator takes is :data:`OPERATOR_KEYS`; the cost model documents what each
 operator's formula does with them.
 """
@@ -42,6 +47,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Iterable
 
+from kvsim.sim.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
 from kvsim.sim.toml_io import load_toml
 
 DEVICES_DIR = Path(__file__).parent / "devices"
@@ -51,11 +57,11 @@ MATRIX_DTYPES = ("fp16", "bf16", "fp32", "int8")
 # Operator class -> the coefficients its formula reads (see sim/cost_model.py).
 # ``launch_s`` is optional everywhere it appears and defaults to the device's launch_overhead_s.
 OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
-    "gemm": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
     "elementwise": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "kv_write": ("memory_efficiency", "launch_s"),
     "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s"),
-    "attn_decode": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "attn_decode": ("compute_efficiency", "memory_efficiency", "launch_s", "half_context"),
     "paged_gather": ("block_s",),
     "lm_head": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "sampling": ("compute_efficiency", "memory_efficiency", "launch_s"),
@@ -63,13 +69,16 @@ OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "swap": ("memory_efficiency", "launch_s"),
     "host_step": ("step_s",),
     "host_seq": ("seq_s",),
+    "host_token": ("token_s",),
 }
-OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s"})
+# ``half_*``: the size at which the operator reaches half its efficiency (0 = none; cost_model.py).
+SHAPE_KEYS = ("half_tokens", "half_context")
+OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s", *SHAPE_KEYS})
 # The key that holds an operator's fixed cost per call (OperatorCoefficients.call_s).
-CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s")
+CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s", "token_s")
 # Operators a profile may leave out, costing nothing then: host overhead is a measured figure
 # (kvsim profile), and the bundled roofline estimates have no source for one.
-OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq"})
+OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq", "host_token"})
 
 _SCALAR_FIELDS: dict[str, type] = {
     "hbm_bytes": int,
@@ -89,13 +98,15 @@ class OperatorCoefficients:
 
     ``call_s`` is the fixed cost of one call: a kernel launch (TOML key ``launch_s``), or for
     ``paged_gather`` one KV block touched in one layer (``block_s``), for ``host_step`` one
-    step (``step_s``), for ``host_seq`` one sequence of a step (``seq_s``). An efficiency is
-    None where the operator's formula does not read it.
+    step (``step_s``), for ``host_seq`` one sequence of a step (``seq_s``), for ``host_token``
+    one token (``token_s``). An efficiency is None where the operator's formula does not read
+    it. ``half`` is the operator's shape key (``half_tokens``, ``half_context``), 0 without one.
     """
 
     call_s: float
     compute_efficiency: float | None = None
     memory_efficiency: float | None = None
+    half: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,8 @@ class DeviceProfile:
     # while profiling. No model predicts single steps better than this on that machine, so
     # ``kvsim validate`` reports it beside the per-step error. None for profiles not measured.
     step_timing_noise: float | None = None
+    # How the serving engine runs steps (sim/engine_overhead.py); None: kernels and host terms add up.
+    engine: EngineProfile | None = None
 
     def matrix_peak(self, dtype: str) -> float:
         try:
@@ -156,13 +169,15 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     lines.append(f"padded_attention = {'true' if profile.padded_attention else 'false'}")
     if profile.step_timing_noise is not None:
         lines.append(f"step_timing_noise = {_toml_num(profile.step_timing_noise)}")
+    if profile.engine is not None:
+        lines += ["", *engine_toml_lines(profile.engine)]
     lines += ["", "[matrix_flops]"]
     lines += [f"{dt} = {_toml_num(profile.matrix_flops[dt])}" for dt in MATRIX_DTYPES]
     for op, keys in OPERATOR_KEYS.items():
         coeffs = profile.operators[op]
         lines += ["", f"[operators.{op}]"]
         for key in keys:
-            value = coeffs.call_s if key in CALL_KEYS else getattr(coeffs, key)
+            value = coeffs.call_s if key in CALL_KEYS else coeffs.half if key in SHAPE_KEYS else getattr(coeffs, key)
             lines.append(f"{key} = {_toml_num(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -196,6 +211,8 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     ops = _table(data, "operators", path)
     _reject_unknown(ops, set(OPERATOR_KEYS), path, "operators.")
     values["operators"] = {op: _operator(ops, op, values["launch_overhead_s"], path) for op in OPERATOR_KEYS}
+    if "engine" in data:
+        values["engine"] = parse_engine(_table(data, "engine", path), path)
     return DeviceProfile(**values)
 
 
@@ -212,7 +229,8 @@ def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> Operat
     else:
         call_s = _number(table, call_key, float, path, prefix, allow_zero=True)
     effs = {k: _number(table, k, float, path, prefix) for k in ("compute_efficiency", "memory_efficiency") if k in keys}
-    return OperatorCoefficients(call_s=call_s, **effs)
+    half = next((_number(table, k, float, path, prefix, allow_zero=True) for k in SHAPE_KEYS if k in keys and k in table), 0.0)
+    return OperatorCoefficients(call_s=call_s, half=half, **effs)
 
 
 def _table(data: dict, key: str, path: Path, prefix: str = "") -> dict:
