@@ -7,8 +7,12 @@ import torch, so subcommands are resolved by dotted name only when invoked.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import click
+
+from kvsim.sim.errors import BUG_EXIT, UserError, bug_message, debug_enabled, describe_os_error
 
 # name -> (module:attribute, one-line help shown without importing the module)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -19,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "execute": ("kvsim.realexec.cli:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
     "profile": ("kvsim.realexec.cli_profile:profile", "Measure a backend and fit the cost model's coefficients."),
     "validate": ("kvsim.realexec.cli_validate:validate", "Cross-validate the simulator against the real executor."),
+    "decisions": ("kvsim.sim.cli_decisions:decisions", "Print a run's decision log (expanded) or its digest."),
     "report": ("kvsim.reports.cli:report", "HTML reports from simulate/execute runs."),
 }
 
@@ -36,17 +41,45 @@ class LazyGroup(click.Group):
         except ModuleNotFoundError as exc:
             missing = (exc.name or "?").split(".")[0]
             if module_name.split(".")[0] == missing:  # our own module is absent, not a dependency
-                raise click.ClickException(f"`kvsim {name}` is not available in this build") from None
+                raise UserError(f"`kvsim {name}` is not available in this build") from None
             hint = {"torch": "pip install torch==2.13.0", "plotly": "pip install plotly"}.get(missing, f"pip install {missing}")
-            raise click.ClickException(f"`kvsim {name}` needs the package {missing!r}: {hint}") from None
+            raise UserError(f"`kvsim {name}` needs the package {missing!r}: {hint}") from None
         return getattr(module, attr)
+
+    def invoke(self, ctx: click.Context):
+        """The error boundary: click's own exceptions pass; an OSError naming a file is the
+        user's (exit 2); anything else is a bug, reported short (exit 1) unless debugging."""
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except OSError as exc:
+            if exc.filename is None or debug_enabled():
+                raise
+            raise UserError(describe_os_error(exc)) from None
+        except Exception as exc:
+            if debug_enabled():
+                raise
+            click.echo(bug_message(exc), err=True)
+            sys.exit(BUG_EXIT)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):
             formatter.write_dl([(name, SUBCOMMANDS[name][1]) for name in self.list_commands(ctx)])
 
 
+def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        os.environ["KVSIM_DEBUG"] = "1"
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvsim")
+@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
+              help="Show the traceback of an internal error (same as KVSIM_DEBUG=1).")
 def main() -> None:
-    """kvsim: paged KV-cache management and request scheduling, simulated and executed."""
+    """kvsim: paged KV-cache management and request scheduling, simulated and executed.
+
+    A mistake in the input exits with status 2 and one line naming it; an internal error
+    exits with status 1.
+    """

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
+from kvsim.sim.cli_options import AliasedOption
 from kvsim.sim.device import load_device
+from kvsim.sim.errors import UserError
 from kvsim.sim.memory import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -23,10 +25,11 @@ from kvsim.sim.model_spec import load_model
 @click.command()
 @click.option("--model", "model_name", required=True, help="Bundled model name or a model .toml path.")
 @click.option("--device", "device_name", required=True, help="Bundled device, NAME.toml in the working directory, or a .toml path.")
-@click.option("--kv-dtype", type=click.Choice(["fp16", "bf16", "int8", "fp32"]), help="KV cache dtype [default: the model's].")
+@click.option("--kv-cache-dtype", "--kv-dtype", "kv_dtype", cls=AliasedOption, type=click.Choice(["fp16", "bf16", "int8", "fp32"]),
+              help="KV cache dtype [default: the model's].")
 @click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True)
 @click.option("--max-model-len", type=click.IntRange(min=1), help="Longest sequence to serve [default: the model's max position].")
-@click.option("--memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_MEMORY_UTILIZATION, show_default=True)
+@click.option("--gpu-memory-utilization", "--memory-utilization", "memory_utilization", cls=AliasedOption, type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_MEMORY_UTILIZATION, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS, show_default=True)
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, show_default=True, help="Rows sampled in the largest step.")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Report how many sequences of this length fit [default: max-model-len].")
@@ -61,7 +64,7 @@ def memory(
             max_model_len=max_model_len,
         )
     except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise UserError(str(exc)) from None
     seq_len = seq_len or plan.max_model_len
     if as_json:
         click.echo(json.dumps({**plan.to_dict(), "seq_len": seq_len, "max_sequences": plan.max_sequences(seq_len)}, indent=2))

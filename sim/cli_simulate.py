@@ -6,29 +6,49 @@ from pathlib import Path
 
 import click
 
-from kvsim.sim.cli_options import run_config_from, run_options
+from kvsim.sim.cli_options import decisions_option, run_config_from, run_options
 from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.errors import user_errors
 from kvsim.sim.outputs import format_summary
-from kvsim.sim.run_config import load_run_trace, resolve
+from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run_dir import check_out_dir, staged_dir
+from kvsim.sim.run_warnings import format_warnings
 from kvsim.sim.runner import run_trace
+from kvsim.traces.schema import Trace
+
+
+def prepare(config: RunConfig):
+    """Resolve the config and load its trace, reporting every input mistake as a UserError."""
+    with user_errors():
+        resolved = resolve(config)
+        trace: Trace = load_run_trace(config)
+        timer = CostModelTimer(resolved.cost_model())
+    return resolved, trace, timer
 
 
 @click.command()
 @run_options
 @click.option("--exact", is_flag=True, default=None, help="Step one engine step at a time (no macro-stepping).")
-@click.option("--check", is_flag=True, help="Verify the engine's invariants after every step (slow).")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Run directory.")
+@click.option("--check", is_flag=True, help="Verify the engine's invariants after every step (slow; implies --exact).")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Run directory.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists and is not empty.")
 @click.option("--quiet", is_flag=True, help="No progress bar or summary table.")
-def simulate(out_dir: Path, exact: bool | None, check: bool, quiet: bool, **options) -> None:
-    """Replay a trace through the simulator; write summary.json, requests.csv, steps.csv, decisions.jsonl."""
-    try:
-        config = run_config_from(options).updated(exact=exact)
-        resolved = resolve(config)
-        trace = load_run_trace(config)
-        timer = CostModelTimer(resolved.cost_model())
-    except (ValueError, KeyError) as exc:
-        raise click.ClickException(str(exc).strip("'\"")) from None
-    _, summary = run_trace(resolved, trace, timer, out_dir, check=check, progress=not quiet)
+@decisions_option("summary")
+def simulate(out_dir: Path, exact: bool | None, check: bool, overwrite: bool, quiet: bool, decisions: str,
+             **options) -> None:
+    """Replay a trace through the simulator; write summary.json, requests.csv, steps.csv and the decision log.
+
+    The run directory appears only when complete (it holds a COMPLETE marker).
+    """
+    config = run_config_from(options).updated(exact=exact)
+    with user_errors():
+        check_out_dir(out_dir, overwrite)
+    resolved, trace, timer = prepare(config)
+    with user_errors(), staged_dir(out_dir, overwrite) as tmp:
+        _, summary = run_trace(resolved, trace, timer, tmp, check=check, progress=not quiet,
+                                  decisions=decisions)
     if not quiet:
         click.echo(format_summary(summary))
+    for line in format_warnings(summary["warnings"]):
+        click.echo(line, err=True)
     click.echo(f"wrote {out_dir}")

@@ -1,15 +1,20 @@
 """A run's files (summary.json, requests.csv, steps.csv) and its printed summary table.
 
 ``kvsim simulate`` and ``kvsim execute`` write the same files, so reports and scripts read
-either world the same way. ``decisions.jsonl`` is streamed during the run.
+either world the same way. ``decisions.jsonl`` is streamed during the run. Each file is
+written under a temporary name and renamed, so a reader never sees half of one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from kvsim.sim.metrics import REQUEST_COLUMNS, STEP_COLUMNS, StepLog
 
@@ -30,15 +35,28 @@ def _clean(value):
     return value
 
 
+@contextlib.contextmanager
+def atomic_open(path: Path) -> Iterator[TextIO]:
+    """Write ``path`` through a temporary sibling renamed over it once closed without error."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w", newline="") as fh:
+            yield fh
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_summary(out_dir: Path, summary: dict) -> Path:
     path = out_dir / SUMMARY
-    path.write_text(json.dumps(_clean(summary), indent=2, sort_keys=False) + "\n")
+    with atomic_open(path) as fh:
+        fh.write(json.dumps(_clean(summary), indent=2, sort_keys=False) + "\n")
     return path
 
 
 def write_requests(out_dir: Path, rows: list[dict]) -> Path:
     path = out_dir / REQUESTS
-    with path.open("w", newline="") as fh:
+    with atomic_open(path) as fh:
         writer = csv.DictWriter(fh, fieldnames=REQUEST_COLUMNS)
         writer.writeheader()
         writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
@@ -47,7 +65,7 @@ def write_requests(out_dir: Path, rows: list[dict]) -> Path:
 
 def write_steps(out_dir: Path, steps: StepLog) -> Path:
     path = out_dir / STEPS
-    with path.open("w", newline="") as fh:
+    with atomic_open(path) as fh:
         writer = csv.writer(fh)
         writer.writerow(STEP_COLUMNS)
         writer.writerows(zip(*(steps.columns[c] for c in STEP_COLUMNS)))
