@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from kvsim.sim.outputs import DECISIONS, write_requests, write_steps, write_summary
 from kvsim.sim.run_config import ResolvedRun
+from kvsim.sim.run_warnings import run_warnings
 from kvsim.sim.simulator import SimOptions, SimRun, simulate
 from kvsim.sim.step_timer import StepTimer
 from kvsim.traces.schema import Trace
@@ -58,6 +59,7 @@ def run_trace(
     summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
     summary["config"] = resolved.to_dict()
     summary["memory"] = resolved.memory.to_dict()
+    summary["warnings"] = run_warnings(resolved, trace, summary, run.requests, run.times.first_scheduled)
     if out_dir is not None:
         write_summary(out_dir, summary)
         write_requests(out_dir, run.request_rows())
