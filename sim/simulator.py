@@ -84,7 +84,8 @@ class Simulation:
         self._wake: simpy.Event | None = None
         self._arrivals = trace.arrival_s.tolist()
         predict_stretch = getattr(timer, "decode_stretch_times", None)
-        self._predict_stretch = None if self.options.exact else predict_stretch
+        # --check verifies after every engine step, so it never stretches
+        self._predict_stretch = None if self.options.exact or self.options.check else predict_stretch
 
     # --- SimPy processes ---------------------------------------------------------------
     def _arrival_process(self):
