@@ -6,6 +6,7 @@ which op runs, and the layouts, lengths, tables and masks it hands over, against
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -13,9 +14,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvsim.realexec.backends import BackendUnavailable, get_backend  # noqa: E402
+from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
+from kvsim.realexec.backends.kv_quant import KVScales  # noqa: E402
 from kvsim.realexec.backends.npu import NpuBackend, import_torch_npu  # noqa: E402
+from kvsim.realexec.backends.npu_preflight import PreflightWarning  # noqa: E402
 from kvsim.realexec.backends.paged_cases import load_case, random_case  # noqa: E402
 from torch_npu_standin import ContractViolation, make_torch_npu_standin  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::kvsim.realexec.backends.npu_preflight.PreflightWarning")
 
 SCENARIOS = {
     "prefill": ([13, 40], [13, 40]),
@@ -204,3 +210,125 @@ def test_no_visible_device_is_one_line(standin, monkeypatch) -> None:
         BackendUnavailable, match="^npu backend unavailable: torch_npu imported but sees no NPU device$"
     ):
         NpuBackend("cpu", torch_npu_module=standin)
+
+
+# -- preflight: one message per problem, each naming its fix ---------------------------------------------
+
+
+def _preflight_error(standin) -> str:
+    with pytest.raises(BackendUnavailable) as err:
+        NpuBackend("cpu", torch_npu_module=standin)
+    return str(err.value)
+
+
+def test_preflight_passes_on_a_matching_environment(standin) -> None:
+    assert NpuBackend("cpu", torch_npu_module=standin).preflight_warnings == []
+
+
+def test_preflight_torch_npu_built_for_another_torch(standin) -> None:
+    standin.__version__ = "2.10.0.post4"
+    message = _preflight_error(standin)
+    assert "torch_npu 2.10.0.post4" in message and f"pip install torch-npu=={torch.__version__.split('+')[0]}" in message
+
+
+def test_preflight_cann_too_old_for_tnd_with_a_block_table(standin, monkeypatch) -> None:
+    monkeypatch.setattr(standin.npu, "get_cann_version", lambda module="CANN": "8.2.RC1")
+    message = _preflight_error(standin)
+    assert "CANN 8.2.RC1 is older than 8.3" in message and "input_layout='TND'" in message
+
+
+def test_preflight_unknown_cann_version_is_a_warning(standin, monkeypatch) -> None:
+    def broken(module="CANN"):
+        raise RuntimeError("no runtime")
+
+    monkeypatch.setattr(standin.npu, "get_cann_version", broken)
+    with pytest.warns(PreflightWarning, match="CANN version unknown"):
+        NpuBackend("cpu", torch_npu_module=standin)
+
+
+def test_preflight_loads_atb_eagerly_and_names_nnal(standin, monkeypatch) -> None:
+    """torch_npu keeps libatb.so's load error until the first ATB call; the preflight makes that call at start."""
+
+    def missing_nnal():
+        raise OSError("Please check that the nnal package is installed. Please run 'source set_env.sh' in the NNAL installation path.")
+
+    monkeypatch.setattr(standin.op_plugin.atb._atb_ops, "_register_atb_extensions", missing_nnal)
+    message = _preflight_error(standin)
+    assert "ATB ops unavailable (Please check that the nnal package is installed." in message
+    assert "/usr/local/Ascend/nnal/atb/set_env.sh" in message
+
+
+def test_preflight_missing_op(standin) -> None:
+    del standin._npu_paged_attention
+    assert "has no _npu_paged_attention" in _preflight_error(standin)
+
+
+def test_preflight_reports_every_problem_at_once(standin, monkeypatch) -> None:
+    standin.__version__ = "2.5.1"
+    monkeypatch.setattr(standin.npu, "get_cann_version", lambda module="CANN": "8.0.0")
+    message = _preflight_error(standin)
+    assert isinstance(message, str) and message.count("\n  - ") == 2
+
+
+@pytest.mark.parametrize(
+    "dtype,block_size,num_kv_heads,head_size,expected",
+    [
+        (torch.float32, 128, 2, 64, "KV dtype torch.float32 unsupported"),
+        (torch.bfloat16, 64, 2, 64, "block_size=64 unsupported"),
+        (torch.bfloat16, 128, 2, 72, "head_size=72 unsupported: FIA needs D <= 512, 16-aligned"),
+        (torch.int8, 128, 2, 80, "head_size=80 unsupported: FIA needs D <= 512, 32-aligned"),
+        (torch.bfloat16, 128, 2, 576, "head_size=576 unsupported"),
+        (torch.bfloat16, 128, 256, 512, "exceeds 65535"),
+    ],
+)
+def test_preflight_cache_limits(backend, dtype, block_size, num_kv_heads, head_size, expected) -> None:
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        backend.allocate_kv_cache(1, 2, block_size, num_kv_heads, head_size, dtype)
+
+
+def test_preflight_warns_for_fp16_and_for_head_sizes_paged_attention_cannot_take(backend, standin) -> None:
+    with pytest.warns(PreflightWarning, match="fp16 through FIA's TND layout is unverified"):
+        backend.allocate_kv_cache(1, 2, 128, 2, 64, torch.float16)
+    with pytest.warns(PreflightWarning, match="beyond ATB PagedAttention's"):
+        backend.allocate_kv_cache(1, 2, 128, 1, 320, torch.bfloat16)
+    # ... and decode with such a head size goes through FIA, which takes D <= 512
+    assert run_case(backend, standin, [1, 1], [5, 130], head_size=320, num_kv_heads=1) == [
+        "npu_fused_infer_attention_score"
+    ]
+
+
+# -- int8 KV (C8) ------------------------------------------------------------------------------------
+
+
+def _int8_case(backend, query_lens, seq_lens):
+    case = random_case(
+        query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_size=64, block_size=128, dtype=torch.bfloat16,
+        slot_dtype=torch.int32,
+    )
+    scales = case.absmax_scales()
+    return case, scales, load_case(backend, case, scales), load_case(CpuBackend(), case, scales)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_int8_cache_matches_the_portable_reference(backend, standin, scenario) -> None:
+    """Same int8 bytes as the cpu backend writes, and attention within bf16 rounding of the portable C8 path."""
+    case, scales, (key_cache, value_cache), (ref_k, ref_v) = _int8_case(backend, *SCENARIOS[scenario])
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+    standin.calls.clear()
+    out = backend.attention(case.query, key_cache, value_cache, case.meta, case.scale, scales)
+    assert standin.calls == ["npu_fused_infer_attention_score"]
+    expected = CpuBackend().attention(case.query.float(), ref_k, ref_v, case.meta, case.scale, scales)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
+
+
+def test_int8_cache_without_scales_is_refused(backend) -> None:
+    key_cache, value_cache = backend.allocate_kv_cache(1, 2, 128, 2, 64, torch.int8)[0]
+    with pytest.raises(ValueError, match="needs its layer's KVScales"):
+        backend.write_kv(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), key_cache, value_cache, torch.tensor([0]))
+
+
+def test_padding_slots_reach_the_write_kernel_and_are_skipped(backend, standin) -> None:
+    key_cache, value_cache = backend.allocate_kv_cache(1, 2, 128, 2, 64, torch.bfloat16)[0]
+    ones = torch.ones(3, 2, 64, dtype=torch.bfloat16)
+    backend.write_kv(ones, ones, key_cache, value_cache, torch.tensor([5, -1, 7]))
+    assert int(key_cache.count_nonzero()) == 2 * 2 * 64

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
+from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize  # noqa: E402
 from kvsim.realexec.backends.paged_cases import PagedCase, load_case, random_case  # noqa: E402
 from torch_npu_standin import (  # noqa: E402
     RULES,
@@ -72,6 +73,30 @@ def fia(decode: bool = False, **changes) -> Call:
         num_heads=H,
         scale=case.scale,
         sparse_mode=3,
+    )
+    return Call("npu_fused_infer_attention_score", args | changes)
+
+
+def fia_int8(_block: int = BS, **changes) -> Call:
+    """A valid int8-cache decode: BSH query, int8 BnBsH caches, separate per-channel antiquant scales (1, H)."""
+    case, kc, vc = _loaded([1, 1], [3, 130], block_size=_block)
+    scales = KVScales.from_absmax(case.key.abs().amax(0), case.value.abs().amax(0))
+    nb = kc.shape[0]
+    args = dict(
+        query=case.query.view(2, 1, H * D),
+        key=quantize(kc, scales.key).view(nb, _block, -1),
+        value=quantize(vc, scales.value).view(nb, _block, -1),
+        block_table=case.meta.block_tables,
+        input_layout="BSH",
+        block_size=_block,
+        actual_seq_lengths_kv=[3, 130],
+        num_key_value_heads=HKV,
+        num_heads=H,
+        scale=case.scale,
+        key_antiquant_scale=scales.key.reshape(1, -1).half(),
+        value_antiquant_scale=scales.value.reshape(1, -1).half(),
+        key_antiquant_mode=0,
+        value_antiquant_mode=0,
     )
     return Call("npu_fused_infer_attention_score", args | changes)
 
@@ -178,7 +203,7 @@ VIOLATIONS: list[tuple[str, Callable[[], Call]]] = [
     ("scatter.norm_shapes", _with(scatter, lambda a: a | {"slot_mapping": a["slot_mapping"][:2]})),
     ("scatter.norm_shapes", lambda: scatter(key=torch.zeros(3, 1, D).half(), value=torch.zeros(3, 1, D).half())),
     ("scatter.slot_range", lambda: scatter(slot_mapping=torch.tensor([4, 256, 17], dtype=torch.int32))),
-    ("scatter.slot_range", lambda: scatter(slot_mapping=torch.tensor([4, -1, 17], dtype=torch.int32))),
+    ("scatter.slot_range", lambda: scatter(slot_mapping=torch.tensor([4, -2, 17], dtype=torch.int32))),
     ("scatter.slot_unique", lambda: scatter(slot_mapping=torch.tensor([4, 17, 4], dtype=torch.int32))),
     # _npu_reshape_and_cache
     ("reshape.shapes", _with(reshape, lambda a: a | {"key": a["key"].flatten(1), "value": a["value"].flatten(1)})),
@@ -196,6 +221,7 @@ VIOLATIONS: list[tuple[str, Callable[[], Call]]] = [
     ("fia.tnd_actual_seq_lengths", lambda: fia(actual_seq_lengths=None)),
     ("fia.tnd_actual_seq_lengths", lambda: fia(actual_seq_lengths=[3, 1])),  # per-sequence, not cumulative
     ("fia.actual_seq_lengths_bound", lambda: fia(actual_seq_lengths=[3, 9])),
+    ("fia.tnd_total_tokens", lambda: fia(actual_seq_lengths=[2, 3])),  # a query row no batch owns
     ("fia.pa_actual_seq_lengths_kv", lambda: fia(actual_seq_lengths_kv=None)),
     ("fia.pa_kv_lengths_per_batch", lambda: fia(actual_seq_lengths_kv=[133])),
     ("fia.pa_kv_lengths_per_batch", lambda: fia(actual_seq_lengths_kv=[-1, 130])),
@@ -239,6 +265,15 @@ VIOLATIONS: list[tuple[str, Callable[[], Call]]] = [
     ("fia.mask_dtype", lambda: fia(atten_mask=MASK.half())),
     ("fia.causal_mask_content", lambda: fia(atten_mask=~MASK)),  # True = attend is the wrong way round
     ("fia.causal_query_fits_context", lambda: fia(actual_seq_lengths_kv=[2, 130])),
+    # npu_fused_infer_attention_score over an int8 cache
+    ("fia.antiquant_pair", lambda: fia_int8(value_antiquant_scale=None)),
+    ("fia.int8_kv_scales", lambda: fia_int8(key_antiquant_scale=None, value_antiquant_scale=None)),
+    ("fia.antiquant_modes", lambda: fia_int8(value_antiquant_mode=2)),
+    ("fia.antiquant_per_channel", _with(fia_int8, lambda a: a | {"key_antiquant_scale": a["key_antiquant_scale"].float()})),
+    ("fia.antiquant_per_channel", _with(fia_int8, lambda a: a | {"value_antiquant_scale": a["value_antiquant_scale"][:, :64]})),
+    ("fia.antiquant_prompt", _with(fia_int8, lambda a: a | {"query": a["query"].expand(2, 2, -1).contiguous()})),
+    ("fia.ifa_block_size", lambda: fia_int8(block_size=16, _block=16)),  # 16-aligned suffices for float K/V only
+    ("fia.pa_num_blocks", _with(fia_int8, _key_value(lambda t: t[:2]))),
     # _npu_paged_attention
     ("pa.block_size_multiple", lambda: pa(**_caches((8, 24, HKV, D)))),
     ("pa.block_size_max", lambda: pa(**_caches((8, 256, HKV, D)))),
@@ -370,6 +405,36 @@ def test_paged_attention_and_gathers_compute_the_reference() -> None:
     assert torch.equal(key, case.key) and torch.equal(value, case.value)
     key, _ = load(context_lens=torch.tensor([0, 3, 133], dtype=torch.int32), cumsum=True).run()
     assert torch.equal(key, case.key)
+
+
+def test_fia_int8_decode_dequantises_with_the_antiquant_scales() -> None:
+    call = fia_int8()
+    out, _ = call.run()
+    case, kc, vc = _loaded([1, 1], [3, 130])
+    key_scale = call.args["key_antiquant_scale"].float().view(HKV, D)
+    value_scale = call.args["value_antiquant_scale"].float().view(HKV, D)
+    nb = kc.shape[0]
+    dequant_k = dequantize(call.args["key"].view(nb, BS, HKV, D), key_scale, torch.float32)
+    dequant_v = dequantize(call.args["value"].view(nb, BS, HKV, D), value_scale, torch.float32)
+    rows = [torch.arange(3), torch.arange(130)]
+    tables = case.meta.block_tables.long()
+    keys = torch.cat([dequant_k[tables[b]].flatten(0, 1)[r] for b, r in enumerate(rows)])
+    values = torch.cat([dequant_v[tables[b]].flatten(0, 1)[r] for b, r in enumerate(rows)])
+    expected = PagedCase(case.query.float(), keys, values, case.meta, case.num_blocks, case.scale).expected()
+    torch.testing.assert_close(out.view(2, H, D).float(), expected, atol=2e-3, rtol=0)  # fp16 output rounding
+
+
+def test_padding_slots_are_skipped_by_the_writes() -> None:
+    """vLLM pads slot_mapping with -1; the cache-write kernels skip those tokens."""
+    for call in (
+        scatter(slot_mapping=torch.tensor([4, -1, 17], dtype=torch.int32)),
+        reshape(slot_indices=torch.tensor([-1, -1, 17], dtype=torch.int32)),
+    ):
+        call.run()
+        slots = call.args.get("slot_mapping", call.args.get("slot_indices")).long()
+        real = slots >= 0
+        assert torch.equal(call.args["key_cache"].view(-1, HKV, D)[slots[real]], call.args["key"][real])
+        assert int(call.args["key_cache"].count_nonzero()) == int(call.args["key"][real].count_nonzero())
 
 
 def test_writes_land_at_their_slots() -> None:

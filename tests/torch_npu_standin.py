@@ -56,6 +56,11 @@ RESHAPE = "_npu_reshape_and_cache"
 GATHER = "npu_gather_pa_kv_cache"
 LOAD = "atb.npu_paged_cache_load"
 MASK_SIZE = 2048
+STANDIN_CANN_VERSION = "9.1.0"  # the toolkit vllm-ascend's installation.md pairs with current torch-npu
+PAD_SLOT = -1  # vLLM's PAD_SLOT_ID: the write kernels skip such tokens
+# FIA's separate K/V antiquant arguments: the int8 decode path models per-channel mode 0.
+ANTIQUANT_ARGS = ("key_antiquant_scale", "value_antiquant_scale", "key_antiquant_mode", "value_antiquant_mode",
+                  "key_antiquant_offset", "value_antiquant_offset", "antiquant_scale", "antiquant_mode")
 # The rest of FIA's documented keyword arguments: accepted at their defaults, NotModelled otherwise.
 FIA_UNMODELLED_ARGS = (
     "dequant_scale1",
@@ -138,7 +143,14 @@ RULES: dict[str, Rule] = {
             "slotMapping:[batch * seq_len]",
             "rejects",
         ),
-        Rule("scatter.slot_range", SCATTER, OPS_DOC, "slot_mapping的值范围[0,num_blocks*block_size-1]", "undefined"),
+        Rule(
+            "scatter.slot_range",
+            SCATTER,
+            OPS_DOC,
+            "slot_mapping的值范围[0,num_blocks*block_size-1] (and -1, padding the kernel skips: vllm-ascend "
+            f"tests/e2e/nightly/single_node/ops/singlecard_ops/test_pa_kv_cache_ops.py, as {REFERENCE_MD} records)",
+            "undefined",
+        ),
         Rule(
             "scatter.slot_unique", SCATTER, OPS_DOC, "slot_mapping内的元素值保证不重复，重复时不保证正确性", "undefined"
         ),
@@ -213,6 +225,15 @@ RULES: dict[str, Rule] = {
             "rejects",
         ),
         Rule(
+            "fia.tnd_total_tokens",
+            FIA,
+            OPS_DOC,
+            "当query的input_layout为TND时, ... 该入参中每个元素的值表示当前Batch与之前所有Batch的seqlen和 (TND has no padding "
+            "rows: T is the sum of the batches' lengths, so the last element equals T; issue 15 reads the kernel as "
+            "rejecting actual_seq_lengths[-1] < T)",
+            "rejects",
+        ),
+        Rule(
             "fia.pa_actual_seq_lengths_kv",
             FIA,
             OPS_DOC,
@@ -248,6 +269,42 @@ RULES: dict[str, Rule] = {
             "当Q_S等于1时: ... block_size需要传入非0值，且最大不超过512, key、value输入类型为float16、bfloat16时需要16对齐, "
             "key、value输入类型为int8时需要32对齐, 推荐使用128.",
             "rejects",
+        ),
+        Rule(
+            "fia.antiquant_pair",
+            FIA,
+            OPS_DOC,
+            "key_antiquant_scale和value_antiquant_scale要么都为空, 要么都不为空",
+            "rejects",
+        ),
+        Rule(
+            "fia.antiquant_modes",
+            FIA,
+            OPS_DOC,
+            "除了key_antiquant_mode为0并且value_antiquant_mode为1的场景外, key_antiquant_mode和value_antiquant_mode取值需要保持一致.",
+            "rejects",
+        ),
+        Rule(
+            "fia.antiquant_per_channel",
+            FIA,
+            OPS_DOC,
+            "per-channel模式: 两个参数shape支持(1, KV_N, 1, D), (1, KV_N, D), (1, H), 数据类型和query数据类型相同.",
+            "rejects",
+        ),
+        Rule(
+            "fia.antiquant_prompt",
+            FIA,
+            OPS_DOC,
+            "当Q_S大于1时: ... key_antiquant_scale与value_antiquant_scale非空场景, 不支持tensorlist、左padding、page attention、prefix特性.",
+            "rejects",
+        ),
+        Rule(
+            "fia.int8_kv_scales",
+            FIA,
+            OPS_DOC,
+            "per-channel模式: ... 当key、value数据类型为int4(int32)或int8时支持 (int8 K/V under a float query are dequantised "
+            "by antiquant scales; without them the result is not defined)",
+            "undefined",
         ),
         Rule(
             "fia.pa_kv_layout",
@@ -484,17 +541,24 @@ def _require(ok: bool, rule_id: str, detail: str) -> None:
         raise ContractViolation(rule_id, detail)
 
 
+def _given(value: Any) -> bool:
+    """An optional argument set to something other than its default (None, 0 or False)."""
+    return value is not None and not (isinstance(value, (bool, int)) and value == 0)
+
+
 def _is_int_list(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
 
 
 def _check_slots(slots: torch.Tensor, capacity: int, range_rule: str, unique_rule: str) -> None:
-    if len(slots):
-        lo, hi = int(slots.min()), int(slots.max())
+    """Real slots in range and distinct; -1 marks a padding token the write kernels skip."""
+    real = slots[slots != PAD_SLOT]
+    if len(real):
+        lo, hi = int(real.min()), int(real.max())
         _require(
             lo >= 0 and hi < capacity, range_rule, f"slots span [{lo}, {hi}], the cache holds slots [0, {capacity - 1}]"
         )
-    _require(len(torch.unique(slots)) == len(slots), unique_rule, "slot_mapping repeats a slot")
+    _require(len(torch.unique(real)) == len(real), unique_rule, "slot_mapping repeats a slot")
 
 
 def _context(cache: torch.Tensor, table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -631,14 +695,13 @@ class _Ops:
         softmax_lse_flag: bool = False,
         **unmodelled: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FIA with a paged cache in TND layout, the one way the npu backend calls it."""
+        """FIA with a paged cache: TND over float caches, or BSH decode over int8 caches with per-channel antiquant."""
         self.calls.append(FIA)
         unknown = set(unmodelled) - set(FIA_UNMODELLED_ARGS)
         if unknown:
             raise TypeError(f"npu_fused_infer_attention_score() got unexpected keyword arguments {sorted(unknown)}")
-        given = sorted(
-            k for k, v in unmodelled.items() if v is not None and not (isinstance(v, (bool, int)) and v == 0)
-        )
+        antiquant = {k: unmodelled.pop(k) for k in ANTIQUANT_ARGS if k in unmodelled}
+        given = sorted(k for k, v in unmodelled.items() if _given(v))
         if given:
             raise NotModelled(f"FIA arguments not modelled: {given}")
         _require(
@@ -655,6 +718,11 @@ class _Ops:
         _require(key.shape == value.shape, "fia.kv_same_shape", f"key {tuple(key.shape)} vs value {tuple(value.shape)}")
         _require(sparse_mode in (0, 1, 2, 3, 4, 9), "fia.sparse_mode_values", f"sparse_mode={sparse_mode}")
         _require(sparse_mode != 9, "fia.sparse_mode_values", "sparse_mode=9 needs query_rope/key_rope (MLA)")
+        if key.dtype == torch.int8 or any(_given(v) for v in antiquant.values()):
+            return self._fia_int8_decode(
+                query, key, value, antiquant, actual_seq_lengths, actual_seq_lengths_kv, block_table,
+                num_heads, num_key_value_heads, scale, input_layout, block_size,
+            )
         if input_layout != "TND":
             raise NotModelled(f"FIA input_layout={input_layout!r}: the stand-in models TND")
         if block_table is None:
@@ -685,6 +753,11 @@ class _Ops:
             "fia.actual_seq_lengths_bound",
             f"actual_seq_lengths ends at {actual_seq_lengths[-1]} but query has {query.shape[0]} rows",
         )
+        _require(
+            actual_seq_lengths[-1] == query.shape[0],
+            "fia.tnd_total_tokens",
+            f"actual_seq_lengths ends at {actual_seq_lengths[-1]}, short of the query's {query.shape[0]} rows",
+        )
         batch = len(actual_seq_lengths)
         q_lens = [b - a for a, b in zip([0, *actual_seq_lengths], actual_seq_lengths)]
         is_prompt = max(q_lens) > 1  # Q_S > 1 runs PromptFlashAttention, Q_S = 1 IncreFlashAttention
@@ -705,7 +778,12 @@ class _Ops:
                 f"block_size={block_size} with a query of {max(q_lens)} tokens",
             )
         else:
-            _require(0 < block_size <= 512 and block_size % 16 == 0, "fia.ifa_block_size", f"block_size={block_size}")
+            alignment = 32 if key.dtype == torch.int8 else 16
+            _require(
+                0 < block_size <= 512 and block_size % alignment == 0,
+                "fia.ifa_block_size",
+                f"block_size={block_size} for {key.dtype} K/V",
+            )
         max_blocks_needed = max(math.ceil(k / block_size) for k in kv_lens)
         _require(
             block_table.dim() == 2 and block_table.shape[0] == batch and block_table.shape[1] >= max_blocks_needed,
@@ -793,6 +871,106 @@ class _Ops:
         contexts_v = [_context(value_cache, block_table[b], kv_lens[b], block_size) for b in range(batch)]
         out[:rows] = dense_attention(query[:rows], torch.cat(contexts_k), torch.cat(contexts_v), q_lens, kv_lens, scale)
         return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+
+    def _fia_int8_decode(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        antiquant: dict[str, Any],
+        actual_seq_lengths: Sequence[int] | None,
+        actual_seq_lengths_kv: Sequence[int] | None,
+        block_table: torch.Tensor | None,
+        num_heads: int,
+        num_key_value_heads: int,
+        scale: float,
+        input_layout: str,
+        block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FIA's Q_S = 1 branch over an int8 paged cache (BnBsH) with separate per-channel antiquant scales."""
+        if _given(antiquant.get("antiquant_scale")) or _given(antiquant.get("antiquant_mode")):
+            raise NotModelled("FIA's combined antiquant_scale/antiquant_mode are not modelled")
+        key_scale, value_scale = antiquant.get("key_antiquant_scale"), antiquant.get("value_antiquant_scale")
+        _require((key_scale is None) == (value_scale is None), "fia.antiquant_pair", "only one of key/value_antiquant_scale")
+        _require(key_scale is not None, "fia.int8_kv_scales", f"int8 K/V under a {query.dtype} query without antiquant scales")
+        key_mode, value_mode = antiquant.get("key_antiquant_mode", 0), antiquant.get("value_antiquant_mode", 0)
+        _require(key_mode == value_mode, "fia.antiquant_modes", f"key_antiquant_mode={key_mode}, value_antiquant_mode={value_mode}")
+        if key_mode != 0:
+            raise NotModelled("FIA antiquant modes other than per-channel (0) are not modelled")
+        if antiquant.get("key_antiquant_offset") is not None or antiquant.get("value_antiquant_offset") is not None:
+            raise NotModelled("asymmetric antiquant (offsets) is not modelled")
+        if input_layout != "BSH" or block_table is None:
+            raise NotModelled("int8 FIA is modelled for a BSH query over a paged cache")
+        _require(query.dim() == 3 and query.dtype in HALF_TYPES, "fia.query_dtype", f"query {tuple(query.shape)} {query.dtype}")
+        batch, q_s, hidden = query.shape
+        _require(q_s == 1, "fia.antiquant_prompt", f"Q_S={q_s} with antiquant scales over a paged cache")
+        _require(
+            key.dtype == value.dtype == torch.int8 and key.dim() == 3 and key.is_contiguous() and value.is_contiguous(),
+            "fia.kv_dtype",
+            f"key {tuple(key.shape)} {key.dtype}, value {value.dtype}",
+        )
+        _require(key.shape == value.shape, "fia.kv_same_shape", f"key {tuple(key.shape)} vs value {tuple(value.shape)}")
+        num_kv_heads = num_key_value_heads or num_heads
+        _require(hidden % num_heads == 0, "fia.num_heads", f"num_heads={num_heads} but H={hidden}")
+        head_size = hidden // num_heads
+        _require(
+            num_kv_heads > 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64,
+            "fia.gqa_heads",
+            f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads}",
+        )
+        kv_hidden = num_kv_heads * head_size
+        for name, s in (("key", key_scale), ("value", value_scale)):
+            _require(
+                isinstance(s, torch.Tensor)
+                and s.dtype == query.dtype
+                and tuple(s.shape) in ((1, num_kv_heads, 1, head_size), (1, num_kv_heads, head_size), (1, kv_hidden)),
+                "fia.antiquant_per_channel",
+                f"{name}_antiquant_scale {getattr(s, 'shape', None)} {getattr(s, 'dtype', None)} for {query.dtype}, "
+                f"KV_N={num_kv_heads}, D={head_size}",
+            )
+        _require(
+            0 < block_size <= 512 and block_size % 32 == 0, "fia.ifa_block_size", f"block_size={block_size} for int8 K/V"
+        )
+        _require(
+            key.shape[1] == block_size and key.shape[2] == kv_hidden,
+            "fia.pa_kv_dims",
+            f"key {tuple(key.shape)} is not (blocknum, {block_size}, {num_kv_heads}*{head_size})",
+        )
+        _require(actual_seq_lengths_kv is not None, "fia.pa_actual_seq_lengths_kv", "actual_seq_lengths_kv is missing")
+        assert actual_seq_lengths_kv is not None
+        _require(
+            _is_int_list(actual_seq_lengths_kv), "fia.seq_lengths_are_lists", "actual_seq_lengths_kv is not a host int list"
+        )
+        kv_lens = list(actual_seq_lengths_kv)
+        _require(
+            len(kv_lens) == batch and all(k >= 0 for k in kv_lens),
+            "fia.pa_kv_lengths_per_batch",
+            f"actual_seq_lengths_kv={kv_lens} for {batch} batches",
+        )
+        _require(block_table.dtype == torch.int32, "fia.block_table_dtype", f"block_table is {block_table.dtype}")
+        _require(
+            block_table.dim() == 2
+            and block_table.shape[0] == batch
+            and block_table.shape[1] >= max(math.ceil(k / block_size) for k in kv_lens),
+            "fia.pa_block_table_shape",
+            f"block_table {tuple(block_table.shape)} for B={batch}",
+        )
+        num_blocks = key.shape[0]
+        _require(
+            num_blocks >= sum(math.ceil(k / block_size) for k in kv_lens),
+            "fia.pa_num_blocks",
+            f"{num_blocks} blocks cannot hold actual_seq_lengths_kv={kv_lens}",
+        )
+        _check_fia_block_ids(block_table, kv_lens, block_size, num_blocks)
+        cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
+        keys = key.view(cache_shape).float() * key_scale.float().reshape(num_kv_heads, head_size)
+        values = value.view(cache_shape).float() * value_scale.float().reshape(num_kv_heads, head_size)
+        contexts_k = torch.cat([_context(keys, block_table[b], kv_lens[b], block_size) for b in range(batch)])
+        contexts_v = torch.cat([_context(values, block_table[b], kv_lens[b], block_size) for b in range(batch)])
+        out = dense_attention(
+            query.view(batch, num_heads, head_size).float(), contexts_k, contexts_v, [1] * batch, kv_lens, scale
+        )
+        return out.to(query.dtype).view(batch, 1, hidden), torch.zeros(1, dtype=torch.float32, device=query.device)
 
     def _npu_paged_attention(
         self,
@@ -953,8 +1131,9 @@ class _Ops:
 def _write(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    key_cache.view(-1, *key_cache.shape[2:])[slots.long()] = key
-    value_cache.view(-1, *value_cache.shape[2:])[slots.long()] = value
+    real = slots != PAD_SLOT
+    key_cache.view(-1, *key_cache.shape[2:])[slots[real].long()] = key[real]
+    value_cache.view(-1, *value_cache.shape[2:])[slots[real].long()] = value[real]
 
 
 def _check_fia_block_ids(table: torch.Tensor, lens: Sequence[int], block_size: int, num_blocks: int) -> None:
@@ -1011,6 +1190,8 @@ def _npu_runtime(calls: list[str]) -> types.SimpleNamespace:
         current_device=lambda: 0,
         synchronize=lambda device=None: calls.append("npu.synchronize"),
         memory_allocated=lambda device=None: 0,
+        get_cann_version=lambda module="CANN": STANDIN_CANN_VERSION,
+        get_device_name=lambda device=None: "Ascend910B3 (torch_npu stand-in)",
     )
 
 
@@ -1025,4 +1206,7 @@ def make_torch_npu_standin() -> types.ModuleType:
     module.atb = types.ModuleType("torch_npu.atb")
     module.atb.npu_paged_cache_load = ops.npu_paged_cache_load
     module.npu = _npu_runtime(ops.calls)
+    # torch_npu loads NNAL's libatb.so on the first ATB call (op_plugin/atb/_atb_ops.py); nothing to load here.
+    atb_ops = types.SimpleNamespace(_register_atb_extensions=lambda: None)
+    module.op_plugin = types.SimpleNamespace(atb=types.SimpleNamespace(_atb_ops=atb_ops))
     return module

@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvsim.realexec.backends.kv_quant import KVScales
+
 T = TypeVar("T")
 
 
@@ -118,7 +120,7 @@ class KernelBackend(ABC):
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_size]."""
+        """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_size] (int8 for C8)."""
 
     @abstractmethod
     def allocate_host_cache(
@@ -134,8 +136,12 @@ class KernelBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales | None = None,
     ) -> None:
-        """Scatter new ``key``/``value`` [T, num_kv_heads, head_size] into the caches at ``slot_mapping`` [T]."""
+        """Scatter new ``key``/``value`` [T, num_kv_heads, head_size] into the caches at ``slot_mapping`` [T].
+
+        An int8 cache quantises on the way in with the layer's static ``kv_scales`` (``kv_quant``).
+        """
 
     @abstractmethod
     def attention(
@@ -145,8 +151,12 @@ class KernelBackend(ABC):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
-        """Paged attention of ``query`` [T, num_heads, head_size] -> [T, num_heads, head_size]."""
+        """Paged attention of ``query`` [T, num_heads, head_size] -> [T, num_heads, head_size].
+
+        An int8 cache is dequantised with ``kv_scales``; the math runs in ``query.dtype``.
+        """
 
     @abstractmethod
     def gather_kv(

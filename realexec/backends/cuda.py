@@ -5,7 +5,8 @@ paged layout, takes any page size, handles prefill, chunked prefill, decode and 
 one call with the query aligned to the end of the context (its causal mask is bottom-right), and
 plans once per step for all layers. flash-attn's paged KV would need a page size that is a
 multiple of 256, which rules out the block sizes kvsim studies, so it is not used.
-FlashInfer runs fp16/bf16; fp32 and anything it cannot take falls back to the portable path.
+FlashInfer runs fp16/bf16; fp32, int8 (C8) caches and anything it cannot take fall back to the
+portable path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from kvsim.realexec.backends.base import AttentionMetadata
 from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, swap_blocks
 from kvsim.realexec.backends.errors import BackendUnavailable
+from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.backends.portable import TorchBackend
 
 R = TypeVar("R")
@@ -65,6 +67,7 @@ class CudaBackend(TorchBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         if (
             self._flashinfer is None
@@ -72,7 +75,7 @@ class CudaBackend(TorchBackend):
             or key_cache.dtype != query.dtype
             or query.shape[-1] not in FLASHINFER_HEAD_SIZES
         ):
-            return super().attention(query, key_cache, value_cache, meta, scale)
+            return super().attention(query, key_cache, value_cache, meta, scale, kv_scales)
         self._plan_flashinfer(query, key_cache, meta, scale)
         return self._wrapper.run(query.contiguous(), (key_cache, value_cache))
 

@@ -19,7 +19,17 @@ Which op does what (signatures from the torch-npu 2.13.0 wheel; vllm-ascend make
 Block size: FIA with page attention and more than one query token per sequence needs a multiple
 of 128 up to 512, so caches are refused at allocation for any other size (vllm-ascend's
 ``get_supported_kernel_block_sizes()`` is ``[128]`` for the same reason). FIA takes fp16/bf16
-queries only, so fp32 caches are refused too.
+queries only, so fp32 caches are refused too. ``npu_preflight`` holds these limits and the
+version/ATB checks the constructor runs, so a misconfigured machine fails at start, not mid-run.
+
+int8 KV (C8, static per-channel scales, ``kv_quant``): K/V are quantised in torch and scattered
+as int8 into ND caches ("Norm" mode takes int8). Pure decode runs FIA's Q_S = 1 branch on the
+int8 cache with separate per-channel antiquant scales (``key_antiquant_scale`` /
+``value_antiquant_scale`` of shape (1, H) in the query's dtype, ``key/value_antiquant_mode=0``,
+BSH query): the documented combined ``antiquant_scale`` dequantises to float16 only, and
+antiquant with Q_S > 1 takes only per-token scales and no page attention. So prefill and mixed
+batches dequantise the blocks their sequences read into a compact float cache and run the
+ordinary TND call over it (vllm-ascend's C8 path dequantises the cache for chunked prefill too).
 
 Importing torch_npu, and ``TORCH_DEVICE_BACKEND_AUTOLOAD``
 -----------------------------------------------------------
@@ -43,6 +53,7 @@ Tests pass a stand-in module (``tests/torch_npu_standin.py``) as ``torch_npu_mod
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from itertools import accumulate
 from typing import Any, TypeVar
@@ -51,13 +62,19 @@ import torch
 
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks, swap_blocks
-from kvsim.realexec.backends.errors import BackendUnavailable
+from kvsim.realexec.backends.errors import BackendUnavailable, PreflightFailed
+from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize, require_scales
+from kvsim.realexec.backends.npu_preflight import (
+    PAGED_ATTENTION_MAX_BLOCK,
+    PAGED_ATTENTION_MAX_HEAD_SIZE,
+    Finding,
+    PreflightWarning,
+    cache_problems,
+    environment_problems,
+)
 
 R = TypeVar("R")
 
-NPU_DTYPES = (torch.float16, torch.bfloat16)  # FIA: "query ... 数据类型支持float16、bfloat16、int8"
-FIA_BLOCK_SIZES = (128, 256, 384, 512)  # FIA, Q_S > 1 with page attention: multiple of 128 in [128, 512]
-PAGED_ATTENTION_MAX_BLOCK = 128  # ATB PagedAttention: "block_size <= 128"
 CAUSAL_MASK_SIZE = 2048  # sparse_mode 2/3/4 take the mask compressed to 2048x2048
 
 
@@ -104,19 +121,14 @@ class NpuBackend(KernelBackend):
             else "atb.npu_paged_cache_load"
         )
         self._causal_mask: torch.Tensor | None = None
+        self.preflight_warnings = _raise_errors(environment_problems(self.torch_npu), "npu backend unavailable")
 
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
     ) -> KVCaches:
-        if dtype not in NPU_DTYPES:
-            raise ValueError(
-                f"npu backend: KV dtype {dtype} unsupported; FIA takes float16/bfloat16 queries and caches"
-            )
-        if block_size not in FIA_BLOCK_SIZES:
-            raise ValueError(
-                f"npu backend: block_size={block_size} unsupported; FIA prefill over a paged cache needs a multiple of 128 "
-                "in [128, 512] (torch_npu npu_fused_infer_attention_score: 'block_size最小为128, 最大为512, 且要求是128的倍数')"
-            )
+        self.preflight_warnings += _raise_errors(
+            cache_problems(dtype, block_size, num_kv_heads, head_size), "npu backend: KV cache unsupported", ValueError
+        )
         return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, self.device)
 
     def allocate_host_cache(
@@ -134,7 +146,11 @@ class NpuBackend(KernelBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales | None = None,
     ) -> None:
+        quant = require_scales(key_cache, kv_scales)
+        if quant is not None:
+            key, value = quantize(key, quant.key), quantize(value, quant.value)
         slots = slot_mapping.to(torch.int32).contiguous()
         if self.write_op == "npu_scatter_pa_kv_cache":
             self.torch_npu.npu_scatter_pa_kv_cache(
@@ -161,11 +177,17 @@ class NpuBackend(KernelBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
-        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-        num_heads = query.shape[1]
+        quant = require_scales(key_cache, kv_scales)
         query = query.contiguous()
-        if meta.is_decode_only and block_size <= PAGED_ATTENTION_MAX_BLOCK:
+        if quant is not None:
+            if meta.is_decode_only:
+                return self._int8_decode(query, key_cache, value_cache, meta, scale, quant)
+            key_cache, value_cache, meta = self._dequantised(key_cache, value_cache, meta, quant, query.dtype)
+        num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        num_heads = query.shape[1]
+        if meta.is_decode_only and block_size <= PAGED_ATTENTION_MAX_BLOCK and head_size <= PAGED_ATTENTION_MAX_HEAD_SIZE:
             out = torch.empty_like(query)
             self.torch_npu._npu_paged_attention(
                 query=query,
@@ -195,6 +217,58 @@ class NpuBackend(KernelBackend):
             sparse_mode=3,
         )
         return out
+
+    def _int8_decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        quant: KVScales,
+    ) -> torch.Tensor:
+        """FIA's Q_S = 1 branch over the int8 cache, dequantised in-kernel by per-channel antiquant scales."""
+        num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        batch, num_heads, _ = query.shape
+
+        def scale_row(s: torch.Tensor) -> torch.Tensor:  # per-channel, BSH: (1, H) in the query's dtype
+            return s.reshape(1, num_kv_heads * head_size).to(query.dtype).contiguous()
+
+        out, _ = self.torch_npu.npu_fused_infer_attention_score(
+            query.view(batch, 1, num_heads * head_size),
+            key_cache.view(num_blocks, block_size, -1),
+            value_cache.view(num_blocks, block_size, -1),
+            block_table=meta.block_tables,
+            input_layout="BSH",
+            block_size=block_size,
+            actual_seq_lengths_kv=meta.seq_lens_list,
+            num_key_value_heads=num_kv_heads,
+            num_heads=num_heads,
+            scale=scale,
+            key_antiquant_scale=meta.memo(f"npu.k_antiquant.{id(quant)}", lambda: scale_row(quant.key)),
+            value_antiquant_scale=meta.memo(f"npu.v_antiquant.{id(quant)}", lambda: scale_row(quant.value)),
+            key_antiquant_mode=0,
+            value_antiquant_mode=0,
+        )
+        return out.view(batch, num_heads, head_size)
+
+    def _dequantised(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        quant: KVScales,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The blocks each sequence reads, dequantised into a compact cache, and metadata addressing it.
+
+        Sequence ``b``'s blocks are laid out one after another (a block two sequences share is
+        copied for each), so the compact cache holds exactly FIA's ``sum(ceil(seq_len / block_size))``.
+        """
+        blocks, compact = meta.memo("npu.int8_compact", lambda: _compact_tables(meta))
+        keys = dequantize(key_cache.index_select(0, blocks), quant.key, dtype)
+        values = dequantize(value_cache.index_select(0, blocks), quant.value, dtype)
+        return keys, values, compact
 
     def _mask(self) -> torch.Tensor:
         """The compressed right-down causal mask: True (masked) strictly above the diagonal; built once."""
@@ -235,3 +309,28 @@ class NpuBackend(KernelBackend):
         end.record()
         end.synchronize()
         return result, start.elapsed_time(end) / 1e3
+
+
+def _raise_errors(
+    findings: list[Finding], heading: str, error: type[Exception] = PreflightFailed
+) -> list[str]:
+    """Raise every error finding at once (one line each); warn about the rest and return their messages."""
+    errors = [f.message for f in findings if f.error]
+    if errors:
+        raise error(heading + ":\n" + "\n".join(f"  - {m}" for m in errors) if len(errors) > 1 else f"{heading}: {errors[0]}")
+    for finding in findings:
+        warnings.warn(finding.message, PreflightWarning, stacklevel=3)
+    return [f.message for f in findings]
+
+
+def _compact_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(block ids to copy, in order; metadata of the same step over the compact cache they form)."""
+    tables = meta.block_tables.cpu()
+    counts = [-(-s // meta.block_size) for s in meta.seq_lens_list]
+    blocks = torch.cat([tables[b, :n] for b, n in enumerate(counts)]).long()
+    starts = [0, *accumulate(counts)]
+    compact_rows = [list(range(starts[b], starts[b + 1])) for b in range(len(counts))]
+    compact = AttentionMetadata.build(
+        meta.query_lens_list, meta.seq_lens_list, compact_rows, meta.block_size, meta.block_tables.device
+    )
+    return blocks.to(meta.block_tables.device), compact

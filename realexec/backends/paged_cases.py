@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
+from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.backends.reference import dense_attention
 
 
@@ -43,6 +44,10 @@ class PagedCase:
             rows.append(torch.arange(start + s - q, start + s) if new else torch.arange(start, start + s - q))
             start += s
         return torch.cat(rows).to(self.key.device)
+
+    def absmax_scales(self) -> KVScales:
+        """C8 scales calibrated on the case's own K/V (each channel's largest magnitude maps to 127)."""
+        return KVScales.from_absmax(self.key.abs().amax(0), self.value.abs().amax(0))
 
     def expected(self) -> torch.Tensor:
         return dense_attention(
@@ -88,10 +93,16 @@ def random_case(
     )
 
 
-def load_case(backend: KernelBackend, case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh single-layer caches holding the case's contexts, written through ``backend.write_kv``."""
+def load_case(
+    backend: KernelBackend, case: PagedCase, kv_scales: KVScales | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh single-layer caches holding the case's contexts, written through ``backend.write_kv``.
+
+    With ``kv_scales`` the caches are int8 (C8) and the writes quantise.
+    """
+    dtype = case.key.dtype if kv_scales is None else torch.int8
     key_cache, value_cache = backend.allocate_kv_cache(
-        1, case.num_blocks, case.meta.block_size, case.key.shape[1], case.key.shape[2], case.key.dtype
+        1, case.num_blocks, case.meta.block_size, case.key.shape[1], case.key.shape[2], dtype
     )[0]
     all_slots = _all_slots(case.meta)
     prefix = case.context_rows
@@ -102,10 +113,11 @@ def load_case(backend: KernelBackend, case: PagedCase) -> tuple[torch.Tensor, to
             key_cache,
             value_cache,
             all_slots[prefix.cpu()].to(case.meta.slot_mapping),
+            kv_scales,
         )
     new = case.new_rows
     backend.write_kv(
-        case.key[new].contiguous(), case.value[new].contiguous(), key_cache, value_cache, case.meta.slot_mapping
+        case.key[new].contiguous(), case.value[new].contiguous(), key_cache, value_cache, case.meta.slot_mapping, kv_scales
     )
     return key_cache, value_cache
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
+from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize, require_scales
 
 QUERY_TILE = 128  # query tokens per SDPA call within a prefill batch
 DECODE_BUCKETS = 4  # decode sequences are split into at most this many batches by context length
@@ -120,21 +121,30 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     compute_dtype: torch.dtype | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention of packed ``query`` [T, H, D] over the caches, by padded SDPA batches."""
+    """Causal paged attention of packed ``query`` [T, H, D] over the caches, by padded SDPA batches.
+
+    An int8 cache is dequantised block by block as it is gathered (the C8 reference every backend
+    is compared with).
+    """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
     dtype = compute_dtype or query.dtype
+    quant = require_scales(key_cache, kv_scales)
     out = torch.empty_like(query)
     for batch in meta.memo(f"portable.padded_batches.g{group}", lambda: plan_padded_batches(meta, group)):
         nseq = batch.block_table.shape[0]
         q = query.index_select(0, batch.query_rows).view(nseq, batch.max_q, num_kv_heads, group, head_size)
         q = q.permute(0, 2, 1, 3, 4).reshape(nseq, num_kv_heads, batch.max_q * group, head_size)
-        k = gather_blocks(key_cache, batch.block_table).to(dtype)
-        v = gather_blocks(value_cache, batch.block_table).to(dtype)
+        k, v = gather_blocks(key_cache, batch.block_table), gather_blocks(value_cache, batch.block_table)
+        if quant is None:
+            k, v = k.to(dtype), v.to(dtype)
+        else:  # scales [Hkv, D] against blocks [B, Hkv, L, D]
+            k, v = dequantize(k, quant.key[:, None], dtype), dequantize(v, quant.value[:, None], dtype)
         o = _attend_tiles(q.to(dtype), k, v, batch.tiles, group, scale)
         o = o.view(nseq, num_kv_heads, batch.max_q, group, head_size).permute(0, 2, 1, 3, 4)
         o = o.reshape(nseq * batch.max_q, num_heads, head_size)
@@ -162,8 +172,12 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales | None = None,
 ) -> None:
-    """Scatter [T, Hkv, D] tokens into the caches at flat slot indices."""
+    """Scatter [T, Hkv, D] tokens into the caches at flat slot indices (quantised for an int8 cache)."""
+    quant = require_scales(key_cache, kv_scales)
+    if quant is not None:
+        key, value = quantize(key, quant.key), quantize(value, quant.value)
     if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
         raise TypeError(f"K/V dtype {key.dtype}/{value.dtype} differs from the cache's {key_cache.dtype}")
     slots = slot_mapping.long()
@@ -209,8 +223,9 @@ class TorchBackend(KernelBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales | None = None,
     ) -> None:
-        write_kv(key, value, key_cache, value_cache, slot_mapping)
+        write_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales)
 
     def attention(
         self,
@@ -219,8 +234,10 @@ class TorchBackend(KernelBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
-        return paged_attention(query, key_cache, value_cache, meta, scale, self.compute_dtypes.get(query.dtype))
+        compute_dtype = self.compute_dtypes.get(query.dtype)
+        return paged_attention(query, key_cache, value_cache, meta, scale, compute_dtype, kv_scales)
 
     def gather_kv(
         self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
