@@ -1,18 +1,20 @@
 """What-if sweeps: a grid of run configurations, each one independent simulation.
 
 A sweep file is a run configuration TOML plus a ``[grid]`` table whose keys are RunConfig
-fields and whose values are lists; the sweep runs the cartesian product::
+fields (or vLLM's names for them) and whose values are lists; the sweep runs the cartesian
+product::
 
     trace = "azure_conv_10min"
     model = "llama-2-7b"
     [grid]
     block_size = [16, 128]
-    kv_dtype = ["bf16", "int8"]
-    rate_scale = [1.0, 2.0]
+    kv_cache_dtype = ["bf16", "int8"]
+    request_rate = [1.0, 2.0]
 
 Runs go to local worker processes by default, or to a Ray cluster (``backend="ray"``,
 ``pip install 'kvsim[dist]'``); either way each run writes its own directory and one row
-of ``sweep.csv``.
+of ``sweep.csv``, with one column per varied setting; a point that fails is a row with its
+error, and the others still run.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import csv
 import itertools
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Iterator
 
-from kvsim.sim.run_config import RunConfig
+from kvsim.sim.run_config import VLLM_KEYS, RunConfig, config_fields
+from kvsim.sim.run_dir import staged_dir
 from kvsim.sim.toml_io import load_toml
 
 HEADLINE = ("requests_completed", "requests_rejected", "throughput_tok_s", "preemptions", "prefix_hit_rate",
@@ -33,43 +35,67 @@ HEADLINE = ("requests_completed", "requests_rejected", "throughput_tok_s", "pree
 LATENCIES = ("ttft_s", "tpot_s", "e2e_s")
 
 
-def load_sweep(path: str | Path) -> tuple[RunConfig, dict[str, list]]:
+def load_grid_file(path: str | Path) -> tuple[RunConfig, dict[str, list], dict]:
+    """A run config TOML with a ``[grid]`` of lists: (base config, grid, the file's other tables).
+
+    Grid keys keep the user's spelling (vLLM names too); every value is type-checked.
+    """
     data = load_toml(path)
     grid = data.pop("grid", None)
-    if not grid:
-        raise ValueError(f"{path}: a sweep needs a [grid] table of RunConfig fields to vary")
-    allowed = {f.name for f in fields(RunConfig)}
-    unknown = sorted((set(data) | set(grid)) - allowed)
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    if not isinstance(grid, dict) or not grid:
+        raise ValueError(f"{path}: needs a [grid] table of RunConfig fields to vary")
+    extra = {k: data.pop(k) for k in list(data) if isinstance(data[k], dict) and k not in ("scheduler_params", "block_manager_params")}
+    base = RunConfig(**config_fields(data, str(path)))
     not_lists = [k for k, v in grid.items() if not isinstance(v, list) or not v]
     if not_lists:
         raise ValueError(f"{path}: [grid] values must be non-empty lists: {not_lists}")
-    return RunConfig(**data), grid
+    for key, values in grid.items():
+        for value in values:
+            config_fields({key: value}, f"{path} [grid]")
+    return base, grid, extra
 
 
-def expand_grid(base: RunConfig, grid: dict[str, list]) -> Iterator[tuple[str, RunConfig]]:
-    """(name, config) for every combination, named like ``block_size=16,kv_dtype=int8``."""
+def load_sweep(path: str | Path) -> tuple[RunConfig, dict[str, list]]:
+    base, grid, extra = load_grid_file(path)
+    if extra:
+        raise ValueError(f"{path}: unknown table(s) {sorted(extra)}; a sweep has [grid], [scheduler_params], [block_manager_params]")
+    return base, grid
+
+
+def expand_grid(base: RunConfig, grid: dict[str, list]) -> Iterator[tuple[str, dict, RunConfig]]:
+    """(name, varied settings, config) for every combination, named like ``block_size=16,kv_dtype=int8``."""
     keys = sorted(grid)
     for values in itertools.product(*(grid[k] for k in keys)):
-        overrides = dict(zip(keys, values))
-        name = ",".join(f"{k}={v}" for k, v in overrides.items())
-        yield name, base.updated(**overrides)
+        settings = dict(zip(keys, values))
+        name = ",".join(f"{k}={v}" for k, v in settings.items())
+        yield name, settings, base.updated(**{VLLM_KEYS.get(k, k): v for k, v in settings.items()})
 
 
-def run_one(name: str, config: RunConfig, out_dir: str) -> dict:
-    """One simulation of the sweep (runs in a worker process or a Ray task)."""
+def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
+    """One simulation of the sweep (a worker process or a Ray task): its row of sweep.csv.
+
+    A point that fails (bad combination, plugin error) is recorded with its error; the
+    sweep goes on.
+    """
     from kvsim.sim.cost_model import CostModelTimer
     from kvsim.sim.run_config import load_run_trace, resolve
     from kvsim.sim.runner import run_trace
 
-    resolved = resolve(config)
-    timer = CostModelTimer(resolved.cost_model())
-    _, summary = run_trace(resolved, load_run_trace(config), timer, Path(out_dir) / _safe(name))
-    row = {"name": name, **{k: summary[k] for k in HEADLINE}}
+    row: dict = {"name": name, **settings}
+    try:
+        resolved = resolve(config)
+        timer = CostModelTimer(resolved.cost_model())
+        trace = load_run_trace(config)
+        with staged_dir(Path(out_dir) / _safe(name)) as tmp:
+            _, summary = run_trace(resolved, trace, timer, tmp)
+    except Exception as exc:  # recorded in sweep.csv: one bad point must not lose the others
+        return {**row, "status": "failed", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
+    row.update({"status": "ok", "error": ""})
+    row.update({k: summary[k] for k in HEADLINE})
     for metric in LATENCIES:
         row[f"{metric}_p50"] = summary[metric]["p50"]
         row[f"{metric}_p99"] = summary[metric]["p99"]
+    row["warnings"] = ";".join(w["kind"] for w in summary["warnings"])
     return row
 
 
@@ -78,56 +104,64 @@ def _safe(name: str) -> str:
 
 
 def run_sweep(base: RunConfig, grid: dict[str, list], out_dir: Path, *, backend: str = "local", jobs: int | None = None,
-              on_done: Callable[[dict], None] | None = None) -> Path:
-    """Run every configuration and write ``out_dir/sweep.csv`` (rows in grid order)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    configs = list(expand_grid(base, grid))
+              on_done: Callable[[dict], None] | None = None, overwrite: bool = False) -> Path:
+    """Run every configuration and write ``out_dir/sweep.csv`` (rows in grid order, one column
+    per varied setting). ``out_dir`` appears only once every point has run."""
+    points = list(expand_grid(base, grid))
+    with staged_dir(out_dir, overwrite) as tmp:
+        tasks = [(name, settings, config, str(tmp)) for name, settings, config in points]
+        rows = parallel_map(run_one, tasks, backend=backend, jobs=jobs, on_done=on_done)
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        with (tmp / "sweep.csv").open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=columns, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+    return out_dir / "sweep.csv"
+
+
+def parallel_map(fn: Callable, tasks: list[tuple], *, backend: str = "local", jobs: int | None = None,
+                 on_done: Callable | None = None) -> list:
+    """``[fn(*t) for t in tasks]`` on local worker processes or Ray tasks, results in task order."""
     if backend == "ray":
-        rows = _run_ray(configs, out_dir, on_done)
+        results = _run_ray(fn, tasks, on_done)
     elif backend == "local":
-        rows = _run_local(configs, out_dir, jobs or os.cpu_count() or 1, on_done)
+        results = _run_local(fn, tasks, jobs or os.cpu_count() or 1, on_done)
     else:
-        raise ValueError(f"unknown sweep backend {backend!r} (local or ray)")
-    order = {name: i for i, (name, _) in enumerate(configs)}
-    rows.sort(key=lambda r: order[r["name"]])
-    path = out_dir / "sweep.csv"
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+        raise ValueError(f"unknown backend {backend!r} (local or ray)")
+    return [results[i] for i in range(len(tasks))]
 
 
-def _run_local(configs, out_dir: Path, jobs: int, on_done) -> list[dict]:
-    rows = []
-    if jobs == 1:
-        for name, config in configs:
-            rows.append(run_one(name, config, str(out_dir)))
+def _run_local(fn: Callable, tasks: list[tuple], jobs: int, on_done) -> dict[int, object]:
+    results: dict[int, object] = {}
+    if jobs == 1 or len(tasks) == 1:
+        for i, task in enumerate(tasks):
+            results[i] = fn(*task)
             if on_done:
-                on_done(rows[-1])
-        return rows
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(run_one, name, config, str(out_dir)) for name, config in configs]
+                on_done(results[i])
+        return results
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
+        futures = {pool.submit(fn, *task): i for i, task in enumerate(tasks)}
         for future in as_completed(futures):
-            rows.append(future.result())
+            results[futures[future]] = future.result()
             if on_done:
-                on_done(rows[-1])
-    return rows
+                on_done(results[futures[future]])
+    return results
 
 
-def _run_ray(configs, out_dir: Path, on_done) -> list[dict]:
+def _run_ray(fn: Callable, tasks: list[tuple], on_done) -> dict[int, object]:
     try:
         import ray
     except ImportError:
         raise ValueError("the ray backend needs Ray: pip install 'kvsim[dist]'") from None
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
-    task = ray.remote(run_one)
-    pending = [task.remote(name, config, str(out_dir)) for name, config in configs]
-    rows = []
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        rows.append(ray.get(done[0]))
+    remote = ray.remote(fn)
+    pending = {remote.remote(*task): i for i, task in enumerate(tasks)}
+    results: dict[int, object] = {}
+    waiting = list(pending)
+    while waiting:
+        done, waiting = ray.wait(waiting, num_returns=1)
+        results[pending[done[0]]] = ray.get(done[0])
         if on_done:
-            on_done(rows[-1])
-    return rows
+            on_done(results[pending[done[0]]])
+    return results

@@ -12,11 +12,11 @@ from kvsim.sim.sweep import expand_grid
 
 
 def test_grid_is_the_cartesian_product():
-    configs = dict(expand_grid(RunConfig(), {"block_size": [16, 128], "kv_dtype": ["bf16", "int8"]}))
-    assert sorted(configs) == ["block_size=128,kv_dtype=bf16", "block_size=128,kv_dtype=int8",
-                               "block_size=16,kv_dtype=bf16", "block_size=16,kv_dtype=int8"]
-    assert configs["block_size=16,kv_dtype=int8"].kv_dtype == "int8"
-    assert configs["block_size=16,kv_dtype=int8"].block_size == 16
+    configs = {name: config for name, _, config in expand_grid(RunConfig(), {"block_size": [16, 128], "kv_cache_dtype": ["bf16", "int8"]})}
+    assert sorted(configs) == ["block_size=128,kv_cache_dtype=bf16", "block_size=128,kv_cache_dtype=int8",
+                               "block_size=16,kv_cache_dtype=bf16", "block_size=16,kv_cache_dtype=int8"]
+    assert configs["block_size=16,kv_cache_dtype=int8"].kv_dtype == "int8"
+    assert configs["block_size=16,kv_cache_dtype=int8"].block_size == 16
 
 
 def test_sweep_runs_every_configuration_in_worker_processes(tmp_path):
@@ -29,8 +29,10 @@ def test_sweep_runs_every_configuration_in_worker_processes(tmp_path):
     assert [r["name"] for r in rows] == ["block_size=16,kv_dtype=bf16", "block_size=16,kv_dtype=int8",
                                          "block_size=32,kv_dtype=bf16", "block_size=32,kv_dtype=int8"]
     assert all(int(r["requests_completed"]) == 41 for r in rows)
+    assert [(r["block_size"], r["kv_dtype"]) for r in rows] == [("16", "bf16"), ("16", "int8"), ("32", "bf16"), ("32", "int8")]
     for row in rows:
         assert (tmp_path / "out" / row["name"] / "summary.json").exists()
+        assert (tmp_path / "out" / row["name"] / "COMPLETE").exists()
     # fewer tokens per block means more blocks in use at peak for the same traffic
     peak = {r["name"]: int(r["peak_kv_blocks_used"]) for r in rows}
     assert peak["block_size=16,kv_dtype=bf16"] > peak["block_size=32,kv_dtype=bf16"]
@@ -42,3 +44,26 @@ def test_sweep_file_errors_name_the_file(tmp_path):
     result = CliRunner().invoke(main, ["sweep", str(bad), "--out", str(tmp_path / "o")])
     assert result.exit_code != 0
     assert "bad.toml" in result.output and "block_sizes" in result.output
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+    sweep_file = tmp_path / "sweep.toml"
+    # block size 100 cannot map the demo trace's 32-token prefix hashes: that point fails
+    sweep_file.write_text('trace = "demo"\nnum_gpu_blocks_override = 60\n[grid]\nblock_size = [16, 100]\n')
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["sweep", str(sweep_file), "--out", str(out), "--jobs", "1", "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = {r["block_size"]: r for r in csv.DictReader((out / "sweep.csv").open())}
+    assert rows["16"]["status"] == "ok" and int(rows["16"]["requests_completed"]) == 41
+    assert rows["100"]["status"] == "failed" and "hash block size" in rows["100"]["error"]
+    assert "block_size=100 failed" in result.output
+    again = CliRunner().invoke(main, ["sweep", str(sweep_file), "--out", str(out), "--quiet"])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+
+
+def test_grid_values_are_type_checked(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('trace = "demo"\n[grid]\nblock_size = [16, "32"]\n')
+    result = CliRunner().invoke(main, ["sweep", str(bad), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "bad.toml [grid]: block_size = '32': expected an integer" in result.output

@@ -1,0 +1,79 @@
+"""Run directories are complete or absent: a run killed midway never leaves one marked complete,
+and an old run being overwritten stays whole until the new one replaces it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvsim.sim.outputs import SUMMARY, atomic_open
+from kvsim.sim.run_dir import COMPLETE, is_complete, staged_dir
+
+# --check makes the run slow enough (seconds of CPU) to be killed in the middle
+SLOW_RUN = ["simulate", "--trace", "mooncake_500", "--check", "--quiet"]
+
+
+def _kvsim(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "from kvsim.sim.cli import main; main()", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _kill_midway(proc: subprocess.Popen, parent: Path, sig: int) -> None:
+    deadline = time.monotonic() + 60
+    while not any(parent.glob(".run.partial-*")):  # the run has started
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "the run never started writing"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_killed_run_leaves_no_directory_marked_complete(tmp_path, sig):
+    proc = _kvsim(*SLOW_RUN, "--out", str(tmp_path / "run"))
+    _kill_midway(proc, tmp_path, sig)
+    assert proc.returncode != 0
+    assert not (tmp_path / "run").exists()
+    assert not [p for p in tmp_path.rglob(COMPLETE)]
+
+
+def test_an_interrupted_overwrite_keeps_the_old_run_whole(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", "from kvsim.sim.cli import main; main()", "simulate", "--trace", "demo",
+                           "--quiet", "--out", str(out)], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert is_complete(out) and SUMMARY in before
+    proc = _kvsim(*SLOW_RUN, "--overwrite", "--out", str(out))
+    _kill_midway(proc, tmp_path, signal.SIGKILL)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_staged_dir_is_renamed_only_on_success(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError):
+        with staged_dir(out) as tmp:
+            (tmp / "half.csv").write_text("a,b\n")
+            raise RuntimeError("stop")
+    assert not out.exists() and not list(tmp_path.iterdir())
+    with staged_dir(out) as tmp:
+        (tmp / "whole.csv").write_text("a,b\n")
+    assert is_complete(out) and (out / "whole.csv").exists()
+
+
+def test_atomic_open_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    with pytest.raises(ValueError):
+        with atomic_open(path) as fh:
+            fh.write("new, half")
+            raise ValueError("disk full")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
