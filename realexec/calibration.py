@@ -1,64 +1,83 @@
 """Which calibrated cost-model profile fits this machine, and making one when none does.
 
 A profile measured on one machine says little about another, so profiles are cached per
-machine fingerprint (processor, core count, torch version and threads, backend device name,
-profiler version)
-under ``$KVSIM_CACHE`` (default ``~/.cache/kvsim/profiles``). ``kvsim validate`` uses the
-cached one or profiles on the spot (``kvsim profile --quick``) and caches the result.
+machine fingerprint (what the backend says identifies its machine: processor, core count,
+torch version and threads, device name; plus the profiler's version) under ``$KVSIM_CACHE``
+(default ``~/.cache/kvsim/profiles``), each beside a JSON file listing those parts, so that
+when none fits the message can say what changed. ``kvsim validate`` uses the cached one or
+profiles on the spot (``kvsim profile --quick``) and caches the result.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import platform
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from kvsim.realexec.backends.cpu import cpu_threads
-
+from kvsim.realexec.backends import KernelBackend
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
-# by an older profiler are not reused (2: every timed run primed by a run of the same case).
-PROFILER_VERSION = 2
+# by an older profiler are not reused (2: every timed run primed by a run of the same case;
+# 3: the cpu backend times on its CPU-time clock, not the wall clock).
+PROFILER_VERSION = 3
+
+Echo = Callable[[str], None]
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVSIM_CACHE", Path.home() / ".cache" / "kvsim")) / "profiles"
 
 
-def _processor_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def fingerprint_parts(backend: KernelBackend) -> list[str]:
+    return [*backend.fingerprint_parts(), f"profiler {PROFILER_VERSION}"]
 
 
-def machine_fingerprint(backend: str) -> str:
-    threads = cpu_threads() if backend == "cpu" else torch.get_num_threads()
-    parts = [backend, platform.machine(), _processor_name(), str(os.cpu_count()), torch.__version__, str(threads),
-             f"profiler {PROFILER_VERSION}"]
-    if backend == "cuda" and torch.cuda.is_available():
-        parts.append(torch.cuda.get_device_name())
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+def machine_fingerprint(backend: KernelBackend) -> str:
+    return hashlib.sha256("|".join(fingerprint_parts(backend)).encode()).hexdigest()[:12]
 
 
-def calibrated_profile(backend: str, model: str, *, refresh: bool = False, echo: Callable[[str], None] | None = None) -> Path:
-    """Path of this machine's calibrated profile for (backend, model), profiling now if there is none."""
+@dataclass(frozen=True)
+class Calibrated:
+    path: Path
+    cached: bool  # True: measured by an earlier run (it may have gone stale); False: measured just now
+
+
+def calibrated_profile(backend: KernelBackend, model: str, *, refresh: str | None = None, echo: Echo | None = None) -> Calibrated:
+    """This machine's calibrated profile for (backend, model), profiling now if there is none.
+
+    ``refresh``: measure anew even if one is cached, for the reason given (echoed).
+    """
     from kvsim.realexec.profiler import run_profile
 
-    path = cache_dir() / f"{backend}-{Path(model).stem}-{machine_fingerprint(backend)}.toml"
+    say = echo or (lambda _: None)
+    parts = fingerprint_parts(backend)
+    stem = f"{backend.name}-{Path(model).stem}"
+    path = cache_dir() / f"{stem}-{machine_fingerprint(backend)}.toml"
     if path.exists() and not refresh:
-        if echo:
-            echo(f"using the calibrated profile {path}")
-        return path
-    if echo:
-        echo(f"no calibrated {backend} profile for this machine: profiling now (kvsim profile --quick) ...")
+        say(f"using the calibrated profile {path}")
+        return Calibrated(path, cached=True)
+    reason = refresh or why_not_cached(path.parent, stem, parts)
+    say(f"{reason}: profiling now (kvsim profile --quick, about a minute): timing how fast this machine runs the "
+        f"{Path(model).stem} model's operators and whole steps on {backend.clock}, so the simulator can predict "
+        f"its step times; the profile is cached as {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    run_profile(backend, model, path, quick=True, echo=echo)
-    return path
+    run_profile(backend.name, model, path, quick=True, torch_device=str(backend.device), echo=echo, progress=echo is not None)
+    path.with_suffix(".json").write_text(json.dumps(parts) + "\n")
+    return Calibrated(path, cached=False)
+
+
+def why_not_cached(folder: Path, stem: str, parts: list[str]) -> str:
+    """Why no cached profile fits: none was ever made here, or what differs from the newest one that was."""
+    cached = sorted(folder.glob(f"{stem}-*.toml"), key=lambda p: p.stat().st_mtime)
+    if not cached:
+        return "no calibrated profile of this backend and model in the cache (first run on this machine)"
+    recorded = cached[-1].with_suffix(".json")
+    if not recorded.exists():
+        return f"the cached profile {cached[-1].name} was made by an older profiler"
+    then = json.loads(recorded.read_text())
+    changed = [f"{old!r} -> {new!r}" for old, new in zip(then, parts) if old != new] if len(then) == len(parts) else []
+    return f"the cached profile {cached[-1].name} was measured on another machine or by another profiler" + (
+        f" ({', '.join(changed)})" if changed else "")

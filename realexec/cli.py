@@ -11,12 +11,14 @@ from pathlib import Path
 
 import click
 
-from kvsim.realexec.backends import get_backend
+from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
 from kvsim.realexec.executor import Executor
-from kvsim.sim.cli_options import run_config_from, run_options
+from kvsim.sim.cli_options import decisions_option, run_config_from, run_options
 from kvsim.sim.outputs import format_summary
 from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
 from kvsim.sim.runner import run_trace
+
+WORKLOAD = "the demo trace (41 requests) at 25x its arrival rate, the tiny model, a pool of 384 blocks of 16 tokens"
 
 # What `kvsim execute` / `validate` run when not told otherwise: the tiny model on the CPU,
 # a KV pool of a few hundred blocks (small enough that preemption happens on the demo), and
@@ -35,18 +37,21 @@ REAL_DEFAULTS = RunConfig(
 )
 
 
-def for_backend(config: RunConfig, backend_name: str) -> RunConfig:
+def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
     """The config as the backend's kernels require it (the npu's FIA limits a batch's block sum)."""
-    return config.updated(batch_blocks_within_pool=True) if backend_name == "npu" else config
+    return config.updated(batch_blocks_within_pool=True) if backend.needs_batch_blocks_within_pool else config
 
 
-def execute_run(config: RunConfig, backend_name: str, out_dir: Path | None, *, weights: Path | None = None,
-                check: bool = False, progress: bool = False):
-    """Run ``config`` on a real backend; returns (SimRun, summary). Shared by execute and validate."""
-    config = for_backend(config, backend_name)
+def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None, *, weights: Path | None = None,
+                check: bool = False, progress: bool = False, decisions: str = "summary"):
+    """Run ``config`` on a real backend; returns (SimRun, summary). Shared by execute and validate.
+
+    The summary's ``measured`` block names the clock step times were taken on and holds the
+    run's wall-clock time beside it (``wall_s``, per step in ``step_wall_s``).
+    """
+    config = for_backend(config, backend)
     resolved = resolve(config)
     trace = load_run_trace(config)
-    backend = get_backend(backend_name)
     engine_config = resolved.engine_config
     executor = Executor(
         resolved.model,
@@ -65,6 +70,9 @@ def execute_run(config: RunConfig, backend_name: str, out_dir: Path | None, *, w
         return {
             "backend": backend.name,
             "measured": {
+                "clock": backend.clock,
+                "wall_s": sum(executor.wall_s),
+                "step_wall_s": executor.wall_s,
                 "device_s": sum(d for d in run.steps.columns["device_s"] if d is not None),
                 "host_s": sum(h for h in run.steps.columns["host_s"] if h is not None),
                 "peak_memory_bytes": max(memory, default=None),
@@ -73,21 +81,24 @@ def execute_run(config: RunConfig, backend_name: str, out_dir: Path | None, *, w
         }
 
     return run_trace(resolved, trace, executor, out_dir, exact=True, check=check, progress=progress,
-                     label="execute", summary_extras=measured)
+                     label="execute", summary_extras=measured, decisions=decisions)
 
 
 @click.command()
 @run_options
-@click.option("--backend", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
+@click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
 @click.option("--weights", type=click.Path(exists=True, path_type=Path), help="safetensors file or directory (default: seeded random weights).")
 @click.option("--check", is_flag=True, help="Verify every plan and the engine's invariants (slower; not for timing).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Run directory.")
 @click.option("--quiet", is_flag=True)
-def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quiet: bool, **options) -> None:
+@decisions_option("summary")
+def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quiet: bool, decisions: str,
+            **options) -> None:
     """Run a trace on a real device; write the same files as simulate, with measured times."""
     try:
         config = run_config_from(options, base=REAL_DEFAULTS)
-        _, summary = execute_run(config, backend, out_dir, weights=weights, check=check, progress=not quiet)
+        _, summary = execute_run(config, get_backend(backend), out_dir, weights=weights, check=check, progress=not quiet,
+                                 decisions=decisions)
     except (ValueError, KeyError, RuntimeError) as exc:
         raise click.ClickException(str(exc).strip("'\"")) from None
     if not quiet:

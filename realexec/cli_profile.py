@@ -6,12 +6,12 @@ from pathlib import Path
 
 import click
 
-from kvsim.realexec.backends import BackendUnavailable
+from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable
 from kvsim.realexec.profiler import run_profile
 
 
 @click.command()
-@click.option("--backend", default="cpu", show_default=True, help="Kernel backend: cpu, cuda or npu.")
+@click.option("--backend", default="cpu", show_default=True, help=f"Kernel backend: {', '.join(BACKEND_NAMES)}.")
 @click.option("--model", default="tiny", show_default=True, help="Bundled model name or a model TOML path.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Profile TOML to write.")
 @click.option("--base-device", default=None,

@@ -42,6 +42,9 @@ class Executor:
 
     ``check=True`` verifies each plan against the block tables it carries (slot mapping, block
     ids in range) before running it; off by default so it never inflates measured host time.
+
+    A step's duration is measured on the backend's clock (``backend.clock``: device events, or
+    CPU time on the cpu backend); its wall-clock time is kept beside it in ``wall_s``.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class Executor:
         self.host_caches: KVCaches = backend.allocate_host_cache(*host_shape) if num_host_blocks else []
         self._tokens: dict[str, list[int]] = {}  # prompt + generated, per request
         self._prompt_lens: dict[str, int] = {}
+        self.wall_s: list[float] = []  # wall-clock seconds of every step run, in order
 
     # ---- StepTimer -------------------------------------------------------------------
 
@@ -92,10 +96,12 @@ class Executor:
         """
         if self.check:
             self._check_plan(plan)
+        clock = self.backend.host_time
+        wall_start = time.perf_counter()
         with torch.inference_mode():
-            start = time.perf_counter()
+            start = clock()
             inputs = self._build_inputs(plan) if plan.entries else None
-            host_s = time.perf_counter() - start
+            host_s = clock() - start
             operators: dict[str, float] = {}
             if plan.swap_out or plan.swap_in:
                 operators["swap"] = self.backend.elapsed(lambda: self._swap(plan))[1]
@@ -103,12 +109,13 @@ class Executor:
                 operators["copy"] = self.backend.elapsed(lambda: self.backend.copy_blocks(self.kv_caches, plan.copies))[1]
             if inputs is not None:
                 sampled, operators["forward"] = self.backend.elapsed(lambda: self._forward_and_sample(inputs))
-                start = time.perf_counter()
+                start = clock()
                 for request_id, token in zip(inputs.sampling_ids, sampled.tolist()):
                     self._tokens[request_id].append(token)
-                host_s += time.perf_counter() - start
+                host_s += clock() - start
         for parent, children in plan.forks:
             self._fork(parent, children)
+        self.wall_s.append(time.perf_counter() - wall_start)
         device_s = sum(operators.values())
         return StepTiming(
             duration_s=device_s + host_s,

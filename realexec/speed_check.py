@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvsim.realexec.backends import get_backend
+from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.executor import Executor
-from kvsim.realexec.profiler import OperatorBenches, StepShape, decode, footprint, measure, prefill
+from kvsim.realexec.profile_bench import OperatorBenches, measure
+from kvsim.realexec.profile_shapes import StepShape, decode, footprint, prefill
 from kvsim.sim.cost_model import CostModel
 
 REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
@@ -45,11 +46,11 @@ class SpeedCheck:
         return {"labels": self.labels, "measured_s": self.measured_s, "predicted_s": self.predicted_s, "ratio": self.ratio}
 
 
-def speed_check(backend_name: str, cost: CostModel, seed: int = 0) -> SpeedCheck:
-    """Time the reference steps on ``backend_name`` as the profiler times whole steps, and predict them with ``cost``."""
+def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:
+    """Time the reference steps on ``backend`` as the profiler times whole steps (its clock), and predict them with ``cost``."""
     block_size = cost.block_size
     blocks = 2 * max(footprint(shape, block_size) for _, shape in REFERENCE_SHAPES)  # room for spread-out tables
-    executor = Executor(cost.model, get_backend(backend_name), num_blocks=blocks, block_size=block_size, seed=seed,
+    executor = Executor(cost.model, backend, num_blocks=blocks, block_size=block_size, seed=seed,
                         kv_dtype=cost.kv_dtype)
     rng = np.random.default_rng(seed)
     benches = OperatorBenches(executor, rng, seed)

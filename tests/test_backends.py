@@ -222,9 +222,19 @@ def test_cpu_memory_in_use_counts_live_caches() -> None:
     assert host  # still alive, still not counted
 
 
-def test_cpu_elapsed_times_the_call() -> None:
-    result, seconds = CpuBackend().elapsed(lambda: time.sleep(0.02) or "done")
+def test_cpu_elapsed_counts_cpu_time_not_time_descheduled() -> None:
+    backend = CpuBackend()
+
+    def busy() -> str:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return "done"
+
+    result, seconds = backend.elapsed(busy)
     assert result == "done" and 0.02 <= seconds < 0.5
+    assert backend.elapsed(lambda: time.sleep(0.05))[1] < 0.01  # asleep, the device did no work
+    assert backend.clock == "thread CPU time"
 
 
 @pytest.mark.gpu

@@ -16,25 +16,10 @@ from click.testing import CliRunner  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from torch_npu_standin import make_torch_npu_standin  # noqa: E402
 from kvsim.realexec.cli_profile import profile as profile_command  # noqa: E402
-from kvsim.realexec.profiler import (  # noqa: E402
-    GROUPS,
-    QUICK,
-    KVPool,
-    Measured,
-    Measurements,
-    Sample,
-    Sweep,
-    decode,
-    default_base_device,
-    fit_groups,
-    machine,
-    measure,
-    prefill,
-    ragged_decode,
-    run_profile,
-    shape_features,
-    sweep_for,
-)
+from kvsim.realexec.profile_bench import KVPool, Measured, Sample, measure  # noqa: E402
+from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups  # noqa: E402
+from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_decode, shape_features, sweep_for  # noqa: E402
+from kvsim.realexec.profiler import run_profile  # noqa: E402
 from kvsim.sim.cost_model import CostModel  # noqa: E402
 from kvsim.sim.device import OperatorCoefficients, load_device, save_device  # noqa: E402
 from kvsim.sim.model_spec import load_model  # noqa: E402
@@ -173,7 +158,7 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     assert loaded == result.device and loaded.name == "cpu-calibrated"
     assert loaded.step_timing_noise == round(result.step_noise, 4)  # what validate reports as the noise floor
     assert loaded.source.startswith("kvsim profile --backend cpu --model tiny --seed 3 on ")
-    assert f"torch {torch.__version__} with num_threads=1," in loaded.source
+    assert f"torch {torch.__version__} with num_threads=1, timed on thread CPU time," in loaded.source
     base = load_device("cpu")
     assert loaded.operators != base.operators
     for coeffs in loaded.operators.values():
@@ -192,19 +177,27 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
 
 
 def test_base_device_sweep_and_machine_follow_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvsim.realexec.backends.cuda import CudaBackend
+    from kvsim.realexec.backends.npu import NpuBackend
+
     cpu = get_backend("cpu")
-    assert default_base_device(cpu) == "cpu" and sweep_for(cpu, quick=True) == QUICK
-    npu = types.SimpleNamespace(name="npu", device=torch.device("cpu"), torch_npu=make_torch_npu_standin())
-    npu.torch_npu.npu.get_device_name = lambda index: f"Ascend910B3 #{index}"
-    assert default_base_device(npu) == "ascend-910b3" and machine(npu) == "Ascend910B3 #0"
+    assert cpu.default_profile() == "cpu" and sweep_for(cpu, quick=True) == QUICK
+    assert not cpu.needs_batch_blocks_within_pool and cpu.clock == "thread CPU time"
+    standin = make_torch_npu_standin()
+    standin.npu.get_device_name = lambda index: f"Ascend910B3 #{index}"
+    npu = NpuBackend("cpu", torch_npu_module=standin)
+    assert npu.default_profile() == "ascend-910b3" and npu.machine_name() == "Ascend910B3 #0"
     assert sweep_for(npu, quick=True).block_sizes == sweep_for(npu, quick=False).block_sizes == (128, 256)  # FIA's sizes
-    cuda = types.SimpleNamespace(name="cuda", device=torch.device("cuda", 0))
+    assert npu.needs_batch_blocks_within_pool and npu.clock.startswith("device events")
+    cuda = object.__new__(CudaBackend)  # its facts without a GPU
+    cuda.device = torch.device("cuda", 0)
     for device_name, profile_name in (("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200")):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=device_name: name)
-        assert default_base_device(cuda) == profile_name and machine(cuda) == device_name
+        assert cuda.default_profile() == profile_name and cuda.machine_name() == device_name
+        assert device_name in cuda.fingerprint_parts()
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     with pytest.raises(ValueError, match="Tesla T4.*--base-device"):
-        default_base_device(cuda)
+        cuda.default_profile()
 
 
 @pytest.mark.parametrize(

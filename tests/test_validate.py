@@ -18,10 +18,12 @@ pytest.importorskip("plotly")
 
 from click.testing import CliRunner  # noqa: E402
 
+from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.cli import REAL_DEFAULTS  # noqa: E402
 from kvsim.realexec.cli_validate import cross_validate  # noqa: E402
 from kvsim.realexec.validation import Thresholds, compare_decisions  # noqa: E402
 from kvsim.sim.cli import main  # noqa: E402
+from kvsim.sim.decisions import read_decisions  # noqa: E402
 from kvsim.sim.device import DEVICES_DIR, load_device, save_device  # noqa: E402
 from kvsim.sim.run_config import load_run_trace  # noqa: E402
 
@@ -32,7 +34,7 @@ BASE_PROFILE = DEVICES_DIR / "cpu.toml"  # uncalibrated: fine for checking the m
 def validation(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("validate")
     config = REAL_DEFAULTS.updated(max_requests=10, num_blocks=48)  # a tight pool: preemptions happen
-    validation = cross_validate(config, load_run_trace(config), "cpu", BASE_PROFILE, out, Thresholds())
+    validation = cross_validate(config, load_run_trace(config), get_backend("cpu"), BASE_PROFILE, out, Thresholds())
     return validation, out
 
 
@@ -40,10 +42,9 @@ def test_replay_reproduces_the_real_decisions(validation):
     result, out = validation
     identity = result["decision_identity"]
     assert identity["identical"], identity["first_divergence"]
-    real = (out / "real" / "decisions.jsonl").read_text()
-    replay = (out / "replay" / "decisions.jsonl").read_text()
+    real, replay = list(read_decisions(out / "real")), list(read_decisions(out / "replay"))
     assert real == replay
-    assert identity["steps_compared"] == len(real.splitlines()) > 10
+    assert identity["steps_compared"] == len(real) > 10
     assert result["memory"]["preemptions"]["real"] > 0
 
 
@@ -69,8 +70,25 @@ def test_validation_json_has_every_metric(validation):
     assert memory["kv_pool_bytes"]["predicted"] == memory["kv_pool_bytes"]["measured"]
     assert {"peak_device_bytes", "peak_kv_blocks_used", "preemptions"} <= set(memory)
     names = {c["name"] for c in on_disk["checks"]}
-    assert {"decision_identity", "step_mape", "ttft_p50_rel_error", "tpot_p50_rel_error"} <= names
-    assert len(on_disk["series"]["step_time"]["predicted"]) == per_step["steps"]
+    assert names == {"decision_identity", "step_mape", "ttft_p50_rel_error", "tpot_p50_rel_error", "e2e_p50_rel_error",
+                     "throughput_rel_error", "kv_pool_bytes_rel_error"}
+    for check in on_disk["checks"]:
+        assert check["passed"] == (check["value"] is not None and check["value"] <= check["threshold"])
+    assert on_disk["passed"] == all(c["passed"] for c in on_disk["checks"])
+    series = on_disk["series"]["step_time"]
+    assert len(series["predicted"]) == len(series["measured"]) == len(series["wall"]) == per_step["steps"]
+
+
+def test_steps_are_timed_on_the_cpu_clock_with_the_wall_clock_beside(validation):
+    result, out = validation
+    clocks = json.loads((out / "validation.json").read_text())["clocks"]
+    assert clocks["step_time"] == clocks["speed_check"] == clocks["noise_floor"] == "thread CPU time"
+    assert "thread CPU time" in clocks["latency"] and clocks["wall_clock"].startswith("wall clock")
+    series, wall = result["series"]["step_time"], result["timing"]["wall_clock"]
+    # CPU time of one thread cannot exceed the wall time it ran in (the wall clock also holds what the engine did)
+    assert all(0 < cpu <= w for cpu, w in zip(series["measured"], series["wall"]))
+    assert wall["device_clock_s"] == pytest.approx(sum(series["measured"]))
+    assert wall["real_run_s"] == pytest.approx(sum(series["wall"])) and wall["real_run_s"] >= wall["device_clock_s"]
 
 
 def test_a_diverging_log_names_the_first_step():
@@ -93,6 +111,9 @@ def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(t
     assert "validation failed: step_mape" in result.output
     assert "step timing noise while profiling: 0.200" in result.output
     assert "speed check: reference steps took " in result.output
+    assert "of 7 checks passed" in result.output and "step times measured on thread CPU time" in result.output
+    last = [line for line in result.output.splitlines() if line.strip()][-2:]
+    assert last[0] == f"report: {tmp_path / 'v' / 'report.html'}" and last[1].startswith("Error: validation failed: step_mape")
     assert json.loads((tmp_path / "v" / "validation.json").read_text())["timing"]["per_step"]["noise_floor"] == 0.2
     assert (tmp_path / "v" / "report.html").exists()
     assert (tmp_path / "v" / "validation.json").exists()
@@ -102,11 +123,37 @@ def test_calibrated_profiles_are_cached_per_machine_and_profiler_version(tmp_pat
     from kvsim.realexec import calibration
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
-    runs: list[Path] = []
-    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: runs.append(Path(out)))
-    path = calibration.calibrated_profile("cpu", "tiny")
-    assert runs == [path] and path.parent == tmp_path / "profiles"
-    path.write_text("cached")
-    assert calibration.calibrated_profile("cpu", "tiny") == path and len(runs) == 1  # reused, not measured again
+    runs: list[tuple[Path, dict]] = []
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: runs.append((Path(out), kw)))
+    cpu, said = get_backend("cpu"), []
+    made = calibration.calibrated_profile(cpu, "tiny", echo=said.append)
+    assert not made.cached and [out for out, _ in runs] == [made.path] and made.path.parent == tmp_path / "profiles"
+    assert runs[0][1]["progress"]  # a bar with an ETA while it measures
+    assert "first run on this machine" in said[0] and "thread CPU time" in said[0]
+    made.path.write_text("cached")
+    again = calibration.calibrated_profile(cpu, "tiny")
+    assert again.cached and again.path == made.path and len(runs) == 1  # reused, not measured again
     monkeypatch.setattr(calibration, "PROFILER_VERSION", calibration.PROFILER_VERSION + 1)
-    assert calibration.calibrated_profile("cpu", "tiny") != path and len(runs) == 2  # a newer profiler measures anew
+    newer = calibration.calibrated_profile(cpu, "tiny", echo=said.append)
+    assert newer.path != made.path and len(runs) == 2  # a newer profiler measures anew, saying why
+    assert f"'profiler {calibration.PROFILER_VERSION - 1}' -> 'profiler {calibration.PROFILER_VERSION}'" in said[-1]
+    assert calibration.calibrated_profile(cpu, "tiny", refresh="--reprofile").path == newer.path and len(runs) == 3
+
+
+def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tmp_path, monkeypatch):
+    from kvsim.realexec import calibration, cli_validate
+    from kvsim.realexec.speed_check import SpeedCheck
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    cpu = get_backend("cpu")
+    path = tmp_path / "profiles" / f"cpu-tiny-{calibration.machine_fingerprint(cpu)}.toml"
+    path.parent.mkdir()
+    save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05), path)
+    reasons: list[str] = []
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: reasons.append(str(out)))
+    for ratio, remeasured in ((1.08, False), (1.3, True)):
+        monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0, r=ratio: SpeedCheck(["x"], [r], [1.0]))
+        said: list[str] = []
+        assert cli_validate.machine_profile(cpu, REAL_DEFAULTS, False, said.append) == path
+        assert bool(reasons) == remeasured
+    assert "the cached profile is stale: reference steps took 1.30x its prediction on thread CPU time" in said[-1]

@@ -7,6 +7,7 @@ It only helps if it runs before the process's first ``import torch``.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -14,9 +15,23 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend  # noqa: E402
 from kvsim.realexec.backends.errors import BackendUnavailable  # noqa: E402
 
-BACKEND_NAMES = ("cpu", "cuda", "npu")
+# The registry: name -> "module:Class", imported when asked for, so listing the names imports no backend.
+BACKENDS: dict[str, str] = {
+    "cpu": "kvsim.realexec.backends.cpu:CpuBackend",
+    "cuda": "kvsim.realexec.backends.cuda:CudaBackend",
+    "npu": "kvsim.realexec.backends.npu:NpuBackend",
+}
+BACKEND_NAMES = tuple(BACKENDS)
 
-__all__ = ["AttentionMetadata", "BACKEND_NAMES", "BackendUnavailable", "KernelBackend", "get_backend"]
+__all__ = ["AttentionMetadata", "BACKENDS", "BACKEND_NAMES", "BackendUnavailable", "KernelBackend", "backend_class", "get_backend"]
+
+
+def backend_class(name: str) -> type[KernelBackend]:
+    """The backend class registered as ``name``."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def get_backend(name: str, device: str | None = None) -> KernelBackend:
@@ -24,18 +39,4 @@ def get_backend(name: str, device: str | None = None) -> KernelBackend:
 
     Raises ``BackendUnavailable`` with a one-line reason when the backend cannot run here.
     """
-    if name == "cpu":
-        from kvsim.realexec.backends.cpu import CpuBackend
-
-        if device not in (None, "cpu"):
-            raise ValueError(f"the cpu backend runs on 'cpu', not {device!r}")
-        return CpuBackend()
-    if name == "cuda":
-        from kvsim.realexec.backends.cuda import CudaBackend
-
-        return CudaBackend(device)
-    if name == "npu":
-        from kvsim.realexec.backends.npu import NpuBackend
-
-        return NpuBackend(device)
-    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    return backend_class(name)(device)

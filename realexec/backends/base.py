@@ -13,10 +13,11 @@ prefix + new chunk), decode and mixed batches; metadata says which it is.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -111,10 +112,37 @@ class AttentionMetadata:
 
 
 class KernelBackend(ABC):
-    """Device-specific paged-KV kernels. Stateless apart from the device it targets."""
+    """Device-specific paged-KV kernels. Stateless apart from the device it targets.
+
+    A backend also owns the facts the rest of kvsim would otherwise branch on its name for:
+    its clock, its kernels' limits, the bundled profile a calibration starts from, and what
+    identifies the machine a profile was measured on.
+    """
 
     name: str
     device: torch.device
+    # What ``elapsed`` and ``host_time`` measure, as validation.json and the reports name it.
+    clock: str = "device events (host overhead: wall clock)"
+    # The kernels reject a batch whose per-sequence block counts sum past the pool (FIA on Ascend).
+    needs_batch_blocks_within_pool: ClassVar[bool] = False
+    # Block sizes the paged kernels take, where they do not take the profiler's defaults.
+    profile_block_sizes: ClassVar[tuple[int, ...] | None] = None
+
+    def host_time(self) -> float:
+        """Seconds on the clock host overhead (building inputs, Python) is timed with."""
+        return time.perf_counter()
+
+    def default_profile(self) -> str:
+        """The bundled device profile a calibration of this backend starts from (its roofs are kept)."""
+        raise ValueError(f"no bundled profile for the {self.name} backend: pass --base-device NAME or a .toml path")
+
+    def machine_name(self) -> str:
+        """What runs the kernels, for a profile's ``source`` and the machine fingerprint."""
+        return str(self.device)
+
+    def fingerprint_parts(self) -> list[str]:
+        """What must match for a profile measured earlier to describe this machine now."""
+        return [self.name, self.machine_name(), torch.__version__, f"{torch.get_num_threads()} torch threads"]
 
     @abstractmethod
     def allocate_kv_cache(

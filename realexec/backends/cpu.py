@@ -5,17 +5,24 @@ still alive (tracked by weak reference), not the process's RSS: the device-memor
 simulator is validated against is the KV pool, and on a CPU there is no allocator to ask.
 The swap pool is host memory on every device, so it is not counted here either.
 
-Timing runs on one intra-op thread unless ``KVSIM_CPU_THREADS`` says otherwise: on a 2-core
-VM two threads made step times 3-25x noisier, and with one thread ``kvsim validate``'s TTFT
-and TPOT p50 errors fell from 102 % / 88 % to 7 % / 6 % (docs/benchmarks.md). Profiles are
-only comparable at the same thread count, which is part of the machine fingerprint.
+Its device clock is CPU time, not the wall clock: as a GPU's or an NPU's step time comes from
+device events, time this process spent descheduled (other tenants, other threads, a
+hypervisor's steal) is not time the "device" worked. One decode step repeated under a load of
+about 3 on 2 cores spread 33.7 % on the wall clock and 9.1 % in thread CPU time (issue 13).
+With one intra-op thread (``KVSIM_CPU_THREADS``, default 1) every kernel runs on the calling
+thread, so ``time.thread_time()`` sees all of it; with more, the clock is the process's CPU
+time, the work of all its threads. One thread also because on a 2-core VM two made step
+times 3-25x noisier (docs/benchmarks.md). Profiles are only comparable at the same thread
+count, which is part of the machine fingerprint.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import time
 import weakref
+from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -40,10 +47,27 @@ class CpuBackend(TorchBackend):
     # CPU SDPA has vectorised fp32 and bf16 kernels but no fast fp16 path.
     compute_dtypes = {torch.float16: torch.float32}
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
+        if device not in (None, "cpu"):
+            raise ValueError(f"the cpu backend runs on 'cpu', not {device!r}")
         self.device = torch.device("cpu")
-        torch.set_num_threads(cpu_threads())
+        self.threads = cpu_threads()
+        torch.set_num_threads(self.threads)
+        self._cpu_time = time.thread_time if self.threads == 1 else time.process_time
+        self.clock = "thread CPU time" if self.threads == 1 else f"process CPU time ({self.threads} threads)"
         self._caches: list[weakref.ref[torch.Tensor]] = []
+
+    def host_time(self) -> float:
+        return self._cpu_time()
+
+    def default_profile(self) -> str:
+        return "cpu"
+
+    def machine_name(self) -> str:
+        return f"{_processor_name()} ({os.cpu_count()} cpus)"
+
+    def fingerprint_parts(self) -> list[str]:
+        return [self.name, platform.machine(), self.machine_name(), torch.__version__, f"{self.threads} torch threads"]
 
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
@@ -69,6 +93,16 @@ class CpuBackend(TorchBackend):
         return sum(t.nbytes for t in (ref() for ref in self._caches) if t is not None)
 
     def elapsed(self, fn: Callable[[], R]) -> tuple[R, float]:
-        start = time.perf_counter()
+        start = self._cpu_time()
         result = fn()
-        return result, time.perf_counter() - start
+        return result, self._cpu_time() - start
+
+
+def _processor_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

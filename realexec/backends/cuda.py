@@ -30,6 +30,10 @@ FLASHINFER_HEAD_SIZES = (64, 128, 256)
 FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k workspace
 
 
+# Bundled profiles a CUDA calibration starts from, by a marker in the device's name.
+CUDA_PROFILES = (("H200", "h200"), ("H100", "h100-sxm"))
+
+
 class CudaBackend(TorchBackend):
     name = "cuda"
 
@@ -49,6 +53,16 @@ class CudaBackend(TorchBackend):
         self.paged_kernel = "flashinfer" if self._flashinfer is not None else "torch"
         self._wrapper: Any = None
         self._planned_for: tuple[weakref.ref[AttentionMetadata], tuple] | None = None
+
+    def machine_name(self) -> str:
+        return torch.cuda.get_device_name(self.device)
+
+    def default_profile(self) -> str:
+        name = self.machine_name()
+        for marker, profile_name in CUDA_PROFILES:
+            if marker in name:
+                return profile_name
+        raise ValueError(f"no bundled profile for CUDA device {name!r}: pass --base-device NAME or a .toml path")
 
     def allocate_host_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype

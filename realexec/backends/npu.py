@@ -103,6 +103,8 @@ def _unavailable(err: BaseException) -> BackendUnavailable:
 
 class NpuBackend(KernelBackend):
     name = "npu"
+    needs_batch_blocks_within_pool = True  # FIA: "blocknum >= sum(ceil(seq_len / block_size))"
+    profile_block_sizes = (128, 256)  # FIA takes block sizes 128 to 512
 
     def __init__(self, device: str | None = None, torch_npu_module: Any = None) -> None:
         self.torch_npu = torch_npu_module if torch_npu_module is not None else import_torch_npu()
@@ -122,6 +124,12 @@ class NpuBackend(KernelBackend):
         )
         self._causal_mask: torch.Tensor | None = None
         self.preflight_warnings = _raise_errors(environment_problems(self.torch_npu), "npu backend unavailable")
+
+    def default_profile(self) -> str:
+        return "ascend-910b3"
+
+    def machine_name(self) -> str:
+        return str(self.torch_npu.npu.get_device_name(self.device.index or 0))
 
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype

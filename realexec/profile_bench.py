@@ -1,0 +1,324 @@
+"""How ``kvsim profile`` times things: primed shuffled rounds, paged KV pools laid out as an engine
+lays them out, a case per operator class and shape, and engine-scheduled runs of synthetic traces.
+
+Timing hygiene: cases are timed in rounds that visit all of them in a seeded shuffled order, so a
+slow spell on a shared machine spreads over all of them instead of biasing one (or passing for a
+block-size effect), and each timed run follows an untimed run of the same case, so it finds the
+caches as a serving run's similar previous step leaves them; a case's time is its median. How
+far single runs stray from that median is reported as the timing noise: a model's per-step
+error against single runs cannot go much below it. Everything is timed on the backend's clock
+(``KernelBackend.clock``), the one ``kvsim execute`` times steps with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import PlanEntry, StepPlan
+from kvsim.policies.request import Request
+from kvsim.realexec.backends import KernelBackend
+from kvsim.realexec.backends.base import AttentionMetadata
+from kvsim.realexec.executor import Executor
+from kvsim.realexec.profile_shapes import StepShape, Sweep, decode, prefill, shape_features, step_kind
+from kvsim.sim.cost_model import StepFeatures, features_from_plan
+from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.step_timer import StepTiming
+from kvsim.traces.synth import Uniform, synthesize
+
+Case = Callable[[], float]  # runs once, returns the seconds to count
+
+
+@dataclass
+class Measured:
+    """Every timed run of each case, and each case's median."""
+
+    median: np.ndarray  # [cases]
+    runs: np.ndarray  # [cases, repeats]
+
+
+def measure(cases: Sequence[Case], repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
+    """Time ``repeats`` rounds, each visiting the cases in a fresh shuffled order, every timed run primed.
+
+    Each timed run follows an untimed run of the same case, which leaves the caches holding that
+    case's weights and KV blocks, as the step before it does in a serving run (a decode step
+    follows a decode step of about the same batch). Timed right after some other case instead, a
+    batch-1 decode step measured 27 % slower on a CPU, and the profile overestimated every small
+    step of a served trace (docs/benchmarks.md). ``tick`` is called after every timed run.
+    """
+    runs = np.empty((len(cases), repeats))
+    for r in range(repeats):
+        for i in rng.permutation(len(cases)):
+            cases[i]()
+            runs[i, r] = cases[i]()
+            if tick is not None:
+                tick()
+    return Measured(np.median(runs, axis=1), runs)
+
+
+
+@dataclass
+class KVPool:
+    """Paged KV caches of one block size: the executor's own, or a bare one for attention alone."""
+
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_size: int
+    num_blocks: int
+
+    def tables(self, shape: StepShape, rng: np.random.Generator) -> list[list[int]]:
+        """Block tables of a step of this shape, laid out as an engine's free queue hands them out.
+
+        A request's blocks come off a FIFO free queue together at admission, so each sequence
+        holds a run of consecutive blocks; the runs sit in random order with random gaps in a
+        region twice the step's footprint (a serving engine's running batch fills most of its
+        pool, so what a step reads is about as spread, and as cache-resident, as that). On a CPU
+        the layout matters: consecutive blocks gather faster than scattered ones.
+        """
+        counts = [-(-(s.cached + s.new) // self.block_size) for s in shape]
+        footprint = sum(counts)
+        if footprint > self.num_blocks:
+            raise ValueError(f"a step of {footprint} blocks does not fit the profiling pool of {self.num_blocks}")
+        spare = min(self.num_blocks, 2 * footprint) - footprint
+        gaps = rng.multinomial(spare, np.full(len(counts) + 1, 1.0 / (len(counts) + 1)))
+        tables: list[list[int]] = [[] for _ in counts]
+        start = 0
+        for i, gap in zip(rng.permutation(len(counts)).tolist(), gaps):
+            start += int(gap)
+            tables[i] = list(range(start, start + counts[i]))
+            start += counts[i]
+        return tables
+
+    def metadata(self, shape: StepShape, rng: np.random.Generator, device: torch.device) -> AttentionMetadata:
+        """Attention metadata of a step of this shape, as the executor builds it."""
+        return AttentionMetadata.build(
+            [s.new for s in shape], [s.cached + s.new for s in shape], self.tables(shape, rng), self.block_size, device
+        )
+
+
+class PlanBuilder:
+    """StepPlans of given shapes for one executor, with fresh requests every time.
+
+    A sampled token is appended to its request, so the same plan could not run twice.
+    """
+
+    def __init__(self, executor: Executor, rng: np.random.Generator) -> None:
+        self.executor = executor
+        self.pool = KVPool(executor.kv_caches, executor.block_size, executor.num_blocks)
+        self.rng = rng
+        self._next_id = 0
+
+    def plan(self, shape: StepShape) -> StepPlan:
+        bs = self.pool.block_size
+        plan = StepPlan(step=self._next_id)
+        for s, table in zip(shape, self.pool.tables(shape, self.rng)):
+            rid = f"profile-{self._next_id}"
+            self.executor.add_request(Request(rid, self._next_id, 0.0, s.cached + s.new, 1))
+            self._next_id += 1
+            plan.entries.append(PlanEntry(rid, s.cached, s.new, not s.is_decode, s.samples))
+            plan.block_tables[rid] = table
+            plan.slot_mapping += [table[p // bs] * bs + p % bs for p in range(s.cached, s.cached + s.new)]
+        return plan
+
+
+
+@dataclass
+class Sample:
+    """One case of a group: what the cost model sees, a label for the error report, and how to run it."""
+
+    group: str
+    label: str
+    features: StepFeatures
+    run: Case
+
+
+class OperatorBenches:
+    """Cases for every group on one executor's model, caches and backend."""
+
+    def __init__(self, executor: Executor, rng: np.random.Generator, seed: int) -> None:
+        self.ex = executor
+        self.builder = PlanBuilder(executor, rng)
+        self.rng = rng
+        self.spec = executor.spec
+        self.backend: KernelBackend = executor.backend
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def _features(self, shape: StepShape) -> StepFeatures:
+        return shape_features(shape, self.ex.block_size)
+
+    def _randn(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        x = torch.randn(*shape, generator=self.gen, dtype=torch.float32)
+        return x.to(device=self.backend.device, dtype=dtype or self.ex.model.dtype)
+
+    def _timed(self, fn: Callable[[], object]) -> float:
+        return self.backend.elapsed(fn)[1]
+
+    def gemm(self, tokens: int) -> Sample:
+        s = self.spec
+        x, attn, act = self._randn(tokens, s.hidden_size), self._randn(tokens, s.q_size), self._randn(tokens, s.intermediate_size)
+
+        def run() -> None:
+            for layer in self.ex.model.layers:
+                x @ layer.qkv_proj.T
+                attn @ layer.o_proj.T
+                x @ layer.gate_up_proj.T
+                act @ layer.down_proj.T
+
+        return Sample("gemm", "gemm", self._features(prefill(tokens)), lambda: self._timed(run))
+
+    def forward_without_attention(self, tokens: int) -> Sample:
+        """The decoder's forward pass with attention replaced by the identity: GEMMs + elementwise."""
+        ids = torch.randint(0, self.spec.vocab_size, (tokens,), generator=self.gen).to(self.backend.device)
+        positions = torch.arange(tokens).to(self.backend.device)
+
+        def run() -> None:
+            self.ex.model.forward(ids, positions, lambda layer, q, k, v: q)
+
+        return Sample("elementwise", "forward without attention", self._features(prefill(tokens)), lambda: self._timed(run))
+
+    def kv_write(self, tokens: int) -> Sample:
+        s, bs = self.spec, self.ex.block_size
+        k, v = (self._randn(tokens, s.num_kv_heads, s.head_dim, dtype=self.ex.kv_dtype) for _ in range(2))
+        shape = prefill(tokens)
+
+        def case() -> float:
+            table = self.builder.pool.tables(shape, self.rng)[0]
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(tokens)], dtype=torch.int64).to(self.backend.device)
+            return self._timed(lambda: [self.backend.write_kv(k, v, kc, vc, slots) for kc, vc in self.ex.kv_caches])
+
+        return Sample("kv_write", "kv_write", self._features(shape), case)
+
+    def attention(self, shape: StepShape, pool: KVPool) -> Sample:
+        s = self.spec
+        q = self._randn(sum(x.new for x in shape), s.num_heads, s.head_dim, dtype=self.ex.kv_dtype)
+        scale = self.ex.model.scale
+
+        def case() -> float:
+            meta = pool.metadata(shape, self.rng, self.backend.device)  # fresh: what a backend derives per step is part of the cost
+            return self._timed(lambda: [self.backend.attention(q, kc, vc, meta, scale) for kc, vc in pool.caches])
+
+        label = f"attention {'decode' if shape[0].is_decode else 'prefill'}"
+        return Sample("attention", label, shape_features(shape, pool.block_size), case)
+
+    def lm_head(self, rows: int) -> Sample:
+        hidden = self._randn(rows, self.spec.hidden_size)
+        return Sample("lm_head", "lm_head", self._features(decode(rows, 1)), lambda: self._timed(lambda: self.ex.model.logits(hidden)))
+
+    def sampling(self, rows: int) -> Sample:
+        """Greedy sampling, as the executor samples: an argmax over the fp32 logits."""
+        logits = self.ex.model.logits(self._randn(rows, self.spec.hidden_size))
+        return Sample("sampling", "sampling", self._features(decode(rows, 1)), lambda: self._timed(lambda: logits.argmax(dim=-1)))
+
+    def block_copy(self, blocks: int) -> Sample:
+        def case() -> float:
+            ids = self.rng.permutation(self.ex.num_blocks)[: 2 * blocks].tolist()
+            pairs = list(zip(ids[:blocks], ids[blocks:]))
+            return self._timed(lambda: self.backend.copy_blocks(self.ex.kv_caches, pairs))
+
+        return Sample("block_copy", "block_copy", _only("copy_blocks", blocks), case)
+
+    def swap(self, blocks: int, out: bool) -> Sample:
+        def case() -> float:
+            device = self.rng.permutation(self.ex.num_blocks)[:blocks].tolist()
+            host = self.rng.permutation(self.ex.num_host_blocks)[:blocks].tolist()
+            if out:
+                return self._timed(lambda: self.backend.swap(self.ex.kv_caches, self.ex.host_caches, list(zip(device, host))))
+            return self._timed(lambda: self.backend.swap(self.ex.host_caches, self.ex.kv_caches, list(zip(host, device))))
+
+        return Sample("swap", "swap out" if out else "swap in", _only("swap_blocks", blocks), case)
+
+    def step(self, shape: StepShape) -> Sample:
+        """A whole step through the executor: what the simulator's step time must match."""
+        return Sample("steps", f"steps {step_kind(shape)}", self._features(shape), lambda: self.ex.step(self.builder.plan(shape)).duration_s)
+
+
+
+def _only(name: str, value: int) -> StepFeatures:
+    return StepFeatures(**{**{f.name: 0.0 for f in fields(StepFeatures)}, name: float(value)})
+
+
+
+def sweep_samples(benches: OperatorBenches, sweep: Sweep, pools: Sequence[KVPool], fits: Callable[[StepShape, int], bool]) -> list[Sample]:
+    """Every case: attention at every pool's block size, whole steps and the other operators on the executor.
+
+    ``fits(shape, block_size)`` drops shapes too large for the memory the profile may use.
+    """
+    samples = [benches.attention(shape, pool) for pool in pools for shape in sweep.attention_shapes() if fits(shape, pool.block_size)]
+    samples += [benches.step(shape) for shape in sweep.step_shapes() if fits(shape, benches.ex.block_size)]
+    for n in sweep.token_counts:
+        samples += [benches.gemm(n), benches.forward_without_attention(n), benches.kv_write(n)]
+    for rows in sweep.sample_rows:
+        samples += [benches.lm_head(rows), benches.sampling(rows)]
+    for blocks in sweep.moved_blocks:
+        samples += [benches.block_copy(blocks), benches.swap(blocks, out=True), benches.swap(blocks, out=False)]
+    return samples
+
+
+
+@dataclass
+class StepRecords:
+    """Steps run once each: their features, measured ``duration_s`` and kind (prefill, decode, mixed)."""
+
+    features: list[StepFeatures] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+
+
+class RecordingTimer:
+    """The executor as a step timer that records every step it runs.
+
+    Request ids get ``prefix``, so several engine runs can share one executor (trace ids repeat).
+    """
+
+    def __init__(self, executor: Executor, prefix: str) -> None:
+        self.executor = executor
+        self.prefix = prefix
+        self.records = StepRecords()
+
+    def add_request(self, request: Request) -> None:
+        self.executor.add_request(replace(request, request_id=self.prefix + request.request_id))
+
+    def step(self, plan: StepPlan) -> StepTiming:
+        p = self.prefix
+        timing = self.executor.step(replace(
+            plan,
+            entries=[replace(e, request_id=p + e.request_id) for e in plan.entries],
+            block_tables={p + rid: table for rid, table in plan.block_tables.items()},
+            forks=[(p + parent, [p + child for child in children]) for parent, children in plan.forks],
+        ))
+        if plan.entries:
+            self.records.features.append(features_from_plan(plan, self.executor.block_size))
+            self.records.seconds.append(timing.duration_s)
+            self.records.kinds.append(plan.kind)
+        return timing
+
+
+def engine_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
+    """An engine-scheduled synthetic trace replayed on ``executor``, each step measured once.
+
+    Two-turn conversations arriving faster than they are served give what a serving run has:
+    batched decodes of mixed contexts, prompts split into chunks beside them, and second turns
+    that prefill only what their cached first turn does not cover. The engine's pool holds the
+    ``max_num_seqs`` longest requests at once, as a server's pool is sized to its batch, so the
+    blocks it hands out span a region about as large as a served batch's (on a CPU, a pool
+    that fits the cache times very differently from one that does not).
+    """
+    longest = max(sweep.prefill_tokens)
+    trace = synthesize(
+        rate=1000.0, n_requests=sweep.engine_requests, prompt=Uniform(min(16, longest), longest), output=Uniform(2, 48), turns=2,
+        think_time_s=0.05, hash_block_size=executor.block_size, seed=seed,
+    )
+    lengths = np.minimum(trace.prompt_tokens + trace.output_tokens, executor.spec.max_position)
+    batch = max(sweep.decode_batches)
+    blocks = int(np.sum(-(-np.sort(lengths)[-batch:] // executor.block_size)))
+    config = EngineConfig(
+        num_blocks=min(executor.num_blocks, blocks), block_size=executor.block_size, max_model_len=int(lengths.max()),
+        max_num_seqs=batch, max_num_batched_tokens=longest,
+    )
+    timer = RecordingTimer(executor, prefix=f"engine-{seed}-")
+    simulate(trace, EngineCore(config), timer, SimOptions(exact=True))
+    return timer.records

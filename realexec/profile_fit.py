@@ -1,0 +1,119 @@
+"""How ``kvsim profile`` turns measurements into a calibrated profile: operator groups fitted in order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Sequence
+
+import numpy as np
+
+from kvsim.realexec.profile_bench import Measured, Sample, StepRecords
+from kvsim.sim.cost_model import STEP_OPERATORS, CostModel, StepFeatures
+from kvsim.sim.device import DeviceProfile
+from kvsim.sim.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    """Operators fitted together from one kind of measurement, in :data:`GROUPS` order.
+
+    ``fixed`` operators also run inside the measured time; they were fitted by an earlier group.
+    """
+
+    name: str
+    operators: tuple[str, ...]
+    fixed: tuple[str, ...] = ()
+
+
+HOST_OPERATORS = ("host_step", "host_seq")
+GROUPS = (
+    Group("gemm", ("gemm",)),
+    Group("elementwise", ("elementwise",), fixed=("gemm",)),  # measured: the forward pass without attention
+    Group("kv_write", ("kv_write",)),
+    Group("attention", ("attn_prefill", "attn_decode", "paged_gather")),
+    Group("lm_head", ("lm_head",)),
+    Group("sampling", ("sampling",)),
+    Group("block_copy", ("block_copy",)),
+    Group("swap", ("swap",)),
+    Group("steps", HOST_OPERATORS, fixed=tuple(op for op in STEP_OPERATORS if op not in HOST_OPERATORS)),
+)
+
+
+
+def stack(features: Sequence[StepFeatures]) -> StepFeatures:
+    return StepFeatures(**{f.name: np.array([getattr(x, f.name) for x in features], dtype=np.float64) for f in fields(StepFeatures)})
+
+
+
+@dataclass(frozen=True)
+class FitError:
+    """How far the calibrated model's times are from the measured ones, relative to the measured."""
+
+    name: str
+    samples: int
+    mape: float
+    max_error: float
+
+    @classmethod
+    def of(cls, name: str, predicted: np.ndarray, measured: np.ndarray) -> "FitError":
+        errors = np.abs(np.asarray(predicted) / np.asarray(measured) - 1.0)
+        return cls(name, int(errors.size), float(errors.mean()), float(errors.max()))
+
+
+@dataclass
+class Measurements:
+    """Every measured sample of a profiling run, in measurement order per group."""
+
+    labels: dict[str, list[str]] = field(default_factory=dict)
+    features: dict[str, list[StepFeatures]] = field(default_factory=dict)
+    median: dict[str, list[float]] = field(default_factory=dict)
+    noise: dict[str, list[np.ndarray]] = field(default_factory=dict)  # |run / median - 1|: a perfect model's error on one run
+
+    def add_once(self, steps: StepRecords) -> None:
+        """Whole steps measured once each (an engine run): fitted with the steps group, no noise figure."""
+        self.labels.setdefault("steps", []).extend(f"engine {kind}" for kind in steps.kinds)
+        self.features.setdefault("steps", []).extend(steps.features)
+        self.median.setdefault("steps", []).extend(steps.seconds)
+
+    def add(self, samples: Sequence[Sample], measured: Measured) -> None:
+        for i, sample in enumerate(samples):
+            self.labels.setdefault(sample.group, []).append(sample.label)
+            self.features.setdefault(sample.group, []).append(sample.features)
+            self.median.setdefault(sample.group, []).append(float(measured.median[i]))
+            self.noise.setdefault(sample.group, []).append(np.abs(measured.runs[i] / measured.median[i] - 1.0))
+
+
+def fit_groups(spec: ModelSpec, base: DeviceProfile, block_size: int, data: Measurements) -> tuple[DeviceProfile, list[FitError]]:
+    """Fit every group in :data:`GROUPS` order; each starts from the coefficients fitted before it.
+
+    The attention group also decides ``padded_attention``: it is fitted both ways and the layout
+    that explains the measurements better is kept (ragged batches in the sweep tell them apart).
+    Returns the calibrated profile and the fit's error per group and per labelled subset.
+    """
+    device, errors = base, []
+    for group in GROUPS:
+        if group.name not in data.median:
+            continue
+        features, seconds = stack(data.features[group.name]), np.array(data.median[group.name])
+        layouts = [replace(device, padded_attention=p) for p in (False, True)] if group.name == "attention" else [device]
+        fits = sorted((_fit_group(spec, layout, block_size, group, features, seconds) for layout in layouts), key=lambda fit: fit[2])
+        (device, predicted, _), rejected = fits[0], fits[1:]
+        labels = np.array(data.labels[group.name])
+        for label in dict.fromkeys(labels.tolist()):
+            rows = labels == label
+            errors.append(FitError.of(label, predicted[rows], seconds[rows]))
+        if len(set(labels)) > 1:
+            errors.append(FitError.of(group.name, predicted, seconds))
+        for other, other_predicted, _ in rejected:
+            errors.append(FitError.of(f"{group.name} if {'' if other.padded_attention else 'not '}padded", other_predicted, seconds))
+    return device, errors
+
+
+def _fit_group(
+    spec: ModelSpec, device: DeviceProfile, block_size: int, group: Group, features: StepFeatures, seconds: np.ndarray
+) -> tuple[DeviceProfile, np.ndarray, float]:
+    """The profile with ``group`` fitted, its predictions of the group's samples, and their MAPE."""
+    fitted = device.with_operators(CostModel(spec, device, block_size).fit(features, seconds, group.operators, fixed=group.fixed))
+    times = CostModel(spec, fitted, block_size).operator_times(features)
+    predicted = sum(np.broadcast_to(times[op], seconds.shape) for op in group.operators + group.fixed)
+    return fitted, predicted, float(np.mean(np.abs(predicted / seconds - 1.0)))
