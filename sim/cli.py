@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("kvsim.traces.cli:trace", "Inspect, synthesise and convert request traces."),
     "simulate": ("kvsim.sim.cli_simulate:simulate", "Replay a trace through the SimPy simulator."),
     "memory": ("kvsim.sim.cli_memory:memory", "HBM breakdown and KV block count for a model on a device."),
+    "fidelity": ("kvsim.sim.fidelity_cli:fidelity", "Predicted vs published vLLM / vllm-ascend serving figures."),
     "sweep": ("kvsim.sim.cli_sweep:sweep", "Run many what-if simulations (local processes or Ray)."),
     "execute": ("kvsim.realexec.cli:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
     "profile": ("kvsim.realexec.cli_profile:profile", "Measure a backend and fit the cost model's coefficients."),

@@ -1,0 +1,429 @@
+"""Published serving measurements replayed through the simulator: how far kvsim is from real engines.
+
+Each row of ``sim/published/serving.toml`` is one figure a public source measured on vLLM or
+vllm-ascend (a TTFT, a TPOT, a throughput, a KV block count), with the configuration it was
+measured under. :func:`predict_row` rebuilds that configuration (model, device, engine mode,
+prompt and output lengths, number of prompts, arrival rate or client concurrency) and predicts
+the same figure. Rows are ``fit`` or ``check``: :func:`fit_parameters` solves each fit row's one
+named parameter (``fits``) so that row is matched, in file order, and check rows are only
+predicted, never used to choose a value, so their error is the model's accuracy.
+
+Benchmark clients are reproduced as follows (vLLM ``benchmarks/`` and ``vllm bench``):
+``batch`` = every prompt at t = 0 inside the engine (offline latency / throughput tests, no API
+server); ``burst`` = every prompt at t = 0 through the API server (``--request-rate inf``);
+``poisson`` = Poisson arrivals at ``rate`` (fixed seed); ``concurrency`` = a closed loop of
+``concurrency`` clients, each sending its next prompt when the previous one finishes, solved as
+a fixed point (the arrivals of one simulation are the finishes of the previous one).
+Served requests (not ``batch``) pass the API server first, one at a time, ``request_s`` each
+(the engine profile's): at low load a fixed delay, at a burst of many prompts a queue. Where a
+source gives only totals of a dataset's lengths (ShareGPT), lengths are drawn lognormal (cv
+``length_cv``), kept inside vLLM's ShareGPT filter (prompt 4..1024 tokens, prompt + output <=
+2048) and scaled so their sums equal the published totals: per-request lengths are an
+assumption, the totals are not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.device import DeviceProfile, OperatorCoefficients, load_device
+from kvsim.sim.engine_overhead import EngineProfile
+from kvsim.sim.memory import plan_memory
+from kvsim.sim.model_spec import load_model
+from kvsim.sim.run_config import ResolvedRun, RunConfig, resolve
+from kvsim.sim.runner import run_trace
+from kvsim.sim.toml_io import load_toml
+from kvsim.traces.schema import Trace
+from kvsim.traces.synth import poisson_arrivals
+
+PUBLISHED = Path(__file__).parent / "published" / "serving.toml"
+SPLITS = ("fit", "check")
+WORKLOADS = ("batch", "burst", "poisson", "concurrency", "memory")
+METRICS = (
+    "ttft_mean", "ttft_median", "tpot_mean", "tpot_median", "e2e_mean", "batch_latency",
+    "output_throughput", "total_throughput", "request_throughput", "num_blocks",
+)  # fmt: skip
+# Parameters a fit row may solve, and the range searched (log-spaced bisection).
+PARAMETERS: dict[str, tuple[float, float]] = {
+    "engine.dispatch_s": (1e-7, 1e-3),
+    "engine.request_s": (1e-5, 1.0),
+    "operators.host_step.step_s": (1e-6, 0.1),
+    "operators.host_seq.seq_s": (1e-7, 1e-2),
+    "operators.gemm.compute_efficiency": (0.05, 1.0),
+    "operators.gemm.memory_efficiency": (0.2, 1.0),
+    "operators.attn_prefill.compute_efficiency": (0.01, 1.0),
+    "operators.attn_decode.half_context": (1.0, 1e5),
+}
+FIXED_POINT_ROUNDS = 6  # closed-loop clients: simulations until the send times settle
+# vLLM's ShareGPT sampling keeps prompts of 4..1024 tokens and prompt + output <= 2048
+# (vllm/benchmarks/datasets.py, is_valid_sequence).
+SHAREGPT_MIN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+@dataclass(frozen=True)
+class Source:
+    id: str
+    url: str
+    title: str
+    quote: str  # the source's own wording of the figures used, verbatim
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published figure and the configuration it was measured under."""
+
+    id: str
+    source: str
+    split: str
+    metric: str
+    measured: float  # in the metric's unit: seconds, tokens/s, requests/s or blocks
+    model: str
+    device: str
+    engine: str  # engine and version, as the source states it
+    parallelism: str
+    workload: str
+    wording: str  # the source's line this figure comes from
+    fits: str = ""  # fit rows: the parameter solved on this row
+    engine_mode: str = ""  # override of the device's [engine] mode ("eager" or "graph")
+    async_scheduling: bool | None = None
+    num_prompts: int = 0
+    input_len: int = 0  # fixed lengths (random dataset), or
+    output_len: int = 0
+    input_total: int = 0  # published totals of a dataset's lengths (ShareGPT)
+    output_total: int = 0
+    length_cv: float = 1.0
+    rate: float = 0.0  # poisson: requests/s
+    concurrency: int = 0  # concurrency: clients
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 0  # 0: the model's
+    block_size: int = 128
+    memory_utilization: float = 0.9
+    total_gib: float = 0.0  # memory rows: device memory the log reports
+    seed: int = 0
+    notes: str = ""
+
+
+@dataclass
+class Result:
+    row: Row
+    predicted: float
+
+    @property
+    def signed_error(self) -> float:
+        return self.predicted / self.row.measured - 1.0
+
+    def to_dict(self) -> dict:
+        r = self.row
+        return {
+            "id": r.id, "source": r.source, "split": r.split, "metric": r.metric, "measured": r.measured,
+            "predicted": self.predicted, "signed_error": self.signed_error, "fits": r.fits, "model": r.model,
+            "device": r.device, "engine": r.engine, "engine_mode": r.engine_mode, "parallelism": r.parallelism,
+            "workload": r.workload, "num_prompts": r.num_prompts, "input_len": r.input_len or None,
+            "output_len": r.output_len or None, "input_total": r.input_total or None,
+            "output_total": r.output_total or None, "rate": r.rate or None, "concurrency": r.concurrency or None,
+            "wording": r.wording,
+        }  # fmt: skip
+
+
+@dataclass
+class Published:
+    sources: dict[str, Source]
+    rows: list[Row] = field(default_factory=list)
+
+
+def load_published(path: str | Path = PUBLISHED) -> Published:
+    """Sources and rows of a published-figures file; errors name the file, row and field."""
+    path = Path(path)
+    data = load_toml(path)
+    sources = {}
+    for i, s in enumerate(data.get("source", [])):
+        _require(s, ("id", "url", "title", "quote"), path, f"source[{i}]")
+        sources[s["id"]] = Source(s["id"], s["url"], s["title"], s["quote"])
+    allowed = {f.name for f in fields(Row)}
+    rows = []
+    for i, raw in enumerate(data.get("row", [])):
+        where = f"row[{i}] ({raw.get('id', '?')})"
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise ValueError(f"{path}: {where}: unknown field(s) {unknown}")
+        _require(raw, ("id", "source", "split", "metric", "measured", "model", "device", "engine", "parallelism", "workload", "wording"), path, where)
+        row = Row(**raw)
+        _check_row(row, sources, path, where)
+        rows.append(row)
+    ids = [r.id for r in rows]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate row ids {sorted({i for i in ids if ids.count(i) > 1})}")
+    return Published(sources, rows)
+
+
+def _require(table: dict, keys: tuple[str, ...], path: Path, where: str) -> None:
+    missing = [k for k in keys if k not in table]
+    if missing:
+        raise ValueError(f"{path}: {where}: missing field(s) {missing}")
+
+
+def _check_row(row: Row, sources: dict[str, Source], path: Path, where: str) -> None:
+    problems = []
+    if row.source not in sources:
+        problems.append(f"source {row.source!r} is not a [[source]] id")
+    if row.split not in SPLITS:
+        problems.append(f"split must be one of {SPLITS}")
+    if row.metric not in METRICS:
+        problems.append(f"metric must be one of {METRICS}")
+    if row.workload not in WORKLOADS:
+        problems.append(f"workload must be one of {WORKLOADS}")
+    if not row.measured > 0:
+        problems.append("measured must be > 0")
+    if row.split == "fit" and row.fits not in PARAMETERS:
+        problems.append(f"a fit row names the parameter it fits, one of {sorted(PARAMETERS)}")
+    if row.split == "check" and row.fits:
+        problems.append("a check row fits nothing")
+    if row.parallelism != "TP1":
+        problems.append("kvsim models one device: only TP1 rows can be replayed")
+    if row.workload == "poisson" and not row.rate > 0:
+        problems.append("poisson rows need rate > 0")
+    if row.workload == "concurrency" and row.concurrency < 1:
+        problems.append("concurrency rows need concurrency >= 1")
+    if row.workload == "memory" and not (row.metric == "num_blocks" and row.total_gib > 0):
+        problems.append("memory rows give metric num_blocks and total_gib")
+    if row.workload != "memory" and row.num_prompts < 1:
+        problems.append("serving rows need num_prompts >= 1")
+    if row.workload != "memory" and not ((row.input_len > 0 and row.output_len > 0) or (row.input_total > 0 and row.output_total > 0)):
+        problems.append("give input_len and output_len, or input_total and output_total")
+    if problems:
+        raise ValueError(f"{path}: {where}: " + "; ".join(problems))
+
+
+# --- devices as a row runs them ------------------------------------------------------------
+def set_parameter(device: DeviceProfile, name: str, value: float) -> DeviceProfile:
+    """A copy of ``device`` with one :data:`PARAMETERS` entry set."""
+    kind, *rest = name.split(".")
+    if kind == "engine":
+        if device.engine is None:
+            raise ValueError(f"device {device.name} has no [engine] table to fit {name}")
+        return replace(device, engine=replace(device.engine, **{rest[0]: value}))
+    op, key = rest
+    current = device.operators[op]
+    if key in ("step_s", "seq_s", "token_s", "launch_s", "block_s"):
+        updated = replace(current, call_s=value)
+    elif key.startswith("half_"):
+        updated = replace(current, half=value)
+    else:
+        updated = replace(current, **{key: value})
+    return device.with_operators({op: updated})
+
+
+def get_parameter(device: DeviceProfile, name: str) -> float:
+    kind, *rest = name.split(".")
+    if kind == "engine":
+        return float(getattr(device.engine, rest[0]))
+    op, key = rest
+    coeffs: OperatorCoefficients = device.operators[op]
+    if key in ("step_s", "seq_s", "token_s", "launch_s", "block_s"):
+        return coeffs.call_s
+    return coeffs.half if key.startswith("half_") else float(getattr(coeffs, key))
+
+
+def row_device(row: Row, device: DeviceProfile) -> DeviceProfile:
+    """The device as the row's engine ran it: its mode and async scheduling where the row says."""
+    engine: EngineProfile | None = device.engine
+    if engine is None or (not row.engine_mode and row.async_scheduling is None):
+        return device
+    updates: dict = {}
+    if row.engine_mode:
+        updates["mode"] = row.engine_mode
+    if row.async_scheduling is not None:
+        updates["async_scheduling"] = row.async_scheduling
+    return replace(device, engine=replace(engine, **updates))
+
+
+# --- replay ----------------------------------------------------------------------------------
+def row_lengths(row: Row) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths of the row's prompts (module docstring)."""
+    n = row.num_prompts
+    if row.input_len:
+        return np.full(n, row.input_len, dtype=np.int64), np.full(n, row.output_len, dtype=np.int64)
+    rng = np.random.default_rng(row.seed)
+    prompts = _lognormal_with_total(rng, n, row.input_total, row.length_cv, np.full(n, SHAREGPT_MAX_PROMPT))
+    outputs = _lognormal_with_total(rng, n, row.output_total, row.length_cv, SHAREGPT_MAX_TOTAL - prompts)
+    return prompts, outputs
+
+
+def _lognormal_with_total(rng: np.random.Generator, n: int, total: int, cv: float, cap: np.ndarray) -> np.ndarray:
+    """Lognormal lengths within [SHAREGPT_MIN, cap] that sum to ``total`` (when the caps allow it)."""
+    sigma2 = math.log1p(cv**2)
+    draws = rng.lognormal(-sigma2 / 2, math.sqrt(sigma2), size=n)
+    lengths = draws / draws.sum() * total
+    for _ in range(50):  # scale the free ones until the clipped lengths sum to the total
+        lengths = np.clip(lengths, SHAREGPT_MIN, cap)
+        free = (lengths > SHAREGPT_MIN) & (lengths < cap)
+        gap = total - lengths.sum()
+        if abs(gap) < 0.5 or not free.any():
+            break
+        lengths[free] *= 1 + gap / lengths[free].sum()
+    out = np.floor(lengths).astype(np.int64)
+    room = np.flatnonzero(out < cap)
+    out[room[: max(total - int(out.sum()), 0)]] += 1  # exact total
+    return out
+
+
+def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
+    config = RunConfig(
+        trace="(fidelity row)", model=row.model, device=row.device, block_size=row.block_size,
+        memory_utilization=row.memory_utilization, max_num_seqs=row.max_num_seqs,
+        max_num_batched_tokens=row.max_num_batched_tokens, max_model_len=row.max_model_len or None,
+        block_manager="paged", seed=row.seed,
+    )  # fmt: skip
+    resolved = resolve(config)
+    return replace(resolved, device=device)
+
+
+def _simulate(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, arrivals: np.ndarray) -> list[dict]:
+    order = np.argsort(arrivals, kind="stable")
+    trace = Trace(arrival_s=arrivals[order] - arrivals[order[0]], prompt_tokens=prompts[order], output_tokens=outputs[order])
+    run, _ = run_trace(resolved, trace, CostModelTimer(resolved.cost_model()), None)
+    rows = sorted(run.request_rows(), key=lambda r: r["trace_index"])
+    start = float(arrivals[order[0]])
+    back = np.empty_like(order)
+    back[order] = np.arange(order.size)
+    return [{**rows[back[i]], "arrival_s": float(arrivals[i]), "start": start} for i in range(order.size)]
+
+
+def _front_end(sent: np.ndarray, request_s: float) -> np.ndarray:
+    """When the engine sees each request: the API server handles requests one at a time (a single
+    Python process), ``request_s`` each, in the order they were sent."""
+    order = np.argsort(sent, kind="stable")
+    seen = np.empty_like(sent)
+    free = -np.inf
+    for i in order:
+        free = max(free, sent[i]) + request_s
+        seen[i] = free
+    return seen
+
+
+def _closed_loop(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, clients: int, request_s: float) -> tuple[np.ndarray, list[dict]]:
+    """Send times of ``clients`` closed-loop clients and the simulated requests (module docstring).
+
+    Each round replays the clients with the previous round's per-request engine latencies
+    (first round: every request alone), then simulates those sends; latencies depend only weakly
+    on the arrival pattern, so a few rounds settle.
+    """
+    n = prompts.size
+    solo = _simulate(resolved, prompts, outputs, np.arange(n) * 1e4)  # far apart: each request alone
+    latency = np.array([r["finish_s"] - r["arrival_s"] + r["start"] for r in solo])
+    sent, rows = np.zeros(n), solo
+    for _ in range(FIXED_POINT_ROUNDS):
+        free = np.zeros(clients)
+        nxt = np.zeros(n)
+        for k in range(n):
+            c = int(np.argmin(free))
+            nxt[k] = free[c]
+            free[c] = nxt[k] + request_s + latency[k]
+        rows = _simulate(resolved, prompts, outputs, _front_end(nxt, request_s))
+        latency = np.array([r["finish_s"] + r["start"] - r["arrival_s"] for r in rows])
+        if np.max(np.abs(nxt - sent)) < 1e-4:
+            break
+        sent = nxt
+    return nxt, rows
+
+
+def predict_row(row: Row, device: DeviceProfile) -> float:
+    """The row's metric as kvsim predicts it on ``device`` (already the row's device)."""
+    device = row_device(row, device)
+    if row.workload == "memory":
+        return float(_memory_blocks(row, device))
+    resolved = _resolved(row, device)
+    prompts, outputs = row_lengths(row)
+    served = row.workload != "batch"
+    request_s = device.engine.request_s if (served and device.engine is not None) else 0.0
+    n = row.num_prompts
+    if row.workload == "concurrency":
+        sent, rows = _closed_loop(resolved, prompts, outputs, row.concurrency, request_s)
+    else:
+        sent = poisson_arrivals(row.rate, n=n, rng=row.seed) if row.workload == "poisson" else np.zeros(n)
+        rows = _simulate(resolved, prompts, outputs, _front_end(sent, request_s))
+    return _metric(row.metric, rows, prompts, outputs, sent)
+
+
+def _metric(metric: str, rows: list[dict], prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray) -> float:
+    """vLLM's benchmark definitions: latencies from the client's send, throughput over the benchmark's span."""
+    first = np.array([r["first_token_s"] + r["start"] for r in rows])
+    finish = np.array([r["finish_s"] + r["start"] for r in rows])
+    ttft, e2e = first - sent, finish - sent
+    tpot = (finish - first)[outputs > 1] / (outputs[outputs > 1] - 1)
+    span = finish.max() - sent.min()
+    values = {
+        "ttft_mean": lambda: ttft.mean(), "ttft_median": lambda: np.median(ttft),
+        "tpot_mean": lambda: tpot.mean(), "tpot_median": lambda: np.median(tpot),
+        "e2e_mean": lambda: e2e.mean(), "batch_latency": lambda: span,
+        "output_throughput": lambda: outputs.sum() / span,
+        "total_throughput": lambda: (outputs.sum() + prompts.sum()) / span,
+        "request_throughput": lambda: len(rows) / span,
+    }  # fmt: skip
+    return float(values[metric]())
+
+
+def _memory_blocks(row: Row, device: DeviceProfile) -> int:
+    """KV blocks as the engine sizes them, on a device reporting ``total_gib`` of memory."""
+    sized = replace(device, hbm_bytes=int(round(row.total_gib * 2**30)))
+    plan = plan_memory(
+        load_model(row.model), sized, block_size=row.block_size, memory_utilization=row.memory_utilization,
+        max_num_batched_tokens=row.max_num_batched_tokens, max_num_seqs=row.max_num_seqs,
+        max_model_len=row.max_model_len or None,
+    )  # fmt: skip
+    return plan.num_blocks
+
+
+# --- fit and table ---------------------------------------------------------------------------
+def fit_parameters(rows: list[Row], devices: dict[str, DeviceProfile], steps: int = 14) -> dict[str, DeviceProfile]:
+    """Solve each fit row's parameter on its device so that row is matched, rows in file order.
+
+    Log-spaced bisection inside the parameter's range; a row whose figure the range cannot
+    reach keeps the end that comes closest. Check rows are never read.
+    """
+    devices = dict(devices)
+    for row in rows:
+        if row.split != "fit":
+            continue
+        lo, hi = PARAMETERS[row.fits]
+        device = devices[row.device]
+
+        def error(value: float) -> float:
+            return predict_row(row, set_parameter(device, row.fits, value)) / row.measured - 1.0
+
+        e_lo, e_hi = error(lo), error(hi)
+        if e_lo * e_hi > 0:
+            best = lo if abs(e_lo) <= abs(e_hi) else hi
+        else:
+            for _ in range(steps):
+                mid = math.sqrt(lo * hi)
+                e_mid = error(mid)
+                if e_mid * e_lo > 0:
+                    lo, e_lo = mid, e_mid
+                else:
+                    hi, e_hi = mid, e_mid
+            best = lo if abs(e_lo) <= abs(e_hi) else hi
+        devices[row.device] = set_parameter(device, row.fits, best)
+    return devices
+
+
+def bundled_devices_for(rows: list[Row]) -> dict[str, DeviceProfile]:
+    return {name: load_device(name) for name in sorted({r.device for r in rows})}
+
+
+def evaluate(rows: list[Row], devices: dict[str, DeviceProfile]) -> list[Result]:
+    return [Result(row, predict_row(row, devices[row.device])) for row in rows]
+
+
+def summarize_errors(results: list[Result], split: str) -> dict:
+    """Median and largest |signed error| of one split, and how many rows it has."""
+    errors = np.array([abs(r.signed_error) for r in results if r.row.split == split])
+    if errors.size == 0:
+        return {"rows": 0, "median_abs_error": None, "max_abs_error": None}
+    return {"rows": int(errors.size), "median_abs_error": float(np.median(errors)), "max_abs_error": float(errors.max())}
