@@ -3,9 +3,11 @@
     python benchmarks/decision_identity.py --write benchmarks/identity/<name>.json
     python benchmarks/decision_identity.py --compare benchmarks/identity/<name>.json
 
-A refactor or a speed-up must not change a single decision: this runs ``kvsim simulate`` as a
-user would (a subprocess per case, so it fingerprints whatever version is installed) and
-records the SHA-256 of decisions.jsonl, requests.csv, steps.csv and summary.json (minus its
+A refactor or a speed-up must not change a single decision: this runs ``kvsim simulate
+--decisions full`` as a user would (a subprocess per case, so it fingerprints whatever version
+is installed) and records the SHA-256 of the decision log as ``kvsim decisions show`` expands
+it (the bytes of the decisions.jsonl that versions before the diff-encoded log wrote, which a
+run of such a version still has), requests.csv, steps.csv and summary.json (minus its
 wall-clock fields). ``--compare`` exits 1 naming every case whose fingerprint moved.
 
 Workloads: the bundled demo (tiny model, cpu profile), the bundled Mooncake sample (500
@@ -55,9 +57,17 @@ def cases() -> dict[str, list[str]]:
     return grid
 
 
+def expanded_decisions(out: Path) -> bytes:
+    """The reference decision log: decisions.jsonl if the version wrote one, else the expanded full log."""
+    legacy = out / "decisions.jsonl"
+    if legacy.exists():
+        return legacy.read_bytes()
+    return subprocess.run(["kvsim", "decisions", "show", str(out)], check=True, capture_output=True).stdout
+
+
 def fingerprint(out: Path) -> dict[str, str]:
-    prints = {}
-    for name in ("decisions.jsonl", "requests.csv", "steps.csv"):
+    prints = {"decisions.jsonl": hashlib.sha256(expanded_decisions(out)).hexdigest()}
+    for name in ("requests.csv", "steps.csv"):
         prints[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
     summary = json.loads((out / "summary.json").read_text())
     for key in VOLATILE_SUMMARY_KEYS:
@@ -67,12 +77,13 @@ def fingerprint(out: Path) -> dict[str, str]:
 
 
 def run_case(args: list[str], out: Path) -> dict[str, str]:
-    command = ["kvsim", "simulate", *args, "--out", str(out), "--quiet", *EXTRA_ARGS]
+    command = ["kvsim", "simulate", *args, "--out", str(out), "--quiet", *DECISIONS_ARGS, *EXTRA_ARGS]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return fingerprint(out)
 
 
 EXTRA_ARGS: list[str] = []
+DECISIONS_ARGS: list[str] = ["--decisions", "full"]  # emptied by --legacy-log for versions without the option
 
 
 def main() -> int:
@@ -80,9 +91,13 @@ def main() -> int:
     parser.add_argument("--write", type=Path, help="record the fingerprints here")
     parser.add_argument("--compare", type=Path, help="compare with fingerprints recorded earlier")
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
-    parser.add_argument("--extra", default="", help="extra simulate flags, space-separated (e.g. '--decisions full')")
+    parser.add_argument("--extra", default="", help="extra simulate flags, space-separated (e.g. '--exact')")
+    parser.add_argument("--legacy-log", action="store_true",
+                        help="the installed version writes decisions.jsonl and has no --decisions option")
     options = parser.parse_args()
     EXTRA_ARGS.extend(options.extra.split())
+    if options.legacy_log:
+        DECISIONS_ARGS.clear()
     expected = json.loads(options.compare.read_text()) if options.compare else {}
     results: dict[str, dict[str, str]] = {}
     moved = []

@@ -11,7 +11,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from kvsim.sim.outputs import DECISIONS, write_requests, write_steps, write_summary
+from kvsim.sim.decisions import DecisionLog
+from kvsim.sim.outputs import write_requests, write_steps, write_summary
 from kvsim.sim.run_config import ResolvedRun
 from kvsim.sim.run_warnings import run_warnings
 from kvsim.sim.simulator import SimOptions, SimRun, simulate
@@ -30,29 +31,32 @@ def run_trace(
     progress: bool = False,
     label: str = "simulate",
     summary_extras: Callable[[SimRun], dict] | None = None,
+    decisions: str = "summary",
 ) -> tuple[SimRun, dict]:
     """Replay ``trace`` with ``timer``; with ``out_dir``, write summary/requests/steps/decisions there.
 
     ``summary_extras`` adds what only the caller knows (e.g. measured memory) to the summary.
+    ``decisions``: off | summary (a digest) | full (the diff-encoded log), see ``sim.decisions``.
     """
     engine = resolved.new_engine()
-    decisions = None
+    log = None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        decisions = (out_dir / DECISIONS).open("w")
+        if decisions != "off":
+            log = DecisionLog(decisions, resolved.engine_config.block_size, out_dir)
     bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, leave=False, mininterval=0.5)
     try:
         options = SimOptions(
             exact=resolved.config.exact if exact is None else exact,
             check=check,
-            decisions=decisions,
+            decisions=log,
             on_progress=bar.update,
         )
         run = simulate(trace, engine, timer, options)
     finally:
         bar.close()
-        if decisions is not None:
-            decisions.close()
+        if log is not None:
+            log.close()
     summary = run.summary()
     if summary_extras is not None:
         summary.update(summary_extras(run))

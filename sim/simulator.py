@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from typing import Callable
 
 import numpy as np
 import simpy
@@ -29,6 +29,7 @@ from kvsim.policies.engine import EngineCore
 from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import add_trace_request
+from kvsim.sim.decisions import DecisionSink
 from kvsim.sim.metrics import StepLog, TokenTimes, request_rows, summarize
 from kvsim.sim.step_timer import StepTimer, StepTiming
 from kvsim.traces.schema import Trace
@@ -38,7 +39,7 @@ from kvsim.traces.schema import Trace
 class SimOptions:
     exact: bool = False  # no macro-stepping
     check: bool = False  # verify engine invariants and each plan after every step
-    decisions: TextIO | None = None  # where the decision log goes (one JSON line a step or stretch)
+    decisions: DecisionSink | None = None  # takes every plan and stretch (sim.decisions.DecisionLog); None: no log
     on_progress: Callable[[int], None] | None = None  # called with newly ended requests
     max_steps: int = 0  # safety cap; 0 = none
 
@@ -157,7 +158,7 @@ class Simulation:
                 self.times.token(child_id, self.clock)
         self.steps.add_step(plan, start, duration, engine.kv_counts(), timing)
         if self.options.decisions is not None:
-            self.options.decisions.write(plan.to_json() + "\n")
+            self.options.decisions.plan(plan)
         if self.options.check:
             engine.check_invariants()
             plan.check(engine.config.block_size)
@@ -184,7 +185,7 @@ class Simulation:
         self.times.stretch(stretch.request_ids, ends[:k])
         self.steps.add_stretch(stretch.first_step, starts, durations[:k].tolist(), len(stretch.request_ids), counts)
         if self.options.decisions is not None:
-            self.options.decisions.write(stretch.to_json() + "\n")
+            self.options.decisions.stretch(stretch)
         self.stretches += 1
         yield from self._advance_to(float(ends[k - 1]))
         if self.options.check:

@@ -15,13 +15,13 @@ import pytest
 from click.testing import CliRunner
 from plotly.offline import get_plotlyjs
 
-from kvsim.policies.plan import expand_decision_log
 from kvsim.reports.compare import Slo, slo_attainment, write_compare_report
 from kvsim.reports.downsample import even_indices, minmax_indices
 from kvsim.reports.render_check import CHROMIUM, decode_png, render_check
 from kvsim.reports.runs import ReportInputError, default_labels, load_run
 from kvsim.reports.validation import step_pairs, write_validation_report
 from kvsim.sim.cli import main as kvsim
+from kvsim.sim.decisions import read_decisions
 
 DEMO_RUNS = {
     # two devices: the CPU run stands in for the measured world, the 910B3 one for the prediction
@@ -39,7 +39,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("runs")
     cli = CliRunner()
     for name, args in DEMO_RUNS.items():
-        result = cli.invoke(kvsim, ["simulate", "--trace", "demo", "--quiet", "--out", str(base / name), *args])
+        result = cli.invoke(kvsim, ["simulate", "--trace", "demo", "--quiet", "--decisions", "full", "--out", str(base / name),
+                                    *args])
         assert result.exit_code == 0, result.output
     return {name: base / name for name in DEMO_RUNS}
 
@@ -48,8 +49,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _first_divergence(real: Path, sim: Path) -> tuple[int, dict | None]:
-    with (real / "decisions.jsonl").open() as a, (sim / "decisions.jsonl").open() as b:
-        real_log, sim_log = list(expand_decision_log(a)), list(expand_decision_log(b))
+    real_log, sim_log = list(read_decisions(real, per_step=True)), list(read_decisions(sim, per_step=True))
     for step in range(max(len(real_log), len(sim_log))):
         ra = real_log[step] if step < len(real_log) else None
         sa = sim_log[step] if step < len(sim_log) else None

@@ -3,7 +3,6 @@ results of paged KV management come out of it on real traces."""
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
@@ -18,10 +17,26 @@ from kvsim.sim.run_config import RunConfig, resolve
 from kvsim.sim.simulator import SimOptions, simulate
 
 
+class ReferenceLog:
+    """The decision log as plain lines (``to_json`` of every plan and stretch), as the reader expands it."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def plan(self, plan) -> None:
+        self.lines.append(plan.to_json())
+
+    def stretch(self, stretch) -> None:
+        self.lines.append(stretch.to_json())
+
+    def getvalue(self) -> str:
+        return "".join(line + "\n" for line in self.lines)
+
+
 def run(trace, exact: bool, check: bool = False, **overrides):
     resolved = resolve(RunConfig(**overrides))
     timer = CostModelTimer(resolved.cost_model())
-    log = io.StringIO()
+    log = ReferenceLog()
     result = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact, check=check, decisions=log))
     return result, log.getvalue()
 
@@ -67,12 +82,13 @@ def test_forks_and_preemption_under_check():
 
 
 def test_same_seed_same_outputs(tmp_path):
-    args = ["simulate", "--trace", "demo", "--model", "llama-2-7b", "--num-blocks", "40", "--block-size", "16", "--quiet"]
+    args = ["simulate", "--trace", "demo", "--model", "llama-2-7b", "--num-blocks", "40", "--block-size", "16", "--quiet",
+            "--decisions", "full"]
     runner = CliRunner()
     for name in ("a", "b"):
         result = runner.invoke(main, [*args, "--out", str(tmp_path / name)])
         assert result.exit_code == 0, result.output
-    for file in ("decisions.jsonl", "requests.csv", "steps.csv"):
+    for file in ("decisions.delta.gz", "decisions.digest.json", "requests.csv", "steps.csv"):
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes()
 
 

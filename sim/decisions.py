@@ -1,0 +1,385 @@
+"""The decision log: off, a digest (summary), or every step, diff-encoded and compressed (full).
+
+The reference format is one JSON line per ``StepPlan`` or ``DecodeStretch`` (their
+``to_json``); two runs decided the same exactly when those lines are equal. Written as is,
+they cost a fifth of a whole-trace run and hundreds of MB, because every line repeats the
+whole batch: each request's entry, its full block table and every slot.
+
+The full log stores instead what changed against the previous step, in the manner of vLLM
+V1's incremental scheduler output over a persistent batch: requests that left the batch,
+new ones (entry and block table), entries that are not the expected next decode token,
+blocks appended to a table, tables replaced, and whatever else the step holds (copies,
+swaps, preemptions, rejections, forks). Slots are derived from tables and positions and
+stored only when they differ. Records are gzip-compressed by a background thread (zlib
+releases the GIL). ``read_decisions`` expands a full log back to the reference lines byte
+for byte, by rebuilding each plan and calling its own ``to_json``.
+
+The summary is a digest: record and step counts and the SHA-256 of the uncompressed
+record stream. The encoding is a deterministic function of the reference lines and the
+reader inverts it, so two runs have equal digests exactly when their logs are equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import zlib
+from dataclasses import dataclass, field
+from operator import add, attrgetter
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from kvsim.policies.plan import DecodeStretch, StepPlan, expand_decision_log
+
+MODES = ("off", "summary", "full")
+FULL_LOG = "decisions.delta.gz"
+DIGEST = "decisions.digest.json"
+LEGACY_LOG = "decisions.jsonl"  # the reference lines as runs before the diff encoding wrote them
+FORMAT = 1
+
+_ENTRY = attrgetter("request_id", "first_position", "num_tokens", "is_prefill", "samples")
+_SEPARATORS = (",", ":")
+_CHUNK_BYTES = 1 << 20
+
+
+def derive_slots(positions: list[int], counts: list[int], tables: list[list[int]], block_size: int) -> list[int]:
+    """The flat slot mapping a plan's entries imply: position ``p`` of table ``t`` is ``t[p // bs] * bs + p % bs``."""
+    bs = block_size
+    out: list[int] = []
+    for first, n, table in zip(positions, counts, tables):
+        if n == 1:
+            out.append(table[first // bs] * bs + first % bs)
+            continue
+        pos, end = first, first + n
+        while pos < end:
+            block = pos // bs
+            block_end = min(end, (block + 1) * bs)
+            base = table[block] * bs - block * bs
+            out.extend(range(base + pos, base + block_end))
+            pos = block_end
+    return out
+
+
+class DecisionSink(Protocol):
+    """Where the simulator hands each step's plan and each decode stretch, in order."""
+
+    def plan(self, plan: StepPlan) -> None: ...
+
+    def stretch(self, stretch: DecodeStretch) -> None: ...
+
+
+@dataclass
+class _Batch:
+    """The previous step as both sides of the encoding see it: the persistent batch."""
+
+    block_size: int
+    rids: list[str] = field(default_factory=list)
+    next_pos: list[int] = field(default_factory=list)  # each entry's position if it decodes on
+    tables: list[list[int]] = field(default_factory=list)
+    next_step: int = 0
+
+    def after_stretch(self, stretch: DecodeStretch) -> None:
+        tables = {rid: list(t) for rid, t in stretch.start_tables.items()}
+        for _, rid, block in stretch.growth:
+            tables[rid].append(block)
+        self.rids = list(stretch.request_ids)
+        self.next_pos = [p + stretch.num_steps for p in stretch.start_positions]
+        self.tables = [tables[rid] for rid in self.rids]
+        self.next_step = stretch.first_step + stretch.num_steps
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, separators=_SEPARATORS)
+
+
+class DiffEncoder:
+    """Plans and stretches in, one compact JSON record each out (see the module docstring)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.batch = _Batch(block_size)
+
+    def header(self) -> str:
+        return _dumps({"kvsim_decisions": FORMAT, "block_size": self.batch.block_size})
+
+    def plan(self, plan: StepPlan) -> str:
+        b = self.batch
+        rec: dict = {}
+        if plan.step != b.next_step:
+            rec["n"] = plan.step
+        if plan.entries:
+            rids, pos, ns, pre, smp = map(list, zip(*map(_ENTRY, plan.entries)))
+        else:
+            rids, pos, ns, pre, smp = [], [], [], [], []
+        block_tables = plan.block_tables
+        if list(block_tables) == rids:
+            tables = list(block_tables.values())
+        else:
+            rec["T"] = block_tables
+            tables = [block_tables.get(rid, []) for rid in rids]
+        same_batch = rids == b.rids
+        if same_batch:
+            src: list[int | None] = list(range(len(rids)))
+        else:
+            index = dict(zip(b.rids, range(len(b.rids))))
+            src = list(map(index.get, rids))
+            self._order(rec, src, len(b.rids))
+        if not (same_batch and pos == b.next_pos and ns.count(1) == len(ns) and not any(pre) and all(smp)):
+            self._entries(rec, src, rids, pos, ns, pre, smp, tables, "T" not in rec)
+        if not (same_batch and tables == b.tables):
+            self._tables(rec, src, tables)
+        try:
+            derived = derive_slots(pos, ns, tables, b.block_size)
+        except IndexError:  # a table too short for its entry: keep the plan's own slots
+            derived = None
+        if derived != plan.slot_mapping:
+            rec["m"] = list(plan.slot_mapping)
+        for key, items in (("c", plan.copies), ("so", plan.swap_out), ("si", plan.swap_in),
+                           ("p", plan.preempted), ("r", plan.rejected)):
+            if items:
+                rec[key] = [list(item) for item in items]
+        if plan.forks:
+            rec["f"] = [[parent, list(children)] for parent, children in plan.forks]
+        b.rids, b.tables, b.next_step = rids, tables, plan.step + 1
+        b.next_pos = list(map(add, pos, ns))
+        return _dumps(rec)
+
+    def stretch(self, stretch: DecodeStretch) -> str:
+        line = stretch.to_json()
+        self.batch.after_stretch(stretch)
+        return '{"S":' + line + "}"
+
+    @staticmethod
+    def _order(rec: dict, src: list[int | None], previous: int) -> None:
+        """``x``: indices that left when the rest kept their order and newcomers follow; else ``o``."""
+        kept = [j for j in src if j is not None]
+        k = len(kept)
+        if all(j is None for j in src[k:]) and all(a < b for a, b in zip(kept, kept[1:])):
+            rec["x"] = sorted(set(range(previous)) - set(kept))
+        else:
+            rec["o"] = [-1 if j is None else j for j in src]
+
+    def _entries(self, rec, src, rids, pos, ns, pre, smp, tables, with_table: bool) -> None:
+        """New entries in ``a`` (with their tables); a kept entry that is not the next decode token in ``v``."""
+        expected = self.batch.next_pos
+        new, odd = [], []
+        for i, j in enumerate(src):
+            if j is None:
+                item = [rids[i], pos[i], ns[i], int(pre[i]), int(smp[i])]
+                new.append(item + [tables[i]] if with_table else item)
+            elif pos[i] != expected[j] or ns[i] != 1 or pre[i] or not smp[i]:
+                odd.append([i, pos[i], ns[i], int(pre[i]), int(smp[i])])
+        if new:
+            rec["a"] = new
+        if odd:
+            rec["v"] = odd
+
+    def _tables(self, rec, src, tables) -> None:
+        """``g``: blocks appended to a kept request's table; ``G``: a table that changed otherwise."""
+        previous = self.batch.tables
+        grown, replaced = [], []
+        for i, j in enumerate(src):
+            if j is None:
+                continue
+            table, old = tables[i], previous[j]
+            if table == old:
+                continue
+            n = len(old)
+            if len(table) > n and table[:n] == old:
+                grown.append([i, *table[n:]])
+            else:
+                replaced.append([i, table])
+        if grown:
+            rec["g"] = grown
+        if replaced:
+            rec["G"] = replaced
+
+
+class DiffDecoder:
+    """Records in, the reference lines out (``StepPlan.to_json`` / ``DecodeStretch.to_json``)."""
+
+    def __init__(self, header: str) -> None:
+        head = json.loads(header)
+        if head.get("kvsim_decisions") != FORMAT:
+            raise ValueError(f"not a kvsim decision log of format {FORMAT}: {header[:80]!r}")
+        self.batch = _Batch(int(head["block_size"]))
+
+    def line(self, record: str) -> str:
+        rec = json.loads(record)
+        if "S" in rec:
+            stretch = DecodeStretch.from_dict(rec["S"])
+            self.batch.after_stretch(stretch)
+            return stretch.to_json()
+        return self._plan(rec).to_json()
+
+    def _plan(self, rec: dict) -> StepPlan:
+        b = self.batch
+        step = rec.get("n", b.next_step)
+        if "o" in rec:
+            src = [None if j < 0 else j for j in rec["o"]]
+        else:
+            left = set(rec.get("x", ()))
+            src = [j for j in range(len(b.rids)) if j not in left] + [None] * len(rec.get("a", ()))
+        new = iter(rec.get("a", ()))
+        entries, tables = [], []
+        for j in src:
+            if j is None:
+                item = next(new)
+                entries.append(item[:5])
+                tables.append(item[5] if len(item) > 5 else [])
+            else:
+                entries.append([b.rids[j], b.next_pos[j], 1, 0, 1])
+                tables.append(b.tables[j])
+        for i, *values in rec.get("v", ()):
+            entries[i][1:] = values
+        for i, *blocks in rec.get("g", ()):
+            tables[i] = tables[i] + blocks
+        for i, table in rec.get("G", ()):
+            tables[i] = table
+        rids = [e[0] for e in entries]
+        pos = [e[1] for e in entries]
+        ns = [e[2] for e in entries]
+        if "T" in rec:
+            block_tables = rec["T"]
+            tables = [block_tables.get(rid, []) for rid in rids]
+        else:
+            block_tables = dict(zip(rids, tables))
+        slots = rec["m"] if "m" in rec else derive_slots(pos, ns, tables, b.block_size)
+        b.rids, b.tables, b.next_step = rids, tables, step + 1
+        b.next_pos = list(map(add, pos, ns))
+        return StepPlan.from_dict({
+            "step": step,
+            "entries": [[r, p, n, "p" if k else "d", s] for r, p, n, k, s in entries],
+            "block_tables": block_tables,
+            "slot_mapping": slots,
+            "copies": rec.get("c", []),
+            "swap_out": rec.get("so", []),
+            "swap_in": rec.get("si", []),
+            "preempted": rec.get("p", []),
+            "rejected": rec.get("r", []),
+            "forks": rec.get("f", []),
+        })
+
+
+class _GzipSink:
+    """Compresses and writes chunks on a background thread, so the loop only joins bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self._fh = path.open("wb")
+        self._zip = zlib.compressobj(6, zlib.DEFLATED, 31)  # wbits 31: a gzip member
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="kvsim-decisions", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        try:
+            while (chunk := self._queue.get()) is not None:
+                self._fh.write(self._zip.compress(chunk))
+            self._fh.write(self._zip.flush())
+        except BaseException as exc:  # re-raised by close() in the writing thread
+            self._error = exc
+            while self._queue.get() is not None:  # keep the producer from blocking
+                pass
+
+    def write(self, chunk: bytes) -> None:
+        self._queue.put(chunk)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._fh.close()
+        if self._error is not None:
+            raise self._error
+
+
+class DecisionLog:
+    """What the simulator hands each step's plan to, for ``summary`` or ``full`` (``off``: none at all)."""
+
+    def __init__(self, mode: str, block_size: int, out_dir: Path | None = None) -> None:
+        if mode not in ("summary", "full"):
+            raise ValueError(f"decision log mode must be summary or full (off: no log), not {mode!r}")
+        self.mode = mode
+        self.out_dir = out_dir
+        self.records = 0
+        self.steps = 0
+        self._encoder = DiffEncoder(block_size)
+        self._hash = hashlib.sha256()
+        self._sink = _GzipSink(out_dir / FULL_LOG) if mode == "full" and out_dir is not None else None
+        self._buffer: list[bytes] = []
+        self._buffered = 0
+        self._add(self._encoder.header())
+
+    def plan(self, plan: StepPlan) -> None:
+        self._add(self._encoder.plan(plan))
+        self.steps += 1
+
+    def stretch(self, stretch: DecodeStretch) -> None:
+        self._add(self._encoder.stretch(stretch))
+        self.steps += stretch.num_steps
+
+    def _add(self, record: str) -> None:
+        data = (record + "\n").encode()
+        self._hash.update(data)
+        self.records += 1
+        if self._sink is not None:
+            self._buffer.append(data)
+            self._buffered += len(data)
+            if self._buffered >= _CHUNK_BYTES:
+                self._flush()
+
+    def _flush(self) -> None:
+        self._sink.write(b"".join(self._buffer))
+        self._buffer, self._buffered = [], 0
+
+    def digest(self) -> dict:
+        return {"mode": self.mode, "format": FORMAT, "records": self.records, "steps": self.steps,
+                "sha256": self._hash.hexdigest()}
+
+    def close(self) -> dict:
+        """Finish the file (full) and write the digest beside it; returns the digest."""
+        if self._sink is not None:
+            self._flush()
+            self._sink.close()
+            self._sink = None
+        digest = self.digest()
+        if self.out_dir is not None:
+            (self.out_dir / DIGEST).write_text(json.dumps(digest, indent=1) + "\n")
+        return digest
+
+
+def decode_records(records) -> Iterator[str]:
+    """Reference lines from an iterable of records (header first)."""
+    records = iter(records)
+    header = next(records, None)
+    if header is None:
+        return
+    decoder = DiffDecoder(header)
+    for record in records:
+        yield decoder.line(record.rstrip("\n"))
+
+
+def read_decisions(run_dir: Path, per_step: bool = False) -> Iterator[str]:
+    """A run's decision log as reference lines; ``per_step`` also expands decode stretches.
+
+    Reads the full log, or a ``decisions.jsonl`` written before the diff encoding existed.
+    """
+    run_dir = Path(run_dir)
+    full, legacy = run_dir / FULL_LOG, run_dir / LEGACY_LOG
+    if full.exists():
+        import gzip
+
+        with gzip.open(full, "rt") as fh:
+            lines = decode_records(fh)
+            yield from expand_decision_log(lines) if per_step else lines
+    elif legacy.exists():
+        with legacy.open() as fh:
+            lines = (line.rstrip("\n") for line in fh)
+            yield from expand_decision_log(lines) if per_step else lines
+    else:
+        raise FileNotFoundError(f"{run_dir}: no full decision log ({FULL_LOG}); run with --decisions full")
+
+
+def read_digest(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / DIGEST).read_text())

@@ -1,0 +1,150 @@
+"""The decision log: the diff-encoded full log expands back to the reference lines byte for
+byte, digests compare runs, and the CLI writes and shows what it says."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvsim import traces
+from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
+from kvsim.sim.cli import main
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.decisions import DIGEST, FULL_LOG, DecisionLog, DiffEncoder, decode_records, read_decisions, read_digest
+from kvsim.sim.run_config import RunConfig, resolve
+from kvsim.sim.simulator import SimOptions, simulate
+
+
+class Tee:
+    """The reference lines (``to_json``) beside a DecisionLog, from the same run."""
+
+    def __init__(self, log: DecisionLog) -> None:
+        self.log, self.lines = log, []
+
+    def plan(self, plan) -> None:
+        self.lines.append(plan.to_json())
+        self.log.plan(plan)
+
+    def stretch(self, stretch) -> None:
+        self.lines.append(stretch.to_json())
+        self.log.stretch(stretch)
+
+
+def logged_run(trace, out, mode="full", exact=False, **overrides) -> tuple[list[str], dict]:
+    resolved = resolve(RunConfig(**overrides))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    tee = Tee(DecisionLog(mode, resolved.engine_config.block_size, out))
+    run = simulate(trace, resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions(exact=exact, decisions=tee))
+    digest = tee.log.close()
+    assert digest["steps"] == len(run.steps)
+    return tee.lines, digest
+
+
+FORKS = traces.synthesize(n_requests=60, rate=40.0, prompt=traces.Uniform(50, 400), output=traces.Uniform(5, 120),
+                          n_samples=3, seed=3)
+TINY = dict(model="tiny", device="cpu", block_size=16, max_model_len=1024)
+
+
+@pytest.mark.parametrize(
+    "trace, overrides",
+    [
+        # forks and copy-on-write, swap preemption, decode stretches
+        (FORKS, dict(TINY, block_manager="prefix", num_blocks=120, preemption_mode="swap", swap_space_gb=0.001)),
+        # recompute preemption: tables replaced, requests leaving and coming back
+        (FORKS, dict(TINY, block_manager="paged", num_blocks=90, preemption_mode="recompute")),
+        # chunked prefills (kept entries that are not decodes), rejections at arrival
+        (traces.first(traces.load_named("azure_conv_10min"), 300),
+         dict(scheduler="chunked", block_manager="prefix", num_blocks=300, block_size=16, max_num_batched_tokens=512,
+              max_waiting=20)),
+        # a policy that reorders the running batch, contiguous reservations
+        (traces.first(traces.load_named("azure_conv_10min"), 200),
+         dict(scheduler="sjf", block_manager="contiguous", num_blocks=3000, block_size=16, max_model_len=4096)),
+    ],
+)
+def test_full_log_expands_to_the_reference_lines(tmp_path, trace, overrides):
+    reference, digest = logged_run(trace, tmp_path, **overrides)
+    assert list(read_decisions(tmp_path)) == reference
+    stored = (tmp_path / FULL_LOG).stat().st_size
+    assert stored * 10 < sum(len(line) + 1 for line in reference)  # diff + gzip: far smaller than the lines
+    assert read_digest(tmp_path) == digest
+
+
+def test_the_log_covers_what_it_claims_to(tmp_path):
+    """The cases above exercise what they are there for: forks, copies, swaps, stretches, preemptions."""
+    reference, _ = logged_run(FORKS, tmp_path, **dict(TINY, block_manager="prefix", num_blocks=120,
+                                                      preemption_mode="swap", swap_space_gb=0.001))
+    steps = [json.loads(line) for line in reference]
+    assert any("stretch" in s for s in steps)
+    plans = [s for s in steps if "stretch" not in s]
+    for key in ("forks", "copies", "swap_out", "swap_in", "preempted"):
+        assert any(s[key] for s in plans), key
+
+
+def test_summary_digest_equals_the_full_one_and_tells_runs_apart(tmp_path):
+    config = dict(TINY, block_manager="prefix", num_blocks=120)
+    _, full = logged_run(FORKS, tmp_path / "full", **config)
+    _, summary = logged_run(FORKS, None, mode="summary", **config)
+    _, other = logged_run(FORKS, None, mode="summary", **dict(config, num_blocks=100))
+    assert {k: v for k, v in full.items() if k != "mode"} == {k: v for k, v in summary.items() if k != "mode"}
+    assert summary["mode"] == "summary" and full["mode"] == "full"
+    assert other["sha256"] != summary["sha256"]
+
+
+def _plan(step, entries, tables, slots, **rest) -> StepPlan:
+    return StepPlan(step=step, entries=[PlanEntry(*e) for e in entries], block_tables=tables, slot_mapping=slots, **rest)
+
+
+def test_plans_outside_the_expected_shape_round_trip():
+    """Reordered batches, tables not in entry order, slots the tables do not imply, skipped steps:
+    stored literally where the diff cannot express them, and expanded exactly."""
+    plans = [
+        _plan(0, [("a", 0, 4, True, True), ("b", 0, 2, True, False)], {"a": [5], "b": [7]}, [20, 21, 22, 23, 28, 29]),
+        _plan(1, [("b", 2, 1, True, True), ("a", 4, 1, False, True)], {"b": [7], "a": [5, 9]}, [30, 36]),
+        _plan(2, [("a", 5, 1, False, True), ("b", 3, 1, False, True)], {"b": [7], "a": [5, 9]}, [37, 31]),
+        _plan(3, [("a", 6, 1, False, True), ("b", 4, 1, False, True)], {"a": [5, 9], "b": [3, 8]}, [38, 99],
+              copies=[(7, 3)], preempted=[("c", "swap")], rejected=[("d", "queue_full")], forks=[("a", ["a.1"])]),
+        _plan(7, [], {}, [], swap_out=[(1, 0)]),
+        _plan(8, [("b", 0, 1, True, False)], {"b": [1]}, [4]),
+    ]
+    stretch = DecodeStretch(first_step=9, num_steps=3, block_size=4, request_ids=["b"], start_positions=[1],
+                            start_tables={"b": [1]}, growth=[(2, "b", 6)])
+    after = _plan(12, [("b", 4, 1, False, True)], {"b": [1, 6]}, [24])
+    encoder = DiffEncoder(block_size=4)
+    records = [encoder.header(), *(encoder.plan(p) for p in plans), encoder.stretch(stretch), encoder.plan(after)]
+    expected = [p.to_json() for p in plans] + [stretch.to_json(), after.to_json()]
+    assert list(decode_records(records)) == expected
+    assert records[-1] == "{}"  # the step after a stretch is exactly what the stretch implies
+    assert '"m"' in records[4]  # a slot the tables do not imply is kept as given
+
+
+def test_simulate_cli_log_modes_and_show(tmp_path):
+    runner = CliRunner()
+    base = ["simulate", "--trace", "demo", "--model", "tiny", "--device", "cpu", "--quiet"]
+    for mode in ("off", "summary", "full"):
+        result = runner.invoke(main, [*base, "--decisions", mode, "--out", str(tmp_path / mode)])
+        assert result.exit_code == 0, result.output
+    assert not (tmp_path / "off" / DIGEST).exists() and not (tmp_path / "off" / FULL_LOG).exists()
+    assert (tmp_path / "summary" / DIGEST).exists() and not (tmp_path / "summary" / FULL_LOG).exists()
+    assert read_digest(tmp_path / "summary")["sha256"] == read_digest(tmp_path / "full")["sha256"]
+
+    shown = runner.invoke(main, ["decisions", "show", str(tmp_path / "full")])
+    assert shown.exit_code == 0
+    with gzip.open(tmp_path / "full" / FULL_LOG, "rt") as fh:
+        assert shown.output.splitlines() == list(decode_records(fh))
+    per_step = runner.invoke(main, ["decisions", "show", "--per-step", str(tmp_path / "full")]).output.splitlines()
+    assert [json.loads(line)["step"] for line in per_step] == list(range(read_digest(tmp_path / "full")["steps"]))
+
+    missing = runner.invoke(main, ["decisions", "show", str(tmp_path / "summary")])
+    assert missing.exit_code != 0 and "run with --decisions full" in missing.output
+
+
+def test_reader_takes_a_log_written_before_the_diff_encoding(tmp_path):
+    lines = [_plan(0, [("a", 0, 2, True, True)], {"a": [0]}, [0, 1]).to_json(),
+             DecodeStretch(1, 2, 4, ["a"], [2], {"a": [0]}, []).to_json()]
+    (tmp_path / "decisions.jsonl").write_text("".join(line + "\n" for line in lines))
+    assert list(read_decisions(tmp_path)) == lines
+    assert len(list(read_decisions(tmp_path, per_step=True))) == 3
