@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvsim.sim.cli_options import AliasedOption
+from kvsim.sim.cli_aliases import AliasedOption
 from kvsim.sim.device import load_device
 from kvsim.sim.errors import UserError
 from kvsim.sim.memory import (

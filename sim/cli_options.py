@@ -15,19 +15,9 @@ from typing import Callable
 
 import click
 
+from kvsim.sim.cli_aliases import AliasedOption
 from kvsim.sim.errors import user_errors
 from kvsim.sim.run_config import KV_DTYPES, RunConfig, load_run_config
-
-
-class AliasedOption(click.Option):
-    """An option whose extra spellings (kvsim's old names) are accepted but not shown in --help."""
-
-    def get_help_record(self, ctx: click.Context):
-        shown, self.opts = self.opts, self.opts[:1]
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = shown
 
 
 def _switch(name: str) -> str:
@@ -37,8 +27,8 @@ def _switch(name: str) -> str:
 # (flags: shown name first, then hidden old names; RunConfig field; click kwargs)
 RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--trace",), "trace", {"help": "Trace file, or a bundled sample name (demo, azure_conv_10min, mooncake_500)."}),
-    (("--format",), "trace_format", {"help": "Trace format (default: detected from content)."}),
-    (("--request-rate",), "request_rate", {"type": float, "help": "Mean arrival rate (req/s) the trace's arrivals are scaled to, as vLLM bench's."}),
+    (("--format",), "trace_format", {"help": "Trace format. [default: detected from content]"}),
+    (("--request-rate",), "request_rate", {"type": float, "help": "Mean arrival rate (req/s) the trace's arrivals are scaled to, as vLLM bench's. [default: the trace's own]"}),
     (("--rate-scale", "--scale-rate"), "rate_scale", {"type": float, "help": "Or: arrivals this many times as frequent as in the trace."}),
     (("--max-requests",), "max_requests", {"type": int, "help": "Replay only the first N requests (0: all)."}),
     (("--model",), "model", {"help": "Model name (sim/models) or TOML path."}),
@@ -51,7 +41,7 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"help": "vLLM's switch: whether prefills may be split across steps (the scheduler's chunked_prefill; "
               "kvsim's `chunked` scheduler is Sarathi-style decode-first and always chunks). [default: on]"}),
     (("--block-size",), "block_size", {"type": int, "help": "Tokens per KV block."}),
-    (("--kv-cache-dtype", "--kv-dtype"), "kv_dtype", {"type": click.Choice(["auto", *KV_DTYPES]), "help": "KV cache dtype (auto: the model's)."}),
+    (("--kv-cache-dtype", "--kv-dtype"), "kv_dtype", {"type": click.Choice(["auto", *KV_DTYPES]), "help": "KV cache dtype (auto: the model's). [default: auto]"}),
     (("--gpu-memory-utilization", "--memory-utilization"), "memory_utilization",
      {"type": float, "help": "Fraction of device (NPU/GPU) memory the engine may use."}),
     (("--num-gpu-blocks-override", "--num-blocks"), "num_blocks", {"type": int, "help": "KV blocks, overriding the memory model (0: sized by it)."}),

@@ -126,12 +126,26 @@ def test_conversation_turns_chain_their_hashes() -> None:
 
 def test_two_turn_reuse_bound_matches_hand_count() -> None:
     # prompt 100 (6 full blocks), answer 50: turn 2 is 250 tokens and reuses turn 1's 6 full
-    # prompt blocks; the blocks that the answer completed were never sent, so they miss
+    # prompt blocks when turn 1 is in the trace (a conversation begun before the window is
+    # not); the blocks that the answer completed were never sent, so they miss
     t = traces.synthesize(rate=1.0, n_requests=40, prompt=Fixed(100), output=Fixed(50), turns=2, think_time_s=1.0,
                           hash_block_size=16, seed=3)
     firsts, seconds = np.sum(t.prompt_tokens == 100), np.sum(t.prompt_tokens == 250)
-    assert firsts + seconds == 40 and seconds > 10
-    assert traces.prefix_reuse_bound(t) == pytest.approx(seconds * 96 / (firsts * 100 + seconds * 250))
+    sessions, counts = np.unique(t.session_id, return_counts=True)
+    both = int(np.sum(counts == 2))  # conversations with both turns inside
+    assert firsts + seconds == 40 and both > 10
+    assert traces.prefix_reuse_bound(t) == pytest.approx(both * 96 / (firsts * 100 + seconds * 250))
+
+
+def test_conversations_realise_the_asked_request_rate() -> None:
+    # `kvsim trace synth --rate 5 --duration 600 --turns 3` once gave 4.58 req/s
+    made = [traces.synthesize(rate=5.0, duration_s=600.0, turns=3, seed=seed) for seed in range(20)]
+    assert np.mean([len(t) / 600.0 for t in made]) == pytest.approx(5.0, rel=0.02)
+    arrivals = np.concatenate([t.arrival_s for t in made])
+    first, middle, last = (np.sum((arrivals >= a) & (arrivals < a + 100)) for a in (0, 250, 500))
+    assert first == pytest.approx(middle, rel=0.06) and last == pytest.approx(middle, rel=0.06)  # no ramp up or down
+    counted = traces.synthesize(rate=5.0, n_requests=3000, turns=3, seed=1)
+    assert len(counted) / counted.arrival_s[-1] == pytest.approx(5.0, rel=0.05)
 
 
 def test_synthesize_duration_keeps_arrivals_inside() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from kvsim import traces
+from kvsim.sim.cli_aliases import AliasedOption
 from kvsim.traces.formats import FORMAT_ALIASES, FORMATS, TICKS_PER_SECOND
 from kvsim.traces.schema import Trace
 from kvsim.traces.stats import Summary, TraceStats
@@ -127,7 +128,7 @@ def _describe(stats: TraceStats, block: int | None) -> str:
 
 @trace.command(short_help="Generate a seeded synthetic trace.")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output file (canonical JSONL).")
-@click.option("--rate", type=float, required=True, help="Requests per second.")
+@click.option("--rate", type=float, required=True, help="Requests per second, every turn of a conversation counted.")
 @click.option("--duration", type=float, help="Seconds of arrivals to generate.")
 @click.option("--count", type=int, help="Number of requests to generate.")
 @click.option("--arrival", type=click.Choice(["poisson", "gamma"]), default="poisson", show_default=True)
@@ -163,7 +164,9 @@ def synth(out_path, rate, duration, count, arrival, cv, prompt_spec, output_spec
             seed=seed,
         )
         traces.save(made, out_path)
-    click.echo(f"wrote {len(made):,} requests to {out_path}")
+    span = duration if duration is not None else float(made.arrival_s[-1])
+    rate_note = f" ({len(made) / span:.2f} req/s over {span:,.0f} s)" if span > 0 else ""
+    click.echo(f"wrote {len(made):,} requests{rate_note} to {out_path}")
 
 
 def _window(text: str | None) -> tuple[float, float] | None:
@@ -188,7 +191,7 @@ def _window(text: str | None) -> tuple[float, float] | None:
 @click.option("--first", "first_n", type=int, help="Keep the first N requests.")
 @click.option("--sample", "sample_n", type=int, help="Keep N random requests (seeded by --seed).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--scale-rate", type=float, help="Multiply the arrival rate by X.")
+@click.option("--rate-scale", "--scale-rate", "scale_rate", cls=AliasedOption, type=float, help="Multiply the arrival rate by X.")
 @click.option("--shrink-lengths", type=int, help="Divide lengths and the hash block size by K.")
 @click.option("--clamp", "max_model_len", type=int, help="Fit prompt + output into L tokens.")
 @click.option("--max-prompt", type=int, help="Cap prompts at N tokens.")

@@ -150,11 +150,16 @@ def synthesize(
     hash_block_size: int = 16,
     seed: int = 0,
 ) -> Trace:
-    """A synthetic trace of about ``rate`` requests per second.
+    """A synthetic trace of ``rate`` requests per second (turns included), on average.
 
     Conversations start by a Poisson (``arrival_cv`` = 1) or gamma renewal process at
     ``rate / turns`` per second, so requests arrive at ``rate`` overall; turn k+1 follows turn
     k after an exponential think time of mean ``think_time_s`` (measured between arrivals).
+    With several turns the trace is a window of that process in its steady state:
+    conversations start from a warm-up before time 0 (see :func:`_warmup_s`), so the window
+    holds later turns of conversations begun before it, as a cut of a real trace does, and
+    the realised rate is ``rate`` from the first second (starting every conversation at 0
+    would ramp up over the first turns and let later turns fall past the end).
     Turn 1's prompt is the shared system prompt plus ``prompt`` user tokens; turn k+1's prompt
     is turn k's prompt, its ``output`` answer and new user tokens, so its prefix hashes begin
     with every full block of turn k's prompt and answer. Requests are kept while they arrive
@@ -166,17 +171,21 @@ def synthesize(
         raise ValueError("need turns >= 1, n_samples >= 1, system_prompt_tokens >= 0, hash_block_size >= 1, think_time_s >= 0")
     if (n_requests is None) == (duration_s is None):
         raise ValueError("give exactly one of n_requests and duration_s")
+    warmup = _warmup_s(turns, think_time_s)
     if n_requests is None:
-        starts, user, answer, arrival = _conversations(seed, rate, arrival_cv, None, duration_s, prompt, output, turns, think_time_s)
+        starts, user, answer, arrival = _conversations(
+            seed, rate, arrival_cv, None, duration_s + warmup, prompt, output, turns, think_time_s, warmup)
     else:
         if n_requests < 1:
             raise ValueError(f"n_requests must be >= 1, got {n_requests}")
-        # the first n requests of the endless process: add conversations until none that
-        # starts later could still arrive among the first n
-        n_sessions = -(-n_requests // turns)
+        # the first n requests from time 0 of the endless process: add conversations until
+        # none that starts later could still arrive among the first n
+        n_sessions = -(-n_requests // turns) + math.ceil(rate / turns * warmup)
         while True:
-            starts, user, answer, arrival = _conversations(seed, rate, arrival_cv, n_sessions, None, prompt, output, turns, think_time_s)
-            if turns == 1 or starts[-1] > np.sort(arrival.ravel())[n_requests - 1]:
+            starts, user, answer, arrival = _conversations(
+                seed, rate, arrival_cv, n_sessions, None, prompt, output, turns, think_time_s, warmup)
+            inside = np.sort(arrival[arrival >= 0])
+            if len(inside) >= n_requests and (turns == 1 or starts[-1] > inside[n_requests - 1]):
                 break
             n_sessions *= 2
     # prompt of turn k = system + all earlier (user + answer) + this turn's user tokens
@@ -187,6 +196,7 @@ def synthesize(
     n_sessions = len(starts)
 
     order = np.argsort(arrival.ravel(), kind="stable")
+    order = order[arrival.ravel()[order] >= 0]
     if duration_s is not None:
         order = order[arrival.ravel()[order] < duration_s]
     else:
@@ -209,14 +219,24 @@ def synthesize(
     )
 
 
-def _conversations(seed, rate, cv, n_sessions, duration_s, prompt, output, turns, think_time_s):
+def _warmup_s(turns: int, think_time_s: float) -> float:
+    """How long before time 0 conversations start: a conversation's span (the sum of
+    ``turns - 1`` exponential think times) exceeds it with probability below 1e-9."""
+    if turns == 1 or think_time_s == 0:
+        return 0.0
+    k = turns - 1
+    return think_time_s * (k + 10 * math.sqrt(k) + 25)
+
+
+def _conversations(seed, rate, cv, n_sessions, duration_s, prompt, output, turns, think_time_s, warmup=0.0):
     """Start times, user tokens, answer tokens and arrival times (sessions x turns), drawn in
-    a fixed order from a generator seeded with ``seed``."""
+    a fixed order from a generator seeded with ``seed``; the first start is at ``-warmup``."""
     rng = np.random.default_rng(seed)
     if cv == 1.0:
         starts = poisson_arrivals(rate / turns, n=n_sessions, duration_s=duration_s, rng=rng)
     else:
         starts = gamma_arrivals(rate / turns, cv, n=n_sessions, duration_s=duration_s, rng=rng)
+    starts = starts - warmup
     shape = (len(starts), turns)
     user = prompt.sample(rng, shape[0] * turns).reshape(shape)
     answer = output.sample(rng, shape[0] * turns).reshape(shape)
