@@ -17,9 +17,9 @@ import torch
 from kvsim.policies.plan import PlanEntry, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
-from kvsim.realexec.model import Attend, DecoderModel
+from kvsim.realexec.backends.kv_quant import KVScales
+from kvsim.realexec.model import Attend, DecoderModel, calibrate_kv_scales, kv_cache_dtypes
 from kvsim.realexec.prompts import prompt_tokens
-from kvsim.realexec.weights import torch_dtype
 from kvsim.sim.model_spec import ModelSpec
 from kvsim.sim.step_timer import StepTiming
 
@@ -66,8 +66,12 @@ class Executor:
         self.block_size = block_size
         self.seed = seed
         self.check = check
-        self.kv_dtype = torch_dtype(kv_dtype or spec.kv_dtype)
         self.model = DecoderModel.build(spec, backend.device, seed, weights_path)
+        # int8 (C8): quantised cache, attention in the model's dtype, static per-channel scales per layer.
+        self.kv_dtype, self.attention_dtype = kv_cache_dtypes(kv_dtype or spec.kv_dtype, self.model.dtype)
+        self.kv_scales: list[KVScales | None] = (
+            calibrate_kv_scales(self.model, seed) if self.kv_dtype == torch.int8 else [None] * spec.num_layers
+        )
         shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, self.kv_dtype)
         self.kv_caches: KVCaches = backend.allocate_kv_cache(*shape)
         host_shape = (spec.num_layers, num_host_blocks, *shape[2:])
@@ -188,8 +192,9 @@ class Executor:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             key_cache, value_cache = self.kv_caches[layer]
-            self.backend.write_kv(k.to(self.kv_dtype), v.to(self.kv_dtype), key_cache, value_cache, meta.slot_mapping)
-            return self.backend.attention(q.to(self.kv_dtype), key_cache, value_cache, meta, self.model.scale)
+            scales, dtype = self.kv_scales[layer], self.attention_dtype
+            self.backend.write_kv(k.to(dtype), v.to(dtype), key_cache, value_cache, meta.slot_mapping, scales)
+            return self.backend.attention(q.to(dtype), key_cache, value_cache, meta, self.model.scale, scales)
 
         return attend
 

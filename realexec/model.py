@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.weights import load_weights, random_weights, torch_dtype
 from kvsim.sim.model_spec import ModelSpec
 
@@ -123,3 +125,65 @@ class DecoderModel:
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] of the rows that sample; the final norm runs only on those."""
         return (rms_norm(hidden_rows, self.final_norm, self.spec.rms_norm_eps) @ self.lm_head.T).float()
+
+
+# ---- int8 KV (C8): which dtypes a cache stores and attends in, and its static scales ----------------
+
+CALIBRATION_PROMPTS = 4  # seeded random-token prompts the int8 scales are calibrated on
+CALIBRATION_TOKENS = 1024  # ... each this long (capped at max_position): longer contexts widen V's range
+_CALIBRATION_STREAM = 2  # an RNG domain of its own (realexec.prompts uses 0 and 1)
+
+
+def kv_cache_dtypes(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype the cache stores, dtype attention computes in) for a spec dtype name.
+
+    A float cache attends in its own dtype (q is rounded to it, as the kernels take one dtype);
+    an int8 cache stores quantised K/V and attends in the model's dtype after dequantising.
+    """
+    if kv_dtype == "int8":
+        return torch.int8, model_dtype
+    dtype = torch_dtype(kv_dtype)
+    return dtype, dtype
+
+
+def rope_pair_absmax(k: torch.Tensor) -> torch.Tensor:
+    """Per-channel bound of RoPE'd keys [T, Hkv, D] at any position: the norm of each rotated channel pair.
+
+    RoPE rotates channel pairs (i, i + D/2) by a position-dependent angle, so a channel's range at
+    positions the calibration never reached can exceed what it saw; the pair's norm cannot be exceeded.
+    """
+    first, second = k.float().chunk(2, dim=-1)
+    pair = torch.sqrt(first.square() + second.square()).amax(0)
+    return torch.cat([pair, pair], dim=-1)
+
+
+def calibrate_kv_scales(
+    model: DecoderModel, seed: int, prompts: int = CALIBRATION_PROMPTS, tokens: int = CALIBRATION_TOKENS
+) -> list[KVScales]:
+    """Static per-channel int8 scales of every layer: each channel's absmax over a seeded prompt set.
+
+    Deterministic for a (model, seed): the prompts are random tokens from the run's seed, the
+    same kind of tokens ``realexec.prompts`` feeds a trace's requests. Values beyond a channel's
+    calibrated range saturate at +-127.
+    """
+    spec = model.spec
+    tokens = min(tokens, spec.max_position)
+    absmax = [
+        (torch.zeros(spec.num_kv_heads, spec.head_dim, device=model.device),) * 2 for _ in range(spec.num_layers)
+    ]
+
+    def record(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        key_max, value_max = absmax[layer]
+        absmax[layer] = (torch.maximum(key_max, rope_pair_absmax(k)), torch.maximum(value_max, v.float().abs().amax(0)))
+        group = spec.num_heads // spec.num_kv_heads
+        heads_first = (q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+        out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in heads_first), is_causal=True, scale=model.scale)
+        return out.transpose(0, 1)
+
+    rng = np.random.default_rng([seed % 2**64, _CALIBRATION_STREAM])
+    positions = torch.arange(tokens, device=model.device)
+    with torch.inference_mode():
+        for _ in range(prompts):
+            ids = torch.from_numpy(rng.integers(0, spec.vocab_size, size=tokens)).to(model.device)
+            model.forward(ids, positions, record)
+    return [KVScales.from_absmax(key_max, value_max) for key_max, value_max in absmax]

@@ -59,11 +59,12 @@ class MemoryPlan:
     weight_bytes: int
     activation_bytes: int  # peak workspace of the largest step (module docstring)
     reserve_bytes: int  # runtime memory outside the framework's allocator
-    kv_available_bytes: int  # budget - weights - activations - reserve; negative when over
-    kv_bytes_per_token: int  # all layers, K and V (+ int8 scales)
+    kv_available_bytes: int  # budget - weights - activations - reserve - int8 scales; negative when over
+    kv_bytes_per_token: int  # all layers, K and V
     bytes_per_block: int
     num_blocks: int
     problem: str | None  # why this cannot serve a max_model_len request; None when it can
+    kv_scale_bytes: int = 0  # int8 KV's static per-channel scales, allocated once beside the pool
 
     @property
     def fits(self) -> bool:
@@ -139,7 +140,8 @@ def plan_memory(
     budget = math.ceil(device.hbm_bytes * memory_utilization)
     weights = model.weight_bytes()
     activations = activation_workspace_bytes(model, max_num_batched_tokens, max_num_seqs)
-    available = budget - weights - activations - reserve
+    scales = model.kv_scale_bytes(kv_dtype)
+    available = budget - weights - activations - reserve - scales
     per_block = model.bytes_per_block(block_size, kv_dtype)
     num_blocks = max(available, 0) // per_block
 
@@ -176,6 +178,7 @@ def plan_memory(
         bytes_per_block=per_block,
         num_blocks=num_blocks,
         problem=problem,
+        kv_scale_bytes=scales,
     )
 
 

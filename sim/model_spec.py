@@ -14,8 +14,10 @@ from kvsim.sim.toml_io import load_toml
 MODELS_DIR = Path(__file__).parent / "models"
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
-# Per-token-head int8 KV quantisation stores one fp32 scale per token, head and K/V
-# (vLLM's AttentionSpec adds 2 * block_size * num_kv_heads * 4 bytes per layer and block).
+# int8 KV ("C8", as Ascend runs it and realexec.backends.kv_quant implements it) uses static
+# per-channel scales: one fp32 scale per layer, K/V, kv head and channel, fixed for the run.
+# Blocks hold int8 only; the scales are a constant beside the pool (not vLLM's CUDA layout,
+# which stores a scale per token and head inside every block).
 INT8_SCALE_BYTES = 4
 
 
@@ -74,16 +76,18 @@ class ModelSpec:
         return self.num_params() * DTYPE_BYTES[self.weight_dtype]
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
-        """K and V of one token across all layers (int8 adds its per-token-head scales)."""
+        """K and V of one token across all layers."""
         dt = kv_dtype or self.kv_dtype
-        per_layer = 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dt]
-        if dt == "int8":
-            per_layer += 2 * self.num_kv_heads * INT8_SCALE_BYTES
-        return self.num_layers * per_layer
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dt]
 
     def bytes_per_block(self, block_size: int, kv_dtype: str | None = None) -> int:
-        """2 x layers x block_size x kv_heads x head_dim x dtype bytes (+ int8 scales)."""
+        """2 x layers x block_size x kv_heads x head_dim x dtype bytes."""
         return block_size * self.kv_bytes_per_token(kv_dtype)
+
+    def kv_scale_bytes(self, kv_dtype: str | None = None) -> int:
+        """The int8 cache's static scales: 2 x layers x kv_heads x head_dim fp32 (0 for a float cache)."""
+        dt = kv_dtype or self.kv_dtype
+        return self.num_layers * 2 * self.kv_size * INT8_SCALE_BYTES if dt == "int8" else 0
 
 
 def load_model(name_or_path: str | Path) -> ModelSpec:

@@ -44,11 +44,13 @@ def test_int8_kv_nearly_doubles_the_blocks() -> None:
     model, device = load_model("llama-3-8b"), load_device("h100-sxm")
     bf16 = plan_memory(model, device, kv_dtype="bf16")
     int8 = plan_memory(model, device, kv_dtype="int8")
-    # Per token, layer and KV head: bf16 2 x 128 x 2 = 512 bytes; int8 2 x 128 + 2 fp32 scales = 264.
-    assert Fraction(bf16.kv_bytes_per_token, int8.kv_bytes_per_token) == Fraction(512, 264)
-    assert int8.kv_available_bytes == bf16.kv_available_bytes
+    # Per token, layer and KV head: bf16 2 x 128 x 2 = 512 bytes; int8 2 x 128 = 256. The static
+    # per-channel scales (C8) are 2 x layers x kv_heads x head_dim fp32 once, outside the blocks.
+    assert Fraction(bf16.kv_bytes_per_token, int8.kv_bytes_per_token) == 2
+    assert int8.kv_scale_bytes == 2 * 32 * 8 * 128 * 4 and bf16.kv_scale_bytes == 0
+    assert int8.kv_available_bytes == bf16.kv_available_bytes - int8.kv_scale_bytes
     assert int8.num_blocks == int8.kv_available_bytes // int8.bytes_per_block
-    assert int8.num_blocks / bf16.num_blocks == pytest.approx(512 / 264, rel=2 / bf16.num_blocks)
+    assert int8.num_blocks / bf16.num_blocks == pytest.approx(2, rel=2 / bf16.num_blocks)
 
 
 def test_max_sequences_rounds_each_sequence_up_to_whole_blocks() -> None:
