@@ -24,7 +24,8 @@ a graph; sim/engine_overhead.py), ``S`` = num_sampled, other names as in :class:
   SiLU-and-mul, the embedding gather and the final norm), with ``g = q + kv`` and ``k`` = 1 under qk_norm:
   ``T' (L (8h + (3 + 4k) g + 5I) + 10h) | a T' (L (8h + (2 + 2k) g + 3I) + 6h) | (4L + 2 + k L) [T]``
 - ``kv_write`` (HBM): ``- | T' L (2 kv a + c) | L [T]``
-- ``attn_prefill`` (matrix, HBM): ``4 q L attn_pairs | L (prefill_ctx_tokens c + 2 q a prefill_tokens) | L [prefill_tokens]``
+- ``attn_prefill`` (matrix, HBM), with ``n_h`` query heads:
+  ``4 q L attn_pairs | L (prefill_ctx_tokens c + 2 q a prefill_tokens + B_s n_h attn_pairs) | L [prefill_tokens]``
 - ``attn_decode`` (matrix, HBM):
   ``4 q L decode_ctx_tokens | L ((decode_ctx_tokens + H_c decode_seqs) c + 2 q a decode_seqs) | L [decode_seqs]``
 - ``paged_gather`` (block-table walk; ``call_s`` = ``block_s``): ``- | - | L blocks_touched``
@@ -41,7 +42,10 @@ at which the GEMMs reach half their compute efficiency (small-M GEMMs leave most
 units idle: efficiency ``T / (T + H_t)`` is the same as ``H_t`` extra tokens of work), and ``H_c``
 (attn_decode ``half_context``) the context at which decode attention reaches half its bandwidth
 (short KV streams are latency-bound: efficiency ``ctx / (ctx + H_c)`` per sequence). Both are 0
-(constant efficiency) unless a profile sets them; both only add work, so the roofline stays a floor.
+(constant efficiency) unless a profile sets them. ``B_s`` (attn_prefill ``score_bytes``) is the HBM
+traffic per (query, key, head) pair of prefill attention that writes its score matrix out instead
+of keeping it on chip (a non-flash path): 0 for flash kernels. All three only add work, so the
+roofline stays a floor.
 
 The host terms are what a step costs beyond its kernels: scheduling, building the input tensors,
 reading the sampled tokens back and processing outputs, once per step, per sequence and per
@@ -222,8 +226,9 @@ class CostModel:
         q, kv, h, vocab = m.q_size, m.kv_size, m.hidden_size, m.vocab_size
         T, S = f.num_tokens, f.num_sampled
         Tp = T if self.device.engine is None else self.device.engine.padded_tokens(T)
-        half_tokens = self.device.operators["gemm"].half
-        half_context = self.device.operators["attn_decode"].half
+        half_tokens = self.device.operators["gemm"].shape
+        half_context = self.device.operators["attn_decode"].shape
+        score_bytes = self.device.operators["attn_prefill"].shape
         if self.device.padded_attention:
             pairs, prefill_ctx, decode_ctx = f.padded_attn_pairs, f.padded_prefill_ctx_tokens, f.padded_decode_ctx_tokens
             blocks = f.padded_blocks_touched
@@ -241,7 +246,7 @@ class CostModel:
             "kv_write": OperatorWork(flops=0.0, bytes=Tp * L * (2 * kv * a + c), calls=L * _on(T)),
             "attn_prefill": OperatorWork(
                 flops=4 * q * L * pairs,
-                bytes=L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens),
+                bytes=L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens + score_bytes * m.num_heads * pairs),
                 calls=L * _on(f.prefill_tokens),
             ),
             "attn_decode": OperatorWork(
@@ -414,7 +419,7 @@ class CostModel:
         peak, bandwidth = self.roofs(op)
         compute = None if current.compute_efficiency is None else 1.0 / (rate[0] * peak)
         memory = None if current.memory_efficiency is None else 1.0 / (rate[1] * bandwidth)
-        return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory, half=current.half)
+        return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory, shape=current.shape)
 
 
 def _refine(

@@ -60,7 +60,7 @@ OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
     "elementwise": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "kv_write": ("memory_efficiency", "launch_s"),
-    "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s", "score_bytes"),
     "attn_decode": ("compute_efficiency", "memory_efficiency", "launch_s", "half_context"),
     "paged_gather": ("block_s",),
     "lm_head": ("compute_efficiency", "memory_efficiency", "launch_s"),
@@ -71,8 +71,10 @@ OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "host_seq": ("seq_s",),
     "host_token": ("token_s",),
 }
-# ``half_*``: the size at which the operator reaches half its efficiency (0 = none; cost_model.py).
-SHAPE_KEYS = ("half_tokens", "half_context")
+# How an operator's cost depends on its shape beyond its work (0 = not at all; cost_model.py):
+# ``half_*`` the size at which it reaches half its efficiency, ``score_bytes`` the bytes per
+# (query, key, head) pair of attention kernels that write their score matrix to HBM.
+SHAPE_KEYS = ("half_tokens", "half_context", "score_bytes")
 OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s", *SHAPE_KEYS})
 # The key that holds an operator's fixed cost per call (OperatorCoefficients.call_s).
 CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s", "token_s")
@@ -100,13 +102,13 @@ class OperatorCoefficients:
     ``paged_gather`` one KV block touched in one layer (``block_s``), for ``host_step`` one
     step (``step_s``), for ``host_seq`` one sequence of a step (``seq_s``), for ``host_token``
     one token (``token_s``). An efficiency is None where the operator's formula does not read
-    it. ``half`` is the operator's shape key (``half_tokens``, ``half_context``), 0 without one.
+    it. ``shape`` is the value of the operator's shape key (:data:`SHAPE_KEYS`), 0 without one.
     """
 
     call_s: float
     compute_efficiency: float | None = None
     memory_efficiency: float | None = None
-    half: float = 0.0
+    shape: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         coeffs = profile.operators[op]
         lines += ["", f"[operators.{op}]"]
         for key in keys:
-            value = coeffs.call_s if key in CALL_KEYS else coeffs.half if key in SHAPE_KEYS else getattr(coeffs, key)
+            value = coeffs.call_s if key in CALL_KEYS else coeffs.shape if key in SHAPE_KEYS else getattr(coeffs, key)
             lines.append(f"{key} = {_toml_num(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -229,8 +231,8 @@ def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> Operat
     else:
         call_s = _number(table, call_key, float, path, prefix, allow_zero=True)
     effs = {k: _number(table, k, float, path, prefix) for k in ("compute_efficiency", "memory_efficiency") if k in keys}
-    half = next((_number(table, k, float, path, prefix, allow_zero=True) for k in SHAPE_KEYS if k in keys and k in table), 0.0)
-    return OperatorCoefficients(call_s=call_s, half=half, **effs)
+    shape = next((_number(table, k, float, path, prefix, allow_zero=True) for k in SHAPE_KEYS if k in keys and k in table), 0.0)
+    return OperatorCoefficients(call_s=call_s, shape=shape, **effs)
 
 
 def _table(data: dict, key: str, path: Path, prefix: str = "") -> dict:

@@ -15,9 +15,12 @@ says what the host adds around them, as vLLM and vllm-ascend run a step:
   device runs step ``n``, so the step takes ``max(execution, host work)`` instead of their sum.
 
 Host work per step (scheduling, input preparation, sampling read-back, output processing) is the
-cost model's ``host_step``, ``host_seq`` and ``host_token`` operators. ``request_s`` is what the
-API server spends on a request outside the engine loop (HTTP, chat template, tokenisation and
-detokenisation): it adds to a served request's time to first token, not to any step.
+cost model's ``host_step``, ``host_seq`` and ``host_token`` operators. A served request meets two
+more costs outside the engine loop: ``admit_s``, the API server's own time for it (request
+parsing, chat template, tokenisation), which a single server process spends one request at a
+time, so a burst of prompts queues there; and ``request_s``, latency every request sees in
+parallel (HTTP, hand-over to the engine process, detokenising and streaming the first token).
+Both add to a served request's time to first token, not to any step.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ class EngineProfile:
     dispatch_s: float  # host time to dispatch one kernel outside a graph
     capture_sizes: tuple[int, ...] = ()  # token counts with a captured graph (graph mode)
     async_scheduling: bool = False
-    request_s: float = 0.0  # API-server time per request before its first token
+    request_s: float = 0.0  # latency per served request before its first token, paid in parallel
+    admit_s: float = 0.0  # API-server time per request, paid one request at a time
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -52,8 +56,8 @@ class EngineProfile:
             raise ValueError("graph mode needs capture_sizes")
         if any(s <= 0 for s in self.capture_sizes) or list(self.capture_sizes) != sorted(set(self.capture_sizes)):
             raise ValueError(f"capture_sizes must be positive, increasing and distinct, got {list(self.capture_sizes)}")
-        if self.dispatch_s < 0 or self.request_s < 0:
-            raise ValueError("dispatch_s and request_s must be >= 0")
+        if min(self.dispatch_s, self.request_s, self.admit_s) < 0:
+            raise ValueError("dispatch_s, request_s and admit_s must be >= 0")
 
     def in_graph(self, num_tokens: Num) -> Num:
         """1 where a step of ``num_tokens`` replays a captured graph, else 0."""
@@ -84,7 +88,7 @@ class EngineProfile:
 
 def parse_engine(table: dict, path: Path) -> EngineProfile:
     """An ``[engine]`` table of a device TOML; errors name the file and field."""
-    allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "source"}
+    allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "admit_s", "source"}
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join('engine.' + k for k in unknown)} (allowed: {', '.join(sorted(allowed))})")
@@ -94,7 +98,7 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
     sizes = table.get("capture_sizes", [])
     if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
         raise ValueError(f"{path}: field engine.capture_sizes must be a list of integers, got {sizes!r}")
-    for key in ("dispatch_s", "request_s"):
+    for key in ("dispatch_s", "request_s", "admit_s"):
         value = table.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{path}: field engine.{key} must be a number >= 0, got {value!r}")
@@ -107,6 +111,7 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
             capture_sizes=tuple(sizes),
             async_scheduling=table.get("async_scheduling", False),
             request_s=float(table.get("request_s", 0.0)),
+            admit_s=float(table.get("admit_s", 0.0)),
             source=str(table.get("source", "")),
         )
     except ValueError as exc:
@@ -122,5 +127,6 @@ def engine_toml_lines(engine: EngineProfile) -> list[str]:
         f"capture_sizes = [{', '.join(str(s) for s in engine.capture_sizes)}]",
         f"async_scheduling = {'true' if engine.async_scheduling else 'false'}",
         f"request_s = {engine.request_s!r}",
+        f"admit_s = {engine.admit_s!r}",
         f"source = {json.dumps(engine.source)}",
     ]

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from kvsim.sim.fidelity import (
+    HAND_FITTED,
     PUBLISHED,
     PARAMETERS,
     Result,
@@ -41,8 +42,9 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str) -> None:
     fitted = {
         f"{r.device}:{r.fits}": {"row": r.id, "value": get_parameter(devices[r.device], r.fits)}
         for r in rows
-        if r.split == "fit"
+        if r.split == "fit" and r.fits in PARAMETERS
     }
+    fitted.update({r.fits: {"row": r.id, "value": float(eval_hand_fitted(r.fits))} for r in rows if r.fits in HAND_FITTED})
     click.echo(format_table(results))
     summary = {split: summarize_errors(results, split) for split in ("fit", "check")}
     for split, s in summary.items():
@@ -62,6 +64,14 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str) -> None:
     (out_dir / "fidelity.json").write_text(json.dumps(payload, indent=2))
     write_html(results, summary, fitted, published.sources, out_dir / "fidelity.html")
     click.echo(f"wrote {out_dir / 'fidelity.json'} and {out_dir / 'fidelity.html'}")
+
+
+def eval_hand_fitted(name: str) -> float:
+    """The current value of a hand-fitted constant (``module.NAME`` in :data:`HAND_FITTED`)."""
+    import importlib
+
+    module, attr = HAND_FITTED[name].rsplit(".", 1)
+    return getattr(importlib.import_module(module), attr)
 
 
 def format_table(results: list[Result]) -> str:

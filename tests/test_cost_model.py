@@ -376,7 +376,7 @@ def test_shape_terms_only_add_time_and_keep_the_roofline_floor(llama_910b: CostM
     gemm = llama_910b.device.operators["gemm"]
     attn = llama_910b.device.operators["attn_decode"]
     shaped = _with_engine(
-        llama_910b, gemm=dataclasses.replace(gemm, half=64.0), attn_decode=dataclasses.replace(attn, half=256.0)
+        llama_910b, gemm=dataclasses.replace(gemm, shape=64.0), attn_decode=dataclasses.replace(attn, shape=256.0)
     )
     for plan in (decode_plan([100] * 2), decode_plan([4000] * 64), prefill_plan(2048)):
         f = features_from_plan(plan, 128)

@@ -33,7 +33,7 @@ def test_block_count_follows_vllm_sizing_exactly() -> None:
 
 def test_activation_workspace_formula_by_hand() -> None:
     tiny = load_model("tiny")  # fp32, h 256, q 256, kv 128, I 688, V 4096
-    in_layer = 4 * 512 * (2 * 256 + max(2 * 256 + 2 * 128, 3 * 688))
+    in_layer = 4 * 512 * (3 * 256 + max(2 * 256 + 2 * 128, 3 * 688))
     at_head = 4 * 512 * 256 + 2 * 4 * 64 * 4096
     assert activation_workspace_bytes(tiny, 512, 64) == max(in_layer, at_head) == in_layer
     # Few tokens but many sampled rows: the logits dominate, and rows are capped by the tokens.

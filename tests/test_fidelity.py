@@ -1,0 +1,156 @@
+"""kvsim fidelity: the published-figures table loads strictly, replays its clients faithfully, fits only fit rows."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvsim.sim.cli import main
+from kvsim.sim.device import load_device
+from kvsim.sim.engine_overhead import EngineProfile
+from kvsim.sim.fidelity import (
+    PUBLISHED,
+    Row,
+    _front_end,
+    fit_parameters,
+    get_parameter,
+    load_published,
+    predict_row,
+    row_lengths,
+    set_parameter,
+)
+
+
+@pytest.fixture(scope="module")
+def published():
+    return load_published()
+
+
+def test_the_table_has_enough_independent_rows(published) -> None:
+    rows = published.rows
+    assert len(rows) >= 15 and len({r.source for r in rows}) >= 4
+    assert {r.split for r in rows} == {"fit", "check"}
+    assert {"ascend-910b3", "h100-sxm"} <= {r.device for r in rows}
+    metrics = {r.metric for r in rows}
+    assert metrics & {"ttft_mean", "ttft_median", "tpot_mean", "tpot_median"} and "output_throughput" in metrics
+    for r in rows:
+        assert r.source in published.sources and r.wording and r.parallelism == "TP1"
+        assert published.sources[r.source].url.startswith("https://") and published.sources[r.source].quote.strip()
+        assert (r.split == "fit") == bool(r.fits), r.id
+
+
+def _write_rows(tmp_path: Path, row_text: str) -> Path:
+    text = PUBLISHED.read_text()
+    head = text[: text.index("[[row]]")]
+    path = tmp_path / "rows.toml"
+    path.write_text(head + row_text)
+    return path
+
+
+GOOD_ROW = """
+[[row]]
+id = "x"
+source = "vllm-10517"
+split = "check"
+metric = "num_blocks"
+measured = 1478
+wording = "w"
+model = "llama-3.1-8b"
+device = "rtx-3090"
+engine = "e"
+parallelism = "TP1"
+workload = "memory"
+total_gib = 23.58
+block_size = 16
+max_model_len = 29000
+max_num_batched_tokens = 29000
+"""
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (('parallelism = "TP1"', 'parallelism = "TP2"'), "only TP1 rows"),
+        (('split = "check"', 'split = "fit"'), "names the parameter it fits"),
+        (('source = "vllm-10517"', 'source = "nowhere"'), "not a \\[\\[source\\]\\] id"),
+        (("measured = 1478", "measured = 1478\nrate_qps = 3"), "unknown field"),
+        (('wording = "w"\n', ""), "missing field"),
+    ],
+)
+def test_bad_rows_are_rejected_naming_file_and_row(tmp_path: Path, edit: tuple[str, str], message: str) -> None:
+    path = _write_rows(tmp_path, GOOD_ROW.replace(*edit))
+    with pytest.raises(ValueError, match=message) as info:
+        load_published(path)
+    assert str(path) in str(info.value) and "row[0] (x)" in str(info.value)
+    assert load_published(_write_rows(tmp_path, GOOD_ROW)).rows[0].id == "x"
+
+
+def _serving_row(**changes) -> Row:
+    base = dict(
+        id="t", source="s", split="check", metric="tpot_mean", measured=1.0, model="qwen2.5-7b",
+        device="ascend-910b3", engine="e", parallelism="TP1", workload="batch", wording="w",
+        num_prompts=8, input_len=32, output_len=16, max_model_len=4096,
+    )  # fmt: skip
+    return Row(**{**base, **changes})
+
+
+def test_dataset_lengths_keep_the_published_totals_and_vllms_sharegpt_filter() -> None:
+    row = _serving_row(num_prompts=200, input_len=0, output_len=0, input_total=43560, output_total=44697)
+    prompts, outputs = row_lengths(row)
+    assert prompts.sum() == 43560 and outputs.sum() == 44697
+    assert prompts.min() >= 4 and prompts.max() <= 1024 and (prompts + outputs).max() <= 2048
+    again = row_lengths(row)
+    assert np.array_equal(again[0], prompts) and np.array_equal(again[1], outputs)  # fixed by the seed
+
+
+def test_the_api_server_admits_one_request_at_a_time() -> None:
+    engine = EngineProfile(mode="eager", dispatch_s=0.0, admit_s=0.01, request_s=0.05)
+    seen = _front_end(np.array([0.0, 0.0, 0.0, 1.0]), engine)
+    assert seen == pytest.approx([0.06, 0.07, 0.08, 1.06])  # a burst queues; a lone request only waits
+
+
+def test_one_closed_loop_client_sends_after_each_answer() -> None:
+    device = load_device("ascend-910b3")
+    one = _serving_row(workload="concurrency", concurrency=1, metric="output_throughput")
+    batch = _serving_row(workload="batch", metric="output_throughput")
+    # one client: no two requests overlap, so it delivers less than all at once
+    assert predict_row(one, device) < predict_row(batch, device)
+    e2e = predict_row(replace(one, metric="e2e_mean"), device)
+    ttft = predict_row(replace(one, metric="ttft_mean"), device)
+    assert predict_row(one, device) == pytest.approx(16 / e2e, rel=0.02)  # tokens per request / time per request
+    assert ttft >= device.engine.request_s + device.engine.admit_s
+
+
+def test_fit_rows_recover_the_parameter_that_made_the_figure() -> None:
+    device = load_device("ascend-910b3")
+    truth = set_parameter(device, "engine.dispatch_s", 2.5e-4)
+    row = _serving_row(metric="batch_latency", engine_mode="eager")
+    measured = predict_row(row, truth)
+    fitted = fit_parameters([replace(row, split="fit", fits="engine.dispatch_s", measured=measured)], {"ascend-910b3": device})
+    assert get_parameter(fitted["ascend-910b3"], "engine.dispatch_s") == pytest.approx(2.5e-4, rel=0.01)
+    untouched = fit_parameters([replace(row, measured=measured)], {"ascend-910b3": device})  # a check row
+    assert untouched["ascend-910b3"] == device
+
+
+def test_memory_rows_match_vllms_logged_block_counts_within_3_percent(published) -> None:
+    memory = [r for r in published.rows if r.workload == "memory"]
+    assert memory
+    for r in memory:
+        assert abs(predict_row(r, load_device(r.device)) / r.measured - 1) <= 0.03, r.id
+
+
+def test_cli_writes_json_and_html(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["fidelity", "--only", "vllm10517", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "fidelity.json").read_text())
+    assert {r["split"] for r in data["rows"]} == {"fit", "check"}
+    for r in data["rows"]:
+        assert {"source", "split", "metric", "measured", "predicted", "signed_error"} <= set(r)
+        assert r["signed_error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
+    assert "vllm10517-29k" in (tmp_path / "fidelity.html").read_text()
+    assert "check:" in result.output
