@@ -35,14 +35,14 @@ HEADLINE = ("requests_completed", "requests_rejected", "throughput_tok_s", "pree
 LATENCIES = ("ttft_s", "tpot_s", "e2e_s")
 
 
-def load_grid_file(path: str | Path) -> tuple[RunConfig, dict[str, list], dict]:
+def load_grid_file(path: str | Path, require_grid: bool = True) -> tuple[RunConfig, dict[str, list], dict]:
     """A run config TOML with a ``[grid]`` of lists: (base config, grid, the file's other tables).
 
     Grid keys keep the user's spelling (vLLM names too); every value is type-checked.
     """
     data = load_toml(path)
-    grid = data.pop("grid", None)
-    if not isinstance(grid, dict) or not grid:
+    grid = data.pop("grid", None if require_grid else {})
+    if not isinstance(grid, dict) or (require_grid and not grid):
         raise ValueError(f"{path}: needs a [grid] table of RunConfig fields to vary")
     extra = {k: data.pop(k) for k in list(data) if isinstance(data[k], dict) and k not in ("scheduler_params", "block_manager_params")}
     base = RunConfig(**config_fields(data, str(path)))

@@ -1,0 +1,92 @@
+"""kvsim capacity: the rate it reports meets the SLOs when simulated directly, a rate just above misses,
+and stopping an overloaded probe early never changes its answer."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvsim.sim.capacity import Slo, SloWatch, evaluate, probe
+from kvsim.sim.cli import main
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
+from kvsim.sim.simulator import SimOptions, simulate
+
+SMALL = 'trace = "azure_conv_10min"\nmax_requests = 200\n'
+SLO = Slo(ttft_s=1.5, tpot_s=0.2, percentile=95)
+
+
+def _p(values, percentile: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), percentile))
+
+
+def _simulated_latencies(tmp_path, name: str, rate: float) -> tuple[float, float]:
+    """p95 TTFT and TPOT of `kvsim simulate --request-rate RATE`, read back from its requests.csv."""
+    out = tmp_path / name
+    result = CliRunner().invoke(main, ["simulate", "--trace", "azure_conv_10min", "--max-requests", "200", "--block-size", "16",
+                                       "--request-rate", repr(rate), "--quiet", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader((out / "requests.csv").open()))
+    assert {r["reject_reason"] for r in rows} <= {"", "exceeds_max_model_len"}  # never rejected for load
+    rows = [r for r in rows if r["status"] == "finished"]
+    ttft = [float(r["ttft_s"]) for r in rows]
+    tpot = [float(r["tpot_s"]) for r in rows if r["tpot_s"]]
+    return _p(ttft, SLO.percentile), _p(tpot, SLO.percentile)
+
+
+def test_capacity_is_checked_by_direct_simulation(tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(SMALL + "[grid]\nblock_size = [16]\n[slo]\nttft_s = 1.5\ntpot_s = 0.2\npercentile = 95\n")
+    result = CliRunner().invoke(main, ["capacity", str(grid), "--out", str(tmp_path / "cap"), "--jobs", "1", "--tolerance", "0.05", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "block_size=16" in result.output and "capacity within p95 TTFT <= 1.5 s, TPOT <= 0.2 s" in result.output
+    row = next(csv.DictReader((tmp_path / "cap" / "capacity.csv").open()))
+    capacity, missed = float(row["capacity_rps"]), float(row["missed_at_rps"])
+    assert 0 < capacity < missed <= capacity * 1.05 + 1e-9
+    ttft, tpot = _simulated_latencies(tmp_path, "at", capacity)
+    assert ttft <= SLO.ttft_s and tpot <= SLO.tpot_s
+    ttft, tpot = _simulated_latencies(tmp_path, "above", missed)
+    assert ttft > SLO.ttft_s or tpot > SLO.tpot_s
+    data = json.loads((tmp_path / "cap" / "capacity.json").read_text())
+    assert data["configs"][0]["capacity_rps"] == capacity
+    assert (tmp_path / "cap" / "capacity.html").exists()
+
+
+@pytest.mark.parametrize("rate", [2.0, 6.0, 20.0])
+def test_stopping_early_never_changes_the_answer(rate):
+    config = RunConfig(trace="azure_conv_10min", max_requests=200, block_size=16, request_rate=rate)
+    resolved = resolve(config)
+    full = evaluate(simulate(load_run_trace(config), resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions()), SLO)
+    fast = probe(config, rate, SLO)
+    assert fast.met == full.met
+    if fast.stopped_early:
+        assert not full.met
+
+
+def test_an_overloaded_probe_stops_early():
+    config = RunConfig(trace="azure_conv_10min", max_requests=200, block_size=16)
+    assert probe(config, 50.0, SLO).stopped_early
+
+
+def test_watch_forwards_macro_stepping():
+    resolved = resolve(RunConfig(trace="demo"))
+    timer = CostModelTimer(resolved.cost_model())
+    assert SloWatch(timer, SLO, 10).decode_stretch_times == timer.decode_stretch_times
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[grid]\nrequest_rate = [1.0, 2.0]\n[slo]\nttft_s = 1.0\n", "do not vary ['request_rate']"),
+    ("[slo]\nttft_s = \"fast\"\n", "ttft_s = 'fast': expected a number"),
+    ("[slo]\npercentile = 99\n", "at least one SLO"),
+    ("[slo]\nttft_s = -1\n", "ttft_s = -1"),
+])
+def test_capacity_file_mistakes_are_one_line(tmp_path, text, expected):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(SMALL + text)
+    result = CliRunner().invoke(main, ["capacity", str(grid), "--out", str(tmp_path / "cap")])
+    assert result.exit_code == 2 and expected in result.output
+    assert len(result.output.strip().splitlines()) == 1
