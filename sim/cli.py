@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fidelity": ("kvsim.sim.fidelity_cli:fidelity", "Predicted vs published vLLM / vllm-ascend serving figures."),
     "sweep": ("kvsim.sim.cli_sweep:sweep", "Run many what-if simulations (local processes or Ray)."),
     "capacity": ("kvsim.sim.cli_capacity:capacity", "Highest request rate each configuration serves within SLOs."),
+    "doctor": ("kvsim.realexec.doctor:doctor", "Check every kernel of a backend against the CPU reference."),
     "execute": ("kvsim.realexec.cli:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
     "profile": ("kvsim.realexec.cli_profile:profile", "Measure a backend and fit the cost model's coefficients."),
     "validate": ("kvsim.realexec.cli_validate:validate", "Cross-validate the simulator against the real executor."),

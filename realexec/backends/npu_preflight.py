@@ -103,7 +103,7 @@ def cache_problems(dtype: torch.dtype, block_size: int, num_kv_heads: int, head_
             Finding(
                 "fp16 through FIA's TND layout is unverified on Atlas A2: _op_plugin_docs.py's TND limits say "
                 "'数据类型仅支持BFLOAT16' (in the paragraph on Q_D=K_D=192); prefer bf16, and run `kvsim doctor "
-                "--backend npu --dtype fp16` before trusting fp16 results",
+                "--backend npu --kv-cache-dtype fp16` before trusting fp16 results",
                 error=False,
             )
         )
