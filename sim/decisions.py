@@ -47,6 +47,8 @@ _CHUNK_BYTES = 1 << 20
 def derive_slots(positions: list[int], counts: list[int], tables: list[list[int]], block_size: int) -> list[int]:
     """The flat slot mapping a plan's entries imply: position ``p`` of table ``t`` is ``t[p // bs] * bs + p % bs``."""
     bs = block_size
+    if counts.count(1) == len(counts):  # one token each (decodes): the common step, in one comprehension
+        return [table[p // bs] * bs + p % bs for p, table in zip(positions, tables)]
     out: list[int] = []
     for first, n, table in zip(positions, counts, tables):
         if n == 1:
