@@ -91,7 +91,7 @@ def _swap_without_space(resolved: ResolvedRun, summary: dict) -> dict | None:
         return None
     return {
         "kind": "swap_without_space",
-        "message": f"preemption mode swap with swap space {resolved.config.swap_space_gb:g} GiB "
-        f"(no host block): all {summary['preemptions']} preemptions recomputed instead",
+        "message": f"preemption mode swap with swap space {resolved.config.swap_space_gb:g} GiB: no host block, so every "
+        f"preemption recomputes instead ({summary['preemptions']} in this run)",
         "preemptions": summary["preemptions"],
     }
