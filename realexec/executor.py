@@ -68,7 +68,9 @@ class Executor:
         self.check = check
         self.model = DecoderModel.build(spec, backend.device, seed, weights_path)
         # int8 (C8): quantised cache, attention in the model's dtype, static per-channel scales per layer.
-        self.kv_dtype, self.attention_dtype = kv_cache_dtypes(kv_dtype or spec.kv_dtype, self.model.dtype)
+        self.kv_dtype, self.attention_dtype = kv_cache_dtypes(
+            kv_dtype or spec.kv_dtype, self.model.dtype, backend.attention_dtypes
+        )
         self.kv_scales: list[KVScales | None] = (
             calibrate_kv_scales(self.model, seed) if self.kv_dtype == torch.int8 else [None] * spec.num_layers
         )

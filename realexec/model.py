@@ -134,14 +134,18 @@ CALIBRATION_TOKENS = 1024  # ... each this long (capped at max_position): longer
 _CALIBRATION_STREAM = 2  # an RNG domain of its own (realexec.prompts uses 0 and 1)
 
 
-def kv_cache_dtypes(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+def kv_cache_dtypes(
+    kv_dtype: str, model_dtype: torch.dtype, attention_dtypes: tuple[torch.dtype, ...] | None = None
+) -> tuple[torch.dtype, torch.dtype]:
     """(dtype the cache stores, dtype attention computes in) for a spec dtype name.
 
     A float cache attends in its own dtype (q is rounded to it, as the kernels take one dtype);
-    an int8 cache stores quantised K/V and attends in the model's dtype after dequantising.
+    an int8 cache stores quantised K/V and attends in the model's dtype after dequantising, or
+    in the last of the backend's ``attention_dtypes`` where its kernels do not take the model's.
     """
     if kv_dtype == "int8":
-        return torch.int8, model_dtype
+        fits = attention_dtypes is None or model_dtype in attention_dtypes
+        return torch.int8, model_dtype if fits else attention_dtypes[-1]
     dtype = torch_dtype(kv_dtype)
     return dtype, dtype
 

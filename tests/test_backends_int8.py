@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
 from kvsim.realexec.backends.kv_quant import INT8_MAX, KVScales, dequantize, quantize  # noqa: E402
 from kvsim.realexec.backends.paged_cases import PagedCase, load_case, random_case  # noqa: E402
+from kvsim.realexec.model import kv_cache_dtypes  # noqa: E402
 
 SCENARIOS = {
     "prefill": ([13, 40], [13, 40]),
@@ -79,3 +80,10 @@ def test_a_float_query_over_an_int8_cache_needs_scales() -> None:
     key_cache, value_cache = load_case(backend, case, case.absmax_scales())
     with pytest.raises(ValueError, match="needs its layer's KVScales"):
         backend.attention(case.query, key_cache, value_cache, case.meta, case.scale)
+
+
+def test_an_int8_cache_attends_in_the_model_dtype_or_in_one_the_kernels_take() -> None:
+    assert kv_cache_dtypes("int8", torch.float32) == (torch.int8, torch.float32)
+    assert kv_cache_dtypes("int8", torch.float32, (torch.float16, torch.bfloat16)) == (torch.int8, torch.bfloat16)
+    assert kv_cache_dtypes("int8", torch.float16, (torch.float16, torch.bfloat16)) == (torch.int8, torch.float16)
+    assert kv_cache_dtypes("bf16", torch.float32) == (torch.bfloat16, torch.bfloat16)

@@ -40,13 +40,13 @@ def pressure_trace():
     return replace(base, n_samples=np.asarray([2 if i % 4 == 1 else 1 for i in range(len(base))], dtype=np.int64))
 
 
-def run_paged(backend, mode: str, block_size: int, kv_dtype: str | None = None, spec=SPEC):
+def run_paged(backend, mode: str, block_size: int, kv_dtype: str | None = None):
     trace = pressure_trace()
     config = EngineConfig(num_blocks=40 if block_size == 16 else 6, block_size=block_size, num_host_blocks=64,
                           max_model_len=512, max_num_batched_tokens=48, max_num_seqs=8, scheduler="fcfs",
                           block_manager="prefix", preemption_mode=mode, batch_blocks_within_pool=backend.name == "npu")
     engine = EngineCore(config)
-    executor = Executor(spec, backend, config.num_blocks, block_size, config.num_host_blocks, seed=5,
+    executor = Executor(SPEC, backend, config.num_blocks, block_size, config.num_host_blocks, seed=5,
                         kv_dtype=kv_dtype, check=True)
     simulate(trace, engine, executor, SimOptions(exact=True, check=True))
     return trace, engine, executor
@@ -173,8 +173,8 @@ def test_int8_kv_through_the_npu_standin():
     dequantised prefill, int8 blocks swapped; every kernel call contract-checked by the stand-in."""
     standin = make_torch_npu_standin()
     backend = NpuBackend("cpu", torch_npu_module=standin)
-    spec = replace(SPEC, weight_dtype="bf16", kv_dtype="bf16")  # FIA computes in fp16/bf16
-    _, engine, executor = run_paged(backend, "swap", block_size=128, kv_dtype="int8", spec=spec)
+    _, engine, executor = run_paged(backend, "swap", block_size=128, kv_dtype="int8")
+    assert executor.attention_dtype == torch.bfloat16  # FIA takes no fp32 query: the fp32 model attends in bf16
     assert engine.counters.swap_preemptions > 0
     assert all(request.status is Status.FINISHED for request in engine.requests.values())
     assert all(k.dtype == torch.int8 for k, _ in executor.kv_caches)

@@ -127,6 +127,12 @@ class KernelBackend(ABC):
     needs_batch_blocks_within_pool: ClassVar[bool] = False
     # Block sizes the paged kernels take, where they do not take the profiler's defaults.
     profile_block_sizes: ClassVar[tuple[int, ...] | None] = None
+    # The dtypes attention kernels compute in, where not every float dtype (an int8 cache over an
+    # fp32 model then attends in the last of these); None: any.
+    attention_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    # The dtypes attention kernels compute in, where not every float dtype (an int8 cache over an
+    # fp32 model then attends in the last of these); None: any.
+    attention_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
     def host_time(self) -> float:
         """Seconds on the clock host overhead (building inputs, Python) is timed with."""

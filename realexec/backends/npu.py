@@ -67,6 +67,7 @@ from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize, req
 from kvsim.realexec.backends.npu_preflight import (
     PAGED_ATTENTION_MAX_BLOCK,
     PAGED_ATTENTION_MAX_HEAD_SIZE,
+    NPU_COMPUTE_DTYPES,
     Finding,
     PreflightWarning,
     cache_problems,
@@ -105,6 +106,7 @@ class NpuBackend(KernelBackend):
     name = "npu"
     needs_batch_blocks_within_pool = True  # FIA: "blocknum >= sum(ceil(seq_len / block_size))"
     profile_block_sizes = (128, 256)  # FIA takes block sizes 128 to 512
+    attention_dtypes = NPU_COMPUTE_DTYPES  # FIA/PA queries: float16, bfloat16 (or int8, not used)
 
     def __init__(self, device: str | None = None, torch_npu_module: Any = None) -> None:
         self.torch_npu = torch_npu_module if torch_npu_module is not None else import_torch_npu()
