@@ -130,9 +130,6 @@ class KernelBackend(ABC):
     # The dtypes attention kernels compute in, where not every float dtype (an int8 cache over an
     # fp32 model then attends in the last of these); None: any.
     attention_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
-    # The dtypes attention kernels compute in, where not every float dtype (an int8 cache over an
-    # fp32 model then attends in the last of these); None: any.
-    attention_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
     def host_time(self) -> float:
         """Seconds on the clock host overhead (building inputs, Python) is timed with."""
