@@ -31,4 +31,4 @@ class CappedAdmission(SchedulerPolicy):
         return islice(waiting, self.max_new_per_step)
 
     def pick_victim(self, candidates: list[Request]) -> Request:
-        return max(candidates, key=lambda r: (r.num_computed_tokens, r.arrival_s, r.seq_id))
+        return max(candidates, key=lambda r: (r.num_computed_tokens, r.arrival_s, r.order))

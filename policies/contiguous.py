@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import bisect
 
-from kvsim.policies.block_manager import BlockManager, KVStats
-from kvsim.policies.paged import cdiv
+from kvsim.policies.block_manager import BlockManager, DecodeOutlook, KVStats
+from kvsim.policies.blocks import cdiv
 from kvsim.policies.registry import register_block_manager
 from kvsim.policies.request import Request
 
@@ -28,8 +28,8 @@ class ContiguousBlockManager(BlockManager):
         self.max_model_len = max_model_len
         self.reserve = reserve
         self.extents: list[tuple[int, int]] = [(0, num_blocks)]  # free (start, length), sorted by start
-        self.regions: dict[int, tuple[int, int]] = {}  # seq_id -> (start block, reserved blocks)
-        self.used_blocks: dict[int, int] = {}  # seq_id -> blocks holding tokens
+        self.regions: dict[str, tuple[int, int]] = {}  # request_id -> (start block, reserved blocks)
+        self.used_blocks: dict[str, int] = {}  # request_id -> blocks holding tokens
 
     def _region_blocks(self, request: Request) -> int:
         tokens = self.max_model_len if self.reserve == "max_model_len" else request.max_kv_tokens
@@ -66,10 +66,10 @@ class ContiguousBlockManager(BlockManager):
         return self._largest_extent()
 
     def blocks_needed(self, request: Request, num_new_tokens: int, num_hit_tokens: int = 0) -> int:
-        return 0 if request.seq_id in self.regions else self._region_blocks(request)
+        return 0 if request.request_id in self.regions else self._region_blocks(request)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_hit_tokens: int = 0) -> bool:
-        seq = request.seq_id
+        seq = request.request_id
         if seq not in self.regions:
             n = self._region_blocks(request)
             start = self._first_fit(n)
@@ -86,9 +86,9 @@ class ContiguousBlockManager(BlockManager):
         self.used_blocks[seq] = max(self.used_blocks[seq], cdiv(tokens, self.block_size))
         return True
 
-    def free(self, request: Request) -> None:
-        region = self.regions.pop(request.seq_id, None)
-        self.used_blocks.pop(request.seq_id, None)
+    def _free_device(self, request: Request) -> None:
+        region = self.regions.pop(request.request_id, None)
+        self.used_blocks.pop(request.request_id, None)
         if region is not None:
             self._release_extent(*region)
 
@@ -102,32 +102,32 @@ class ContiguousBlockManager(BlockManager):
         start = self._first_fit(n)
         if start is None:
             return
-        self.regions[child.seq_id] = (start, n)
-        parent_start, _ = self.regions[parent.seq_id]
-        used = self.used_blocks[parent.seq_id]
-        self.used_blocks[child.seq_id] = used
+        self.regions[child.request_id] = (start, n)
+        parent_start, _ = self.regions[parent.request_id]
+        used = self.used_blocks[parent.request_id]
+        self.used_blocks[child.request_id] = used
         self._pending_copies.extend((parent_start + i, start + i) for i in range(used))
         self.num_copies += used
 
     def block_table(self, request: Request) -> list[int]:
-        region = self.regions.get(request.seq_id)
+        region = self.regions.get(request.request_id)
         if region is None:
             return []
-        return list(range(region[0], region[0] + self.used_blocks[request.seq_id]))
-
-    def has_blocks(self, request: Request) -> bool:
-        return request.seq_id in self.regions
+        return list(range(region[0], region[0] + self.used_blocks[request.request_id]))
 
     def _take_blocks_for_swap_in(self, request: Request, n: int) -> list[int] | None:
         size = self._region_blocks(request)
         start = self._first_fit(size)
         if start is None:
             return None
-        self.regions[request.seq_id] = (start, size)
-        self.used_blocks[request.seq_id] = n
+        self.regions[request.request_id] = (start, size)
+        self.used_blocks[request.request_id] = n
         return list(range(start, start + n))
 
-    growth_uses_pool = False  # a region is reserved whole at admission; its table only lengthens
+    def decode_outlook(self, request: Request, num_steps: int) -> DecodeOutlook:
+        outlook = super().decode_outlook(request, num_steps)
+        # A region is reserved whole at admission: its table lengthens without taking from the pool.
+        return DecodeOutlook(outlook.growth, outlook.bookkeeping, growth_uses_pool=False)
 
     def pool_counts(self) -> tuple[int, int, int]:
         reserved = self.num_blocks - sum(length for _, length in self.extents)
@@ -135,7 +135,7 @@ class ContiguousBlockManager(BlockManager):
 
     def internal_waste(self, live: list[Request]) -> int:
         reserved = self.num_blocks - sum(length for _, length in self.extents)
-        return reserved * self.block_size - sum(r.num_computed_tokens for r in live if r.seq_id in self.regions)
+        return reserved * self.block_size - sum(r.num_computed_tokens for r in live if r.request_id in self.regions)
 
     def stats(self, live: list[Request]) -> KVStats:
         reserved, _, free_blocks = self.pool_counts()
@@ -157,7 +157,7 @@ class ContiguousBlockManager(BlockManager):
         )
 
     def check_invariants(self, live: list[Request]) -> None:
-        assert set(self.regions) <= {r.seq_id for r in live}, "a region belongs to no live request"
+        assert set(self.regions) <= {r.request_id for r in live}, "a region belongs to no live request"
         spans = sorted(self.regions.values()) + list(self.extents)
         spans.sort()
         position = 0
@@ -166,5 +166,5 @@ class ContiguousBlockManager(BlockManager):
             position = start + length
         assert position == self.num_blocks, "regions and free extents do not cover the pool"
         for req in live:
-            if req.seq_id in self.regions:
-                assert self.used_blocks[req.seq_id] * self.block_size >= req.num_computed_tokens
+            if req.request_id in self.regions:
+                assert self.used_blocks[req.request_id] * self.block_size >= req.num_computed_tokens

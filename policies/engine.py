@@ -22,6 +22,7 @@ import inspect
 from dataclasses import dataclass
 
 from kvsim.policies.block_manager import BlockManager, KVStats
+from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
 from kvsim.policies.queue import RequestQueue
@@ -75,7 +76,7 @@ class EngineCore:
         self.running: list[Request] = []
         self.swapped = RequestQueue(self.policy.queue_key)
         self.counters = EngineCounters()
-        self._next_seq_id = 0
+        self._num_orders = 0
         self._pending_rejections: list[tuple[str, str]] = []
         # Macro-stepping assumes an all-decode batch keeps its order; a policy that reorders
         # running requests must say it is safe (``macro_step_safe = True``) to get it.
@@ -105,7 +106,7 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: {len(token_ids)} token ids for a {prompt_tokens}-token prompt")
         request = Request(
             request_id=request_id,
-            seq_id=self._new_seq_id(),
+            order=self._next_order(),
             arrival_s=arrival_s,
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
@@ -127,9 +128,9 @@ class EngineCore:
             self._pending_rejections.append((request_id, reason))
         return request
 
-    def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id
+    def _next_order(self) -> int:
+        self._num_orders += 1
+        return self._num_orders
 
     def _rejection_reason(self, r: Request) -> str | None:
         cfg = self.config
@@ -158,7 +159,7 @@ class EngineCore:
             self.kv.free(request)
         elif request.status is Status.SWAPPED:
             self.swapped.remove(request)
-            self.kv.drop_swapped(request)
+            self.kv.free(request)
         else:
             self._leave_waiting(request)
         request.status = Status.ABORTED
@@ -179,7 +180,7 @@ class EngineCore:
         plan = StepPlan(step=self.counters.steps, rejected=self._pending_rejections)
         self._pending_rejections = []
         self._budget = cfg.max_num_batched_tokens
-        self._scheduled: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, new tokens), in order
+        self._scheduled: dict[str, tuple[Request, int]] = {}  # request id -> (request, new tokens), in order
         self._batch_blocks = 0  # sum of scheduled requests' table lengths (see batch_blocks_within_pool)
 
         preempted = self._schedule_running(plan)
@@ -226,26 +227,29 @@ class EngineCore:
         return preempted_any
 
     def _schedule(self, request: Request, num_new: int) -> None:
-        self._scheduled[request.seq_id] = (request, num_new)
+        self._scheduled[request.request_id] = (request, num_new)
         self._budget -= num_new
-        self._batch_blocks += -(-(request.num_computed_tokens + num_new) // self.config.block_size)
+        self._batch_blocks += cdiv(request.num_computed_tokens + num_new, self.kv.block_size)
 
     def _within_kernel_block_limit(self, tokens_after: int) -> bool:
         if not self.config.batch_blocks_within_pool:
             return True
-        return self._batch_blocks + -(-tokens_after // self.config.block_size) <= self.config.num_blocks
+        return self._batch_blocks + cdiv(tokens_after, self.kv.block_size) <= self.config.num_blocks
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         self.running.remove(victim)
-        taken = self._scheduled.pop(victim.seq_id, None)
+        taken = self._scheduled.pop(victim.request_id, None)
         if taken is not None:
             self._budget += taken[1]
-            self._batch_blocks -= -(-(victim.num_computed_tokens + taken[1]) // self.config.block_size)
+            self._batch_blocks -= cdiv(victim.num_computed_tokens + taken[1], self.kv.block_size)
         # A victim whose copy-on-write is still pending this step has a block whose content
         # does not exist yet: swapping it out would save garbage, so it is recomputed instead.
-        cow_pending = self.kv.discard_pending_copies(victim)
-        if self.config.preemption_mode == "swap" and not cow_pending and self.kv.can_swap_out(victim):
-            plan.swap_out.extend(self.kv.swap_out(victim))
+        cow_pending = self.kv.cancel_copies(victim)
+        swapped = None
+        if self.config.preemption_mode == "swap" and not cow_pending:
+            swapped = self.kv.swap_out(victim)  # None when the host pool has no room
+        if swapped is not None:
+            plan.swap_out.extend(swapped)
             victim.status = Status.SWAPPED
             self.swapped.add_front(victim)
             mode = "swap"
@@ -271,7 +275,7 @@ class EngineCore:
             num_new = self._num_new_tokens(request)
             host_blocks = self.kv.swap_in_blocks_needed(request)
             tokens_after = request.num_computed_tokens + num_new
-            growth = max(0, -(-tokens_after // self.config.block_size) - host_blocks)
+            growth = max(0, cdiv(tokens_after, self.kv.block_size) - host_blocks)
             if num_new == 0 or not self._room_for(host_blocks + growth) or not self._within_kernel_block_limit(tokens_after):
                 return
             pairs = self.kv.swap_in(request)
@@ -325,7 +329,7 @@ class EngineCore:
         plan.rejected.append((request.request_id, "unschedulable"))
 
     def _fill_plan(self, plan: StepPlan) -> None:
-        bs = self.config.block_size
+        bs = self.kv.block_size
         for request, num_new in self._scheduled.values():
             first = request.num_computed_tokens
             end = first + num_new
@@ -334,16 +338,7 @@ class EngineCore:
             plan.entries.append(PlanEntry(request.request_id, first, num_new, not is_decode, samples))
             table = self.kv.block_table(request)
             plan.block_tables[request.request_id] = table[:]
-            slots = plan.slot_mapping
-            if num_new == 1:
-                slots.append(table[first // bs] * bs + first % bs)
-            else:
-                pos = first
-                while pos < end:
-                    block_end = min(end, (pos // bs + 1) * bs)
-                    base = table[pos // bs] * bs - (pos // bs) * bs
-                    slots.extend(range(base + pos, base + block_end))
-                    pos = block_end
+            plan.slot_mapping.extend(slots_for(table, first, end, bs))
             request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.parent is None and not request.forked:
                 plan.forks.append(
@@ -376,7 +371,7 @@ class EngineCore:
         for child_id in child_ids:
             child = Request(
                 request_id=child_id,
-                seq_id=self._new_seq_id(),
+                order=self._next_order(),
                 arrival_s=parent.arrival_s,
                 prompt_tokens=parent.prompt_tokens,
                 output_tokens=parent.output_tokens,
@@ -397,7 +392,7 @@ class EngineCore:
             parent.children.append(child)
             self.kv.fork(parent, child)
             # A child whose one output token is the one just sampled finishes at this commit, room or not.
-            if self.kv.has_blocks(child) or child.remaining_output == 0:
+            if self.kv.block_table(child) or child.remaining_output == 0:
                 child.status = Status.RUNNING
                 self.running.append(child)
             else:  # no room to hold the child's KV: it starts over like a recompute preemption
@@ -440,7 +435,7 @@ class EngineCore:
         for r in self.running:
             if r.num_tokens - r.num_computed_tokens != 1 or r.num_output_tokens == 0:
                 return 0
-            if self.kv.decode_write_needs_copy(r):
+            if self.kv.decode_outlook(r, 0) is None:  # its next write copies a shared block first
                 return 0
             limit = r.remaining_output if limit is None else min(limit, r.remaining_output)
         return limit or 0
@@ -458,11 +453,15 @@ class EngineCore:
         """
         running = list(self.running)
         events: list[tuple[int, int, bool]] = []
+        growth_uses_pool = False
         for idx, r in enumerate(running):
-            events.extend((i, idx, True) for i in self.kv.decode_growth_steps(r, num_steps))
-            events.extend((i, idx, False) for i in self.kv.decode_bookkeeping_steps(r, num_steps))
+            outlook = self.kv.decode_outlook(r, num_steps)
+            assert outlook is not None, f"decode stretch: {r.request_id} must copy a block first"
+            events.extend((i, idx, True) for i in outlook.growth)
+            events.extend((i, idx, False) for i in outlook.bookkeeping)
+            growth_uses_pool = outlook.growth_uses_pool
         events.sort()
-        if self.kv.growth_uses_pool:
+        if growth_uses_pool:
             growth_steps = [i for i, _, grows in events if grows]
             available = self.kv.num_available_blocks()
             if len(growth_steps) > available:
@@ -473,7 +472,7 @@ class EngineCore:
         stretch = DecodeStretch(
             first_step=self.counters.steps,
             num_steps=num_steps,
-            block_size=self.config.block_size,
+            block_size=self.kv.block_size,
             request_ids=[r.request_id for r in running],
             start_positions=[r.num_computed_tokens for r in running],
             start_tables={r.request_id: list(self.kv.block_table(r)) for r in running},
@@ -482,7 +481,7 @@ class EngineCore:
         stretch_start_counts = self.kv.pool_counts()
         # Each step fills one slot per request; a block a table grows by adds block_size - 1 empty ones.
         waste = self.kv.internal_waste(running)
-        waste_per_growth = self.config.block_size if self.kv.growth_uses_pool else 0
+        waste_per_growth = self.kv.block_size if growth_uses_pool else 0
         computed0 = [r.num_computed_tokens for r in running]
         output0 = [r.num_output_tokens for r in running]
         pools: list[tuple[int, int, int] | None] = [None] * num_steps
@@ -528,9 +527,9 @@ class EngineCore:
         self.kv.check_invariants(self.running)
         for request in self.running:
             assert request.status is Status.RUNNING
-            assert len(self.kv.block_table(request)) * self.config.block_size >= request.num_computed_tokens
+            assert len(self.kv.block_table(request)) * self.kv.block_size >= request.num_computed_tokens
         for request in self.waiting:
-            assert request.status is Status.WAITING and not self.kv.has_blocks(request)
+            assert request.status is Status.WAITING and not self.kv.block_table(request)
         assert len(self.running) <= self.config.max_num_seqs
         if not self.has_unfinished():
             stats = self.kv_stats()

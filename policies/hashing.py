@@ -45,7 +45,7 @@ def content_key(request: Request, j: int, block_size: int) -> tuple:
                 if last <= len(hashes):
                     return (_TRACE, *hashes[first:last])
         return (_PROMPT, request.content_id, j)
-    return (_GENERATED, request.seq_id, j)
+    return (_GENERATED, request.order, j)
 
 
 def extend_block_hashes(hashes: list[int], request: Request, num_full_blocks: int, block_size: int) -> list[int]:

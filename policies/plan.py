@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from kvsim.policies.blocks import slot
+
 
 @dataclass(slots=True)
 class PlanEntry:
@@ -79,7 +81,7 @@ class StepPlan:
                 f"step {self.step}: {e.request_id}'s {len(table)} blocks cannot hold {e.end_position} tokens"
             )
             for i, pos in enumerate(range(e.first_position, e.end_position)):
-                expected = table[pos // block_size] * block_size + pos % block_size
+                expected = slot(table[pos // block_size], pos % block_size, block_size)
                 assert slots[offset + i] == expected, f"step {self.step}: {e.request_id} position {pos} has the wrong slot"
             offset += e.num_tokens
 
@@ -150,7 +152,7 @@ class DecodeStretch:
                 table = tables[rid]
                 plan.entries.append(PlanEntry(rid, pos, 1, False, True))
                 plan.block_tables[rid] = list(table)
-                plan.slot_mapping.append(table[pos // bs] * bs + pos % bs)
+                plan.slot_mapping.append(slot(table[pos // bs], pos % bs, bs))
             yield plan
 
     def to_json(self) -> str:

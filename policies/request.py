@@ -29,8 +29,8 @@ class Request:
     forks ``n_samples - 1`` children (``parent`` set) that share every block with it.
     """
 
-    request_id: str
-    seq_id: int  # engine-wide unique integer; used in block hashes (ints hash deterministically)
+    request_id: str  # the one id: engine, managers, plans and logs look a request up by it
+    order: int  # arrival rank in the engine: breaks queue-key ties; an int salt for block hashes
     arrival_s: float
     prompt_tokens: int
     output_tokens: int  # target number of generated tokens (fixed by the trace)
@@ -40,7 +40,7 @@ class Request:
     hash_block_size: int | None = None
     token_ids: tuple[int, ...] | None = None  # prompt token ids, when the trace has them
     parent: "Request | None" = None
-    content_id: int = -1  # seq_id of the root request: samples share prompt identity
+    content_id: int = -1  # ``order`` of the root request: samples share prompt identity
     trace_index: int = -1
 
     status: Status = Status.WAITING
@@ -57,7 +57,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.content_id < 0:
-            self.content_id = self.seq_id
+            self.content_id = self.order
 
     @property
     def num_tokens(self) -> int:

@@ -61,7 +61,7 @@ class ChunkedPrefillPolicy(SchedulerPolicy):
 
 
 def _priority_key(r: Request) -> tuple:
-    return (r.priority, r.arrival_s, r.seq_id)
+    return (r.priority, r.arrival_s, r.order)
 
 
 @register_scheduler("priority")
@@ -95,10 +95,10 @@ class ShortestJobFirstPolicy(SchedulerPolicy):
     def queue_key(self, r: Request) -> tuple:
         """``length - aging * (now - arrival)`` orders requests as ``length + aging * arrival`` does
         (the ``now`` term is common to all), so the key is static and the queue stays sorted."""
-        return (self.job_length(r) + self.aging * r.arrival_s, r.arrival_s, r.seq_id)
+        return (self.job_length(r) + self.aging * r.arrival_s, r.arrival_s, r.order)
 
     def pick_victim(self, candidates: list[Request]) -> Request:
-        return max(candidates, key=lambda r: (self.job_length(r), r.arrival_s, r.seq_id))
+        return max(candidates, key=lambda r: (self.job_length(r), r.arrival_s, r.order))
 
 
 @register_scheduler("static")

@@ -66,21 +66,21 @@ def content(r: Request, j: int) -> tuple:
         if r.token_ids is not None:
             return ("tokens", r.token_ids[:end])
         return ("trace", r.trace_hashes[: start // TRACE_BLOCK + 1], start % TRACE_BLOCK // BS)
-    return ("generated", r.seq_id, j)  # holds sampled tokens: this sequence's own
+    return ("generated", r.request_id, j)  # holds sampled tokens: this sequence's own
 
 
 class HostModel:
     def __init__(self) -> None:
         self.free = list(range(HOST_BLOCKS))  # lowest id first, freed ones at the back
-        self.tables: dict[int, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
         self.out = self.back = 0
 
-    def take(self, seq: int, n: int) -> list[int]:
+    def take(self, seq: str, n: int) -> list[int]:
         self.tables[seq], self.free = self.free[:n], self.free[n:]
         self.out += n
         return self.tables[seq]
 
-    def give_back(self, seq: int) -> list[int]:
+    def give_back(self, seq: str) -> list[int]:
         blocks = self.tables.pop(seq)
         self.free += blocks
         return blocks
@@ -93,7 +93,7 @@ class SwapModel:
         table = self.table(r)
         if len(table) > len(self.host.free):
             return None
-        host = self.host.take(r.seq_id, len(table))
+        host = self.host.take(r.request_id, len(table))
         self.free(r)
         return list(zip(table, host))
 
@@ -106,8 +106,8 @@ class PagedModel(SwapModel):
         self.queue = list(range(NUM_BLOCKS))  # unreferenced blocks, next to be taken first
         self.cached: dict[tuple, int] = {}  # content -> the block caching it
         self.content_of: dict[int, tuple] = {}
-        self.tables: dict[int, list[int]] = {}
-        self.registered: dict[int, int] = {}  # leading blocks already offered to the cache
+        self.tables: dict[str, list[int]] = {}
+        self.registered: dict[str, int] = {}  # leading blocks already offered to the cache
         self.host = HostModel()
         self.pending: list[tuple[int, int]] = []
         self.evictions = self.copies = self.queries = self.hits = 0
@@ -116,7 +116,7 @@ class PagedModel(SwapModel):
         return sum(t.count(block) for t in self.tables.values())
 
     def table(self, r: Request) -> list[int]:
-        return self.tables.get(r.seq_id, [])
+        return self.tables.get(r.request_id, [])
 
     def lookup(self, r: Request) -> int:
         n = 0
@@ -144,18 +144,18 @@ class PagedModel(SwapModel):
     def allocate(self, r: Request, new: int, hit: int) -> bool:
         if self.needed(r, new, hit) > len(self.queue):
             return False
-        if r.seq_id not in self.tables:
-            self.tables[r.seq_id], self.registered[r.seq_id] = [], 0
+        if r.request_id not in self.tables:
+            self.tables[r.request_id], self.registered[r.request_id] = [], 0
             self.queries += r.num_tokens
             self.hits += hit
-        table = self.tables[r.seq_id]
+        table = self.tables[r.request_id]
         for j in range(hit // BS):
             block = self.cached[content(r, j)]
             if block in self.queue:
                 self.queue.remove(block)
             table.append(block)
         if hit:
-            self.registered[r.seq_id] = len(table)
+            self.registered[r.request_id] = len(table)
         first = r.num_computed_tokens + hit
         idx = self._cow_index(r, first)
         if idx is not None:
@@ -165,15 +165,15 @@ class PagedModel(SwapModel):
         while len(table) < cdiv(first + new, BS):
             table.append(self._take())
         full = min(first + new, r.num_tokens) // BS
-        for j in range(self.registered[r.seq_id], full if self.caching else 0):
+        for j in range(self.registered[r.request_id], full if self.caching else 0):
             if content(r, j) not in self.cached and table[j] not in self.content_of:
                 self.cached[content(r, j)], self.content_of[table[j]] = table[j], content(r, j)
-        self.registered[r.seq_id] = max(self.registered[r.seq_id], full)
+        self.registered[r.request_id] = max(self.registered[r.request_id], full)
         return True
 
     def free(self, r: Request) -> None:
-        table = self.tables.pop(r.seq_id)
-        del self.registered[r.seq_id]
+        table = self.tables.pop(r.request_id)
+        del self.registered[r.request_id]
         for block in table[r.num_computed_tokens // BS :]:  # allocated but never computed
             if block in self.content_of:
                 del self.cached[self.content_of.pop(block)]
@@ -182,16 +182,16 @@ class PagedModel(SwapModel):
                 self.queue.append(block)
 
     def fork(self, parent: Request, child: Request) -> bool:
-        self.tables[child.seq_id] = list(self.tables[parent.seq_id])
-        self.registered[child.seq_id] = self.registered[parent.seq_id]
+        self.tables[child.request_id] = list(self.tables[parent.request_id])
+        self.registered[child.request_id] = self.registered[parent.request_id]
         return True
 
     def swap_in(self, r: Request) -> list[tuple[int, int]] | None:
-        if len(self.host.tables[r.seq_id]) > len(self.queue):
+        if len(self.host.tables[r.request_id]) > len(self.queue):
             return None
-        device = [self._take() for _ in self.host.tables[r.seq_id]]
-        self.tables[r.seq_id], self.registered[r.seq_id] = device, 0
-        host = self.host.give_back(r.seq_id)
+        device = [self._take() for _ in self.host.tables[r.request_id]]
+        self.tables[r.request_id], self.registered[r.request_id] = device, 0
+        host = self.host.give_back(r.request_id)
         self.host.back += len(host)
         return list(zip(host, device))
 
@@ -216,8 +216,8 @@ class ContiguousModel(SwapModel):
     def __init__(self, reserve: str) -> None:
         self.reserve = reserve
         self.owner: list[int | None] = [None] * NUM_BLOCKS
-        self.regions: dict[int, tuple[int, int]] = {}
-        self.used: dict[int, int] = {}
+        self.regions: dict[str, tuple[int, int]] = {}
+        self.used: dict[str, int] = {}
         self.host = HostModel()
         self.pending: list[tuple[int, int]] = []
         self.copies = self.queries = 0
@@ -229,42 +229,42 @@ class ContiguousModel(SwapModel):
         n = self.size(r)
         for start in range(NUM_BLOCKS - n + 1):
             if all(o is None for o in self.owner[start : start + n]):
-                self.owner[start : start + n] = [r.seq_id] * n
-                self.regions[r.seq_id] = (start, n)
+                self.owner[start : start + n] = [r.request_id] * n
+                self.regions[r.request_id] = (start, n)
                 return start
         return None
 
     def table(self, r: Request) -> list[int]:
-        if r.seq_id not in self.regions:
+        if r.request_id not in self.regions:
             return []
-        return list(range(self.regions[r.seq_id][0], self.regions[r.seq_id][0] + self.used[r.seq_id]))
+        return list(range(self.regions[r.request_id][0], self.regions[r.request_id][0] + self.used[r.request_id]))
 
     def lookup(self, r: Request) -> int:
         return 0
 
     def needed(self, r: Request, new: int, hit: int) -> int:
-        return 0 if r.seq_id in self.regions else self.size(r)
+        return 0 if r.request_id in self.regions else self.size(r)
 
     def allocate(self, r: Request, new: int, hit: int) -> bool:
-        if r.seq_id not in self.regions:
+        if r.request_id not in self.regions:
             if self._claim(r) is None:
                 return False
-            self.used[r.seq_id] = 0
+            self.used[r.request_id] = 0
             self.queries += r.num_tokens
-        self.used[r.seq_id] = max(self.used[r.seq_id], cdiv(r.num_computed_tokens + new, BS))
+        self.used[r.request_id] = max(self.used[r.request_id], cdiv(r.num_computed_tokens + new, BS))
         return True
 
     def free(self, r: Request) -> None:
-        start, n = self.regions.pop(r.seq_id)
-        del self.used[r.seq_id]
+        start, n = self.regions.pop(r.request_id)
+        del self.used[r.request_id]
         self.owner[start : start + n] = [None] * n
 
     def fork(self, parent: Request, child: Request) -> bool:
         start = self._claim(child)
         if start is None:
             return False
-        used = self.used[child.seq_id] = self.used[parent.seq_id]
-        self.pending += [(self.regions[parent.seq_id][0] + i, start + i) for i in range(used)]
+        used = self.used[child.request_id] = self.used[parent.request_id]
+        self.pending += [(self.regions[parent.request_id][0] + i, start + i) for i in range(used)]
         self.copies += used
         return True
 
@@ -272,8 +272,8 @@ class ContiguousModel(SwapModel):
         start = self._claim(r)
         if start is None:
             return None
-        host = self.host.give_back(r.seq_id)
-        self.used[r.seq_id] = len(host)
+        host = self.host.give_back(r.request_id)
+        self.used[r.request_id] = len(host)
         self.host.back += len(host)
         return list(zip(host, range(start, start + len(host))))
 
@@ -307,15 +307,15 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.manager = self.new_manager()
         self.model = self.new_model()
-        self.live: dict[int, Request] = {}  # holding device blocks
-        self.swapped: dict[int, Request] = {}
+        self.live: dict[str, Request] = {}  # holding device blocks
+        self.swapped: dict[str, Request] = {}
         self.next_seq = 0
 
     def _new_seq(self) -> int:
         self.next_seq += 1
         return self.next_seq
 
-    def _chosen(self, table: dict[int, Request], index: int, want=lambda r: True) -> Request | None:
+    def _chosen(self, table: dict[str, Request], index: int, want=lambda r: True) -> Request | None:
         candidates = [r for _, r in sorted(table.items()) if want(r)]
         return candidates[index % len(candidates)] if candidates else None
 
@@ -346,7 +346,7 @@ class PoolMachine(RuleBasedStateMachine):
         if self._allocate(r, new, hit):
             r.num_computed_tokens = hit
             self._computed(r, new)
-            self.live[r.seq_id] = r
+            self.live[r.request_id] = r
 
     @precondition(lambda self: self.live)
     @rule(index=pick, chunk=st.integers(1, MAX_PROMPT))
@@ -367,7 +367,7 @@ class PoolMachine(RuleBasedStateMachine):
             self._allocate(r, min(chunk, r.num_tokens - r.num_computed_tokens))
             self.manager.free(r)
             self.model.free(r)
-            del self.live[r.seq_id]
+            del self.live[r.request_id]
 
     @precondition(lambda self: self.live)
     @rule(index=pick)
@@ -378,9 +378,9 @@ class PoolMachine(RuleBasedStateMachine):
         if parent is not None:
             child = fork_of(parent, self._new_seq())
             self.manager.fork(parent, child)
-            assert self.manager.has_blocks(child) == self.model.fork(parent, child)
-            if self.manager.has_blocks(child):
-                self.live[child.seq_id] = child
+            assert bool(self.manager.block_table(child)) == self.model.fork(parent, child)
+            if self.manager.block_table(child):
+                self.live[child.request_id] = child
 
     @precondition(lambda self: self.live)
     @rule(index=pick)
@@ -388,35 +388,35 @@ class PoolMachine(RuleBasedStateMachine):
         r = self._chosen(self.live, index)
         self.manager.free(r)
         self.model.free(r)
-        del self.live[r.seq_id]
+        del self.live[r.request_id]
 
     @precondition(lambda self: self.live)
     @rule(index=pick)
     def swap_out(self, index: int) -> None:
         r = self._chosen(self.live, index)
         expected = self.model.swap_out(r)
-        assert self.manager.can_swap_out(r) == (expected is not None)
+        assert self.manager.swap_out(r) == expected  # None: no host room, nothing done
         if expected is not None:
-            assert self.manager.swap_out(r) == expected
-            self.swapped[r.seq_id] = self.live.pop(r.seq_id)
+            self.swapped[r.request_id] = self.live.pop(r.request_id)
 
     @precondition(lambda self: self.swapped)
     @rule(index=pick)
     def swap_in(self, index: int) -> None:
         r = self._chosen(self.swapped, index)
-        assert self.manager.swap_in_blocks_needed(r) == len(self.model.host.tables[r.seq_id])
+        assert self.manager.swap_in_blocks_needed(r) == len(self.model.host.tables[r.request_id])
         pairs = self.manager.swap_in(r)
         assert pairs == self.model.swap_in(r)
         if pairs is not None:
-            self.live[r.seq_id] = self.swapped.pop(r.seq_id)
+            self.live[r.request_id] = self.swapped.pop(r.request_id)
 
     @precondition(lambda self: self.swapped)
     @rule(index=pick)
-    def drop_swapped(self, index: int) -> None:
+    def free_swapped(self, index: int) -> None:
+        """An aborted swapped request: ``free`` releases its host copy."""
         r = self._chosen(self.swapped, index)
-        self.manager.drop_swapped(r)
-        self.model.host.give_back(r.seq_id)
-        del self.swapped[r.seq_id]
+        self.manager.free(r)
+        self.model.host.give_back(r.request_id)
+        del self.swapped[r.request_id]
 
     @invariant()
     def agrees_with_model(self) -> None:
@@ -425,7 +425,7 @@ class PoolMachine(RuleBasedStateMachine):
         for r in live:
             assert self.manager.block_table(r) == self.model.table(r), f"request {r.request_id}"
         if isinstance(self.manager, PagedBlockManager):
-            assert self.manager.ref_cnt == [self.model.refs(b) for b in range(NUM_BLOCKS)]
+            assert self.manager.pool.ref_cnt == [self.model.refs(b) for b in range(NUM_BLOCKS)]
         assert self.manager.take_copies() == self.model.pending
         self.model.pending = []
         stats = self.manager.stats(live)
@@ -488,7 +488,7 @@ def test_contiguous_regions_show_internal_waste_and_external_fragmentation():
     for r in (a, b, c):
         assert kv.allocate_slots(r, 5)
         r.num_computed_tokens = 5
-    assert [kv.regions[r.seq_id] for r in (a, b, c)] == [(0, 4), (4, 2), (6, 4)]
+    assert [kv.regions[r.request_id] for r in (a, b, c)] == [(0, 4), (4, 2), (6, 4)]
     stats = kv.stats([a, b, c])
     assert (stats.used, stats.free, stats.internal_waste_slots, stats.fragmentation) == (10, 0, 40 - 15, 0.0)
 
@@ -498,4 +498,4 @@ def test_contiguous_regions_show_internal_waste_and_external_fragmentation():
     assert (stats.used, stats.free, stats.internal_waste_slots, stats.fragmentation) == (2, 8, 8 - 5, 0.5)
     assert not kv.allocate_slots(Request("d", 4, 0.0, 20, 1), 20)  # 5 blocks: no hole is that large
     assert kv.allocate_slots(Request("e", 5, 0.0, 16, 1), 16)  # 4 blocks: the first hole
-    assert kv.regions[5] == (0, 4)
+    assert kv.regions["e"] == (0, 4)

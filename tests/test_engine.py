@@ -196,10 +196,10 @@ def test_the_invariant_checks_catch_corrupted_bookkeeping(make_driver):
     d = make_driver(block_manager="paged")
     d.engine.add_request("A", 0.0, 8, 4)
     plan = d.step()
-    d.engine.kv.ref_cnt[0] += 1
+    d.engine.kv.pool.ref_cnt[0] += 1
     with pytest.raises(AssertionError, match="ref counts differ"):
         d.engine.check_invariants()
-    d.engine.kv.ref_cnt[0] -= 1
+    d.engine.kv.pool.ref_cnt[0] -= 1
 
     bad = StepPlan.from_dict(plan.to_dict())
     bad.slot_mapping[1] = bad.slot_mapping[0]

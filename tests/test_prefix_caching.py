@@ -30,7 +30,7 @@ def test_a_new_request_reuses_every_leading_cached_block_without_copying(make_dr
     assert plan.block_tables == {"A": [0, 1, 2], "B": [0, 1, 3]}
     assert plan.slot_mapping == [10, 12, 13]
     assert plan.copies == []
-    assert [d.engine.kv.ref_cnt[b] for b in range(4)] == [2, 2, 1, 1]
+    assert [d.engine.kv.pool.ref_cnt[b] for b in range(4)] == [2, 2, 1, 1]
     assert d.engine.requests["B"].prefix_hit_tokens == 8
     stats = d.engine.kv_stats()
     assert (stats.prefix_query_tokens, stats.prefix_hit_tokens, stats.used, stats.copies) == (20, 8, 4, 0)
@@ -83,14 +83,14 @@ def test_a_fork_shares_all_blocks_and_copies_the_shared_partial_block_before_wri
     assert d.batch(plan) == [("R", 0, 6, "p")]
     assert plan.forks == [("R", ["R#1", "R#2"])]
     assert [r.request_id for r in d.engine.running] == ["R", "R#1", "R#2"]
-    assert d.engine.kv.ref_cnt[:2] == [3, 3]
+    assert d.engine.kv.pool.ref_cnt[:2] == [3, 3]
 
     plan = d.step()  # each sample writes position 6, inside shared block 1
     assert d.batch(plan) == [("R", 6, 1, "d"), ("R#1", 6, 1, "d"), ("R#2", 6, 1, "d")]
     assert plan.copies == [(1, 2), (1, 3)]  # the last holder writes in place
     assert plan.block_tables == {"R": [0, 2], "R#1": [0, 3], "R#2": [0, 1]}
     assert plan.slot_mapping == [10, 14, 6]
-    assert d.engine.kv.ref_cnt[:4] == [3, 1, 1, 1]
+    assert d.engine.kv.pool.ref_cnt[:4] == [3, 1, 1, 1]
 
     d.run()
     assert sorted(d.finished) == ["R", "R#1", "R#2"]
@@ -202,6 +202,6 @@ def test_a_waiting_request_aborted_after_prefix_lookups_leaves_no_hash_list_behi
     d.engine.add_request("B", 0.5, 64, 8, token_ids=unique_tokens(7, 64))
     assert d.batch(d.step()) == [("A", 64, 1, "d")]  # B does not fit beside A: it waits
     kv, b = d.engine.kv, d.engine.requests["B"]
-    assert b.seq_id in kv.hashes
+    assert b.request_id in kv.hashes
     assert d.engine.abort("B")
-    assert b.seq_id not in kv.hashes and d.engine.requests["A"].seq_id in kv.hashes
+    assert b.request_id not in kv.hashes and d.engine.requests["A"].request_id in kv.hashes
