@@ -23,7 +23,10 @@ def report() -> None:
 @click.option("--slo-ttft", type=float, default=Slo.ttft_s, show_default=True, help="TTFT objective (s) for goodput.")
 @click.option("--slo-tpot", type=float, default=Slo.tpot_s, show_default=True, help="TPOT objective (s) for goodput.")
 def compare(run_dirs: tuple[Path, ...], labels: tuple[str, ...], out_dir: Path, slo_ttft: float, slo_tpot: float) -> None:
-    """Compare policies: throughput vs latency, goodput, KV usage, prefix hits, preemptions, rejections."""
+    """Compare policies: throughput vs latency, goodput, KV usage, prefix hits, preemptions, rejections.
+
+    RUN_DIRS are `kvsim simulate`/`execute` run directories; a `kvsim sweep` directory stands
+    for every point of it that ran."""
     try:
         html_path, json_path = write_compare_report(list(run_dirs), out_dir, list(labels) or None, Slo(slo_ttft, slo_tpot))
     except ReportInputError as exc:

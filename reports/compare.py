@@ -1,5 +1,7 @@
 """Policies side by side: any set of ``kvsim simulate``/``execute`` runs in one HTML page and one JSON.
 
+A sweep directory (``kvsim sweep``'s ``--out``) stands for all its points that ran.
+
 Goodput counts the requests that met both latency objectives (every sequence of a request
 finished, its TTFT within the TTFT objective and each sequence's TPOT within the TPOT
 objective) per second of the run's makespan.
@@ -7,6 +9,7 @@ objective) per second of the run's makespan.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -19,6 +22,7 @@ from plotly.subplots import make_subplots
 from kvsim.reports.figures import cdf_figure, latency_cdfs, palette, series_data, styled
 from kvsim.reports.page import Cell, Page
 from kvsim.reports.runs import ReportInputError, Run, default_labels, load_run
+from kvsim.sim.sweep import SWEEP_CSV, point_dir_name
 
 WASTE_NOTE = (
     "steps.csv records KV blocks (in use, cached, free) but not the tokens they hold, so internal waste "
@@ -40,6 +44,7 @@ def write_compare_report(
     run_dirs: list[Path], out_dir: Path, labels: list[str] | None = None, slo: Slo = Slo()
 ) -> tuple[Path, Path]:
     """Write ``out_dir/compare.html`` and ``out_dir/compare.json``; returns both paths."""
+    run_dirs = expand_run_dirs(run_dirs)
     if not run_dirs:
         raise ReportInputError("compare needs at least one run directory")
     runs = [load_run(d) for d in run_dirs]
@@ -56,6 +61,29 @@ def write_compare_report(
     json_path.write_text(json.dumps(_json_safe(data), indent=1) + "\n")
     html_path = compare_page(data).write(out_dir / "compare.html")
     return html_path, json_path
+
+
+def expand_run_dirs(paths: list[Path]) -> list[Path]:
+    """Run directories, a sweep directory replaced by its points that ran (in sweep.csv order)."""
+    out: list[Path] = []
+    for path in map(Path, paths):
+        sweep_csv = path / SWEEP_CSV
+        if not sweep_csv.is_file():
+            out.append(path)
+            continue
+        with sweep_csv.open(newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        if not rows or "name" not in rows[0]:
+            raise ReportInputError(f"{sweep_csv}: not a kvsim sweep table (no name column)")
+        out += [path / point_dir_name(r["name"]) for r in rows if r.get("status", "ok") == "ok"]
+    return out
+
+
+def seconds(value: float) -> str:
+    """A latency in the unit that reads best: ms below a second, s above."""
+    if value < 1:
+        return f"{1e3 * value:.1f} ms"
+    return f"{value:.2f} s" if value < 100 else f"{value:,.0f} s"
 
 
 def compare_data(runs: dict[str, Run], slo: Slo) -> dict:
@@ -163,8 +191,9 @@ def _throughput_vs_ttft(points: dict, colors: dict[str, str]) -> go.Figure:
                 hovertemplate=f"{label}<br>p99 TTFT %{{x:.4g}} s<br>%{{y:.4g}} tok/s<extra></extra>",
             )
         )
+    fig.update_xaxes(type="log")  # p99 TTFT spans milliseconds to minutes between a healthy and an overloaded run
     return styled(fig, "Output throughput vs p99 TTFT (one point per run; up and left is better)",
-                  xaxis_title="p99 TTFT (s)", yaxis_title="output throughput (tok/s)")
+                  xaxis_title="p99 TTFT (s, log scale)", yaxis_title="output throughput (tok/s)")
 
 
 def _goodput(goodput: dict, slo: dict, colors: dict[str, str]) -> go.Figure:
@@ -180,6 +209,7 @@ def _goodput(goodput: dict, slo: dict, colors: dict[str, str]) -> go.Figure:
         )
     )
     fig.update_layout(barmode="group")
+    fig.update_xaxes(tickangle=-30, automargin=True)  # long labels (sweep points) slant instead of overlapping
     title = f"Goodput under SLOs (TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s']:g} s); labels: requests meeting / all"
     return styled(fig, title, xaxis_title="run", yaxis_title="requests per second")
 
@@ -219,6 +249,7 @@ def _counters(figures: dict, colors: dict[str, str]) -> go.Figure:
     if not reasons:
         fig.add_annotation(text="no rejections", xref="x3 domain", yref="y3 domain", x=0.5, y=0.5, showarrow=False)
     fig.update_layout(barmode="stack")
+    fig.update_xaxes(tickangle=-30, automargin=True)
     fig.update_yaxes(title_text="prompt tokens served from cache (%)", row=1, col=1)
     fig.update_yaxes(title_text="preemptions", row=1, col=2)
     fig.update_yaxes(title_text="requests", row=1, col=3)
@@ -235,10 +266,10 @@ TABLE_COLUMNS = (
     ("throughput_tok_s", "tok/s", "{:.1f}".format),
     ("request_rate_rps", "req/s", "{:.3f}".format),
     ("goodput_rps", "goodput req/s", "{:.3f}".format),
-    ("ttft_p50_s", "TTFT p50 (ms)", lambda v: f"{1e3 * v:.1f}"),
-    ("ttft_p99_s", "TTFT p99 (ms)", lambda v: f"{1e3 * v:.1f}"),
-    ("tpot_p50_s", "TPOT p50 (ms)", lambda v: f"{1e3 * v:.2f}"),
-    ("tpot_p99_s", "TPOT p99 (ms)", lambda v: f"{1e3 * v:.2f}"),
+    ("ttft_p50_s", "TTFT p50", seconds),
+    ("ttft_p99_s", "TTFT p99", seconds),
+    ("tpot_p50_s", "TPOT p50", seconds),
+    ("tpot_p99_s", "TPOT p99", seconds),
     ("preemptions", "preemptions", "{:,}".format),
     ("prefix_hit_rate", "prefix hit", lambda v: f"{100 * v:.1f}%"),
     ("peak_kv_blocks_used", "peak KV blocks", "{:,}".format),

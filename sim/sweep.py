@@ -86,7 +86,7 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
         resolved = resolve(config)
         timer = CostModelTimer(resolved.cost_model())
         trace = load_run_trace(config)
-        with staged_dir(Path(out_dir) / _safe(name)) as tmp:
+        with staged_dir(Path(out_dir) / point_dir_name(name)) as tmp:
             _, summary = run_trace(resolved, trace, timer, tmp)
     except Exception as exc:  # recorded in sweep.csv: one bad point must not lose the others
         return {**row, "status": "failed", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
@@ -99,7 +99,11 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
     return row
 
 
-def _safe(name: str) -> str:
+SWEEP_CSV = "sweep.csv"
+
+
+def point_dir_name(name: str) -> str:
+    """The directory of a sweep point inside the sweep directory."""
     return name.replace("/", "_").replace(":", "_")
 
 
@@ -112,11 +116,11 @@ def run_sweep(base: RunConfig, grid: dict[str, list], out_dir: Path, *, backend:
         tasks = [(name, settings, config, str(tmp)) for name, settings, config in points]
         rows = parallel_map(run_one, tasks, backend=backend, jobs=jobs, on_done=on_done)
         columns = list(dict.fromkeys(k for row in rows for k in row))
-        with (tmp / "sweep.csv").open("w", newline="") as fh:
+        with (tmp / SWEEP_CSV).open("w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=columns, restval="")
             writer.writeheader()
             writer.writerows(rows)
-    return out_dir / "sweep.csv"
+    return out_dir / SWEEP_CSV
 
 
 def parallel_map(fn: Callable, tasks: list[tuple], *, backend: str = "local", jobs: int | None = None,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import json
 
 from click.testing import CliRunner
 
+from kvsim.reports.compare import seconds
 from kvsim.sim.cli import main
 from kvsim.sim.run_config import RunConfig
 from kvsim.sim.sweep import expand_grid
@@ -36,6 +38,16 @@ def test_sweep_runs_every_configuration_in_worker_processes(tmp_path):
     # fewer tokens per block means more blocks in use at peak for the same traffic
     peak = {r["name"]: int(r["peak_kv_blocks_used"]) for r in rows}
     assert peak["block_size=16,kv_dtype=bf16"] > peak["block_size=32,kv_dtype=bf16"]
+    # report compare takes the sweep directory for its four points
+    compared = CliRunner().invoke(main, ["report", "compare", str(tmp_path / "out"), "--out", str(tmp_path / "cmp")])
+    assert compared.exit_code == 0, compared.output
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["run_dir"] for r in report["runs"]] == [str(tmp_path / "out" / r["name"]) for r in rows]
+    assert len({r["label"] for r in report["runs"]}) == 4
+
+
+def test_latencies_read_in_seconds_when_large():
+    assert seconds(0.0123) == "12.3 ms" and seconds(1.5) == "1.50 s" and seconds(671.862) == "672 s"
 
 
 def test_sweep_file_errors_name_the_file(tmp_path):
