@@ -297,19 +297,20 @@ class RecordingTimer:
         return timing
 
 
-def engine_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
-    """An engine-scheduled synthetic trace replayed on ``executor``, each step measured once.
+def engine_run(executor: Executor, sweep: Sweep, seed: int, rate: float) -> StepRecords:
+    """An engine-scheduled synthetic trace arriving at ``rate`` replayed on ``executor``, each step measured once.
 
-    Two-turn conversations arriving faster than they are served give what a serving run has:
-    batched decodes of mixed contexts, prompts split into chunks beside them, and second turns
-    that prefill only what their cached first turn does not cover. The engine's pool holds the
+    Two-turn conversations give what a serving run has: batched decodes of mixed contexts,
+    prompts split into chunks beside them, and second turns that prefill only what their
+    cached first turn does not cover (arriving faster than served: large batches; slower:
+    the small ones of a server within its capacity). The engine's pool holds the
     ``max_num_seqs`` longest requests at once, as a server's pool is sized to its batch, so the
     blocks it hands out span a region about as large as a served batch's (on a CPU, a pool
     that fits the cache times very differently from one that does not).
     """
     longest = max(sweep.prefill_tokens)
     trace = synthesize(
-        rate=1000.0, n_requests=sweep.engine_requests, prompt=Uniform(min(16, longest), longest), output=Uniform(2, 48), turns=2,
+        rate=rate, n_requests=sweep.engine_requests, prompt=Uniform(min(16, longest), longest), output=Uniform(2, 48), turns=2,
         think_time_s=0.05, hash_block_size=executor.block_size, seed=seed,
     )
     lengths = np.minimum(trace.prompt_tokens + trace.output_tokens, executor.spec.max_position)
@@ -319,6 +320,6 @@ def engine_run(executor: Executor, sweep: Sweep, seed: int) -> StepRecords:
         num_blocks=min(executor.num_blocks, blocks), block_size=executor.block_size, max_model_len=int(lengths.max()),
         max_num_seqs=batch, max_num_batched_tokens=longest,
     )
-    timer = RecordingTimer(executor, prefix=f"engine-{seed}-")
+    timer = RecordingTimer(executor, prefix=f"engine-{seed}-{rate:g}-")
     simulate(trace, EngineCore(config), timer, SimOptions(exact=True))
     return timer.records

@@ -53,7 +53,11 @@ class Sweep:
     sample_rows: tuple[int, ...]  # LM head and sampling
     moved_blocks: tuple[int, ...]  # block copies and swaps
     repeats: int
-    engine_requests: int  # requests of each engine-scheduled trace (one fitted, one held out)
+    engine_requests: int  # requests of each engine-scheduled trace (one fitted per rate, one held out)
+    # Arrival rates (requests/s) of the fitted engine runs: one faster than any machine serves
+    # (large batches), one a CPU serves with room to spare (the small batches of a server run
+    # within its capacity, where a step's fixed costs weigh most). The held-out run takes the first.
+    engine_rates: tuple[float, ...] = (1000.0, 4.0)
 
     def __post_init__(self) -> None:
         for f in fields(self):

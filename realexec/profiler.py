@@ -118,9 +118,11 @@ def profile(
     with tqdm(total=len(samples) * sweep.repeats, desc="profiling", unit="run", disable=not progress, mininterval=0.5) as bar:
         data.add(samples, measure([s.run for s in samples], sweep.repeats, rng, tick=bar.update))
     del pools[1:]
-    say(f"engine runs: two traces of {sweep.engine_requests} requests, one fitted and one held out (a few seconds)")
-    data.add_once(engine_run(executor, sweep, seed + 1))
-    held_out = engine_run(executor, sweep, seed)
+    rates = ", ".join(f"{rate:g}" for rate in sweep.engine_rates)
+    say(f"engine runs: traces of {sweep.engine_requests} requests arriving at {rates} requests/s fitted, one held out (a few seconds)")
+    for i, rate in enumerate(sweep.engine_rates):
+        data.add_once(engine_run(executor, sweep, seed + 1 + i, rate))
+    held_out = engine_run(executor, sweep, seed, sweep.engine_rates[0])
 
     device, errors = fit_groups(spec, base, first, data)
     predicted = CostModel(spec, device, first).predict(stack(held_out.features))

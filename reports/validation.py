@@ -56,6 +56,8 @@ def validation_page(validation: dict, runs: dict[str, Run]) -> Page:
     page = Page("kvsim validation report")
     page.banner("PASSED" if validation["passed"] else "FAILED", bool(validation["passed"]))
     page.note(_provenance(validation, runs))
+    if validation.get("clocks"):
+        page.note("Clocks: " + "; ".join(f"{figure.replace('_', ' ')} on {clock}" for figure, clock in validation["clocks"].items()))
     _checks_section(page, validation["checks"])
     identity = validation["decision_identity"]
     _decisions_section(page, identity)
