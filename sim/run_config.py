@@ -174,7 +174,7 @@ def config_fields(data: dict, where: str) -> dict:
     for key, value in data.items():
         name = VLLM_KEYS.get(key, key)
         if name in out:
-            raise ValueError(f"{where}: {key} and {_KEY_NAMES.get(name, name)} both given; use {key}")
+            raise ValueError(f"{where}: {_KEY_NAMES[name]} and {name} both given; keep {_KEY_NAMES[name]} (vLLM's name)")
         out[name] = value
     return out
 

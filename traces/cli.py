@@ -1,6 +1,6 @@
 """``kvsim trace``: inspect, synthesise and convert request traces.
 
-Every error is one line (a ``click.ClickException``), never a traceback: bad trace input is
+Every error is one line (a ``UserError``, exit status 2), never a traceback: bad trace input is
 reported with file, line and field by the loaders, bad options by click or by the functions
 the command calls.
 """
@@ -17,6 +17,7 @@ import click
 
 from kvsim import traces
 from kvsim.sim.cli_aliases import AliasedOption
+from kvsim.sim.errors import UserError
 from kvsim.traces.formats import FORMAT_ALIASES, FORMATS, TICKS_PER_SECOND
 from kvsim.traces.schema import Trace
 from kvsim.traces.stats import Summary, TraceStats
@@ -27,11 +28,11 @@ def _one_line_errors() -> Iterator[None]:
     try:
         yield
     except KeyError as exc:
-        raise click.ClickException(str(exc.args[0])) from None
+        raise UserError(str(exc.args[0])) from None
     except ValueError as exc:  # TraceFormatError is a ValueError
-        raise click.ClickException(str(exc)) from None
+        raise UserError(str(exc)) from None
     except OSError as exc:
-        raise click.ClickException(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)) from None
+        raise UserError(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)) from None
 
 
 def _load_options(command):
