@@ -44,7 +44,9 @@ def simulate(out_dir: Path, exact: bool | None, check: bool, overwrite: bool, qu
     with user_errors():
         check_out_dir(out_dir, overwrite)
     resolved, trace, timer = prepare(config)
-    with user_errors(), staged_dir(out_dir, overwrite) as tmp:
+    with user_errors():
+        stage = staged_dir(out_dir, overwrite)
+    with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
         _, summary = run_trace(resolved, trace, timer, tmp, check=check, progress=not quiet,
                                   decisions=decisions)
     if not quiet:

@@ -9,11 +9,10 @@ a truncated log.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 COMPLETE = "COMPLETE"
@@ -39,9 +38,33 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         raise ValueError(f"--out {out}: {parent} is not writable")
 
 
-@contextlib.contextmanager
-def staged_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh directory to write the run into; on success it becomes ``out``, marked complete."""
+@dataclass
+class StagedDir:
+    """A fresh hidden directory to write a run into; leaving the ``with`` block without an
+    error marks it complete and renames it to ``out``, with an error removes it."""
+
+    out: Path
+    tmp: Path
+
+    def __enter__(self) -> Path:
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        try:
+            (self.tmp / COMPLETE).write_text("kvsim: every file of this run was written\n")
+            _replace(self.tmp, self.out)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        return False
+
+
+def staged_dir(out: Path, overwrite: bool = False) -> StagedDir:
+    """Check ``out`` and create its staging directory now (a ValueError names what is wrong),
+    so that callers can report that apart from failures of the run itself."""
     out = Path(out)
     check_out_dir(out, overwrite)
     try:
@@ -49,13 +72,7 @@ def staged_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.absolute().parent))
     except OSError as exc:
         raise ValueError(f"--out {out}: cannot create it: {exc.strerror or exc}") from None
-    try:
-        yield tmp
-        (tmp / COMPLETE).write_text("kvsim: every file of this run was written\n")
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return StagedDir(out, tmp)
 
 
 def _replace(new: Path, out: Path) -> None:
