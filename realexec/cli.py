@@ -93,7 +93,7 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
 
 
 @click.command()
-@run_options
+@run_options(defaults=REAL_DEFAULTS)
 @click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
 @click.option("--weights", type=click.Path(exists=True, path_type=Path), help="safetensors file or directory (default: seeded random weights).")
 @click.option("--check", is_flag=True, help="Verify every plan and the engine's invariants (slower; not for timing).")

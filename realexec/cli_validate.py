@@ -32,7 +32,7 @@ WALL_CLOCK = "wall clock (time.perf_counter), recorded beside the device clock, 
 
 \b
 Default workload: {WORKLOAD}""")
-@run_options
+@run_options(defaults=REAL_DEFAULTS)
 @click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibrated device profile (from kvsim profile); default: this machine's cached one, else profile now.")
