@@ -88,9 +88,15 @@ def read_csv(path: Path) -> dict[str, list[str]]:
     return columns
 
 
-def _ms(dist: dict, key: str) -> str:
+def _latency_unit(dist: dict) -> tuple[str, float]:
+    """ms, as vLLM's benchmark prints, unless the worst figure reaches 10 s: then seconds."""
+    worst = max((v for v in dist.values() if v is not None), default=0.0)
+    return ("s", 1.0) if worst >= 10 else ("ms", 1e3)
+
+
+def _scaled(dist: dict, key: str, factor: float) -> str:
     v = dist.get(key)
-    return "n/a" if v is None else f"{v * 1e3:.2f}"
+    return "n/a" if v is None else f"{v * factor:.2f}"
 
 
 def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
@@ -108,7 +114,8 @@ def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
     row("Request throughput (req/s):", f"{summary['request_rate_rps']:.2f}")
     row("Output token throughput (tok/s):", f"{summary['throughput_tok_s']:.2f}")
     row("Preemptions:", summary["preemptions"])
-    row("Prefix cache hit rate (%):", f"{100 * summary['prefix_hit_rate']:.2f}")
+    for key in (k for k in summary if k.endswith("hit_rate")):  # prefix hits, and any split of them the summary has
+        row(f"{key.replace('_', ' ').capitalize()} (%):", f"{100 * summary[key]:.2f}")
     row("KV blocks (peak used / total):", f"{summary['peak_kv_blocks_used']}/{summary['num_kv_blocks']}")
     row("Mean KV usage (%):", f"{100 * summary['mean_kv_usage']:.1f}")
     for key, heading, name in (
@@ -119,10 +126,11 @@ def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
     ):
         lines.append(f"{heading:-^{width}}")
         dist = summary[key]
-        row(f"Mean {name} (ms):", _ms(dist, "mean"))
-        row(f"Median {name} (ms):", _ms(dist, "p50"))
-        row(f"P90 {name} (ms):", _ms(dist, "p90"))
-        row(f"P99 {name} (ms):", _ms(dist, "p99"))
+        unit, factor = _latency_unit(dist)
+        row(f"Mean {name} ({unit}):", _scaled(dist, "mean", factor))
+        row(f"Median {name} ({unit}):", _scaled(dist, "p50", factor))
+        row(f"P90 {name} ({unit}):", _scaled(dist, "p90", factor))
+        row(f"P99 {name} ({unit}):", _scaled(dist, "p99", factor))
     lines.append("=" * width)
     if "wall_s" in summary:
         lines.append(f"wall time {summary['wall_s']:.2f} s, {summary.get('steps', '?')} steps")

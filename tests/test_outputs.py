@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.sim.outputs import SUMMARY, atomic_open
+from kvsim.sim.outputs import SUMMARY, atomic_open, format_summary
 from kvsim.sim.run_dir import COMPLETE, is_complete, staged_dir
 
 # --check makes the run slow enough (seconds of CPU) to be killed in the middle
@@ -77,3 +77,14 @@ def test_atomic_open_keeps_the_old_file_when_writing_fails(tmp_path):
             fh.write("new, half")
             raise ValueError("disk full")
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_summary_table_switches_to_seconds_for_long_latencies():
+    fast = {"mean": 0.05, "p50": 0.04, "p90": 0.08, "p99": 0.1}
+    slow = {"mean": 300.0, "p50": 250.0, "p90": 600.0, "p99": 671.862}
+    summary = {"requests_completed": 1, "requests_rejected": 0, "duration_s": 1.0, "request_rate_rps": 1.0, "throughput_tok_s": 1.0,
+               "preemptions": 0, "prefix_hit_rate": 0.5, "peak_kv_blocks_used": 1, "num_kv_blocks": 2, "mean_kv_usage": 0.5,
+               "ttft_s": slow, "tpot_s": fast, "itl_s": fast, "e2e_s": slow}
+    table = format_summary(summary)
+    assert "P99 TTFT (s):                                671.86" in table and "P99 TPOT (ms):" in table
+    assert "Prefix hit rate (%):" in table and "671862" not in table
