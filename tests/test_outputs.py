@@ -86,5 +86,5 @@ def test_summary_table_switches_to_seconds_for_long_latencies():
                "preemptions": 0, "prefix_hit_rate": 0.5, "peak_kv_blocks_used": 1, "num_kv_blocks": 2, "mean_kv_usage": 0.5,
                "ttft_s": slow, "tpot_s": fast, "itl_s": fast, "e2e_s": slow}
     table = format_summary(summary)
-    assert "P99 TTFT (s):                                671.86" in table and "P99 TPOT (ms):" in table
+    assert "P99 TTFT (s):                               671.86" in table and "P99 TPOT (ms):" in table
     assert "Prefix hit rate (%):" in table and "671862" not in table
