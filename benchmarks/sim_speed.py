@@ -1,11 +1,12 @@
 """Simulator speed on whole real traces (run by hand; results go to docs/benchmarks.md).
 
-    python benchmarks/sim_speed.py [--repeats 3] [--profile]
+    python benchmarks/sim_speed.py [--repeats 3] [--profile] [--decisions off|summary|full]
 
 Azure conv (19,366 requests) and Mooncake conversation (12,031 requests, prompts up to 126k
 tokens) with Llama-2-7B-shaped and Qwen2.5-7B-shaped models on a 910B profile, fcfs + paged.
-Reports the median wall time of the simulation alone (trace loaded, files not written) and
-of the file writing, over ``--repeats`` runs, in a single process on one core.
+Reports the median wall time of the simulation (trace loaded; with ``--decisions`` summary or
+full, the decision log is kept as ``kvsim simulate`` keeps it, in the simulation's time) and of
+writing requests.csv and steps.csv, over ``--repeats`` runs, in a single process.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from kvsim import traces
 from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.decisions import DecisionLog
 from kvsim.sim.outputs import write_requests, write_steps
 from kvsim.sim.run_config import RunConfig, resolve
 from kvsim.sim.simulator import SimOptions, simulate
@@ -34,13 +36,16 @@ CASES = {
 }
 
 
-def run_once(trace, config: RunConfig, exact: bool = False):
+def run_once(trace, config: RunConfig, exact: bool = False, decisions: str = "off"):
     resolved = resolve(config)
     timer = CostModelTimer(resolved.cost_model())
-    started = time.perf_counter()
-    run = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact))
-    sim_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        log = None if decisions == "off" else DecisionLog(decisions, resolved.engine_config.block_size, Path(tmp))
+        run = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact, decisions=log))
+        if log is not None:
+            log.close()
+        sim_s = time.perf_counter() - started
         started = time.perf_counter()
         write_requests(Path(tmp), run.request_rows())
         write_steps(Path(tmp), run.steps)
@@ -53,6 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile one run of each case")
     parser.add_argument("--exact", action="store_true", help="step by step (no macro-stepping)")
+    parser.add_argument("--decisions", choices=("off", "summary", "full"), default="off", help="decision log kept")
     args = parser.parse_args()
     for name, (path, config) in CASES.items():
         if not path.exists():
@@ -62,11 +68,11 @@ def main() -> None:
         if args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
-            run_once(trace, config, args.exact)
+            run_once(trace, config, args.exact, args.decisions)
             profiler.disable()
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
             continue
-        results = [run_once(trace, config, args.exact) for _ in range(args.repeats)]
+        results = [run_once(trace, config, args.exact, args.decisions) for _ in range(args.repeats)]
         run = results[0][0]
         summary = run.summary()
         sims = [s for _, s, _ in results]
