@@ -27,9 +27,10 @@ as int8 into ND caches ("Norm" mode takes int8). Pure decode runs FIA's Q_S = 1 
 int8 cache with separate per-channel antiquant scales (``key_antiquant_scale`` /
 ``value_antiquant_scale`` of shape (1, H) in the query's dtype, ``key/value_antiquant_mode=0``,
 BSH query): the documented combined ``antiquant_scale`` dequantises to float16 only, and
-antiquant with Q_S > 1 takes only per-token scales and no page attention. So prefill and mixed
-batches dequantise the blocks their sequences read into a compact float cache and run the
-ordinary TND call over it (vllm-ascend's C8 path dequantises the cache for chunked prefill too).
+antiquant with Q_S > 1 takes only per-token scales and no page attention. So a step's prefill
+sequences dequantise the blocks they read into a compact float cache and run the ordinary TND
+call over it, while its decode sequences still take the antiquant call (vllm-ascend's C8 path
+splits decodes from prefills the same way and dequantises the cache for chunked prefill).
 
 Importing torch_npu, and ``TORCH_DEVICE_BACKEND_AUTOLOAD``
 -----------------------------------------------------------
@@ -192,9 +193,7 @@ class NpuBackend(KernelBackend):
         quant = require_scales(key_cache, kv_scales)
         query = query.contiguous()
         if quant is not None:
-            if meta.is_decode_only:
-                return self._int8_decode(query, key_cache, value_cache, meta, scale, quant)
-            key_cache, value_cache, meta = self._dequantised(key_cache, value_cache, meta, quant, query.dtype)
+            return self._int8_attention(query, key_cache, value_cache, meta, scale, quant)
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
         num_heads = query.shape[1]
         if meta.is_decode_only and block_size <= PAGED_ATTENTION_MAX_BLOCK and head_size <= PAGED_ATTENTION_MAX_HEAD_SIZE:
@@ -227,6 +226,38 @@ class NpuBackend(KernelBackend):
             sparse_mode=3,
         )
         return out
+
+    def _int8_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        quant: KVScales,
+    ) -> torch.Tensor:
+        """Decode sequences on the int8 cache through FIA's antiquant; prefills over their blocks dequantised."""
+        parts = meta.memo("npu.int8_parts", lambda: _decode_and_prefill_parts(meta))
+        if len(parts) == 1:
+            return self._int8_part(query, key_cache, value_cache, parts[0][1], scale, quant)
+        out = torch.empty_like(query)
+        for rows, part in parts:
+            out.index_copy_(0, rows, self._int8_part(query.index_select(0, rows), key_cache, value_cache, part, scale, quant))
+        return out
+
+    def _int8_part(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        quant: KVScales,
+    ) -> torch.Tensor:
+        if meta.is_decode_only:
+            return self._int8_decode(query, key_cache, value_cache, meta, scale, quant)
+        keys, values, compact = self._dequantised(key_cache, value_cache, meta, quant, query.dtype)
+        return self.attention(query, keys, values, compact, scale)
 
     def _int8_decode(
         self,
@@ -344,3 +375,25 @@ def _compact_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMet
         meta.query_lens_list, meta.seq_lens_list, compact_rows, meta.block_size, meta.block_tables.device
     )
     return blocks.to(meta.block_tables.device), compact
+
+
+def _decode_and_prefill_parts(meta: AttentionMetadata) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+    """(query rows, metadata) of the step's decode sequences and of its prefill sequences, each if any."""
+    tables = meta.block_tables.cpu()
+    starts = [0, *accumulate(meta.query_lens_list)]
+    parts = []
+    for decode in (True, False):
+        seqs = [b for b, q in enumerate(meta.query_lens_list) if (q == 1) == decode]
+        if not seqs:
+            continue
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs]).to(meta.block_tables.device)
+        part = AttentionMetadata.build(
+            [meta.query_lens_list[b] for b in seqs],
+            [meta.seq_lens_list[b] for b in seqs],
+            [tables[b, : -(-meta.seq_lens_list[b] // meta.block_size)].tolist() for b in seqs],
+            meta.block_size,
+            meta.block_tables.device,
+            meta.slot_mapping.dtype,
+        )
+        parts.append((rows, part))
+    return parts
