@@ -1,9 +1,13 @@
 """Capacity search: the highest request rate a configuration serves within its latency SLOs.
 
 For each configuration, the trace's arrival process is scaled to a request rate (the
-trace's shape kept, as ``request_rate`` does) and simulated; the search brackets the
-capacity by doubling or halving from the trace's own rate, then bisects (geometrically)
-until the rate that meets the SLOs and the one that misses are within ``tolerance``.
+trace's shape kept, as ``request_rate`` does) and simulated. The search gallops from a
+starting rate (steps of ``1 + tolerance``, squared after each probe) until one rate meets
+the SLOs and another misses, then bisects geometrically until they are within
+``tolerance``. On a long trace a first pass on its first fifth (at 10 % tolerance) gives
+the starting rate, so that the full trace, whose probes are the slow ones, is mostly
+probed just below and just above the answer; the answer itself always comes from
+full-trace probes.
 
 A rate meets the SLOs when, at ``percentile``, TTFT, TPOT and end-to-end latency are within
 their objectives (those given). Requests rejected for their size (longer than
@@ -31,7 +35,10 @@ from kvsim.sim.simulator import SimOptions, SimRun, simulate
 from kvsim.traces.schema import Trace
 
 LOAD_REJECTIONS = frozenset({"queue_full", "unschedulable"})  # a lighter load would have served them
-MAX_DOUBLINGS = 12  # 4096x the trace's rate (or 1/4096 of it): the search gives up beyond
+MAX_RANGE = 4096.0  # the search gives up beyond 4096x its starting rate (or 1/4096 of it)
+COARSE_SHARE = 5  # the first pass probes the first fifth of the trace ...
+COARSE_MIN_REQUESTS = 400  # ... when that is at least this many requests
+COARSE_TOLERANCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,8 @@ class Capacity:
     capacity_rps: float
     bracket: tuple[float, float | None]  # (met, missed); missed None when even the highest rate met
     trace_rate_rps: float
-    probes: list[Probe]
+    probes: list[Probe]  # on the whole trace
+    coarse_probes: list[Probe] = field(default_factory=list)  # the first pass, on the trace's first fifth
     error: str = ""
 
     @property
@@ -93,7 +101,7 @@ class Capacity:
         best = self.at_capacity
         out = {"name": self.name, **self.settings, "capacity_rps": self.capacity_rps,
                "missed_at_rps": self.bracket[1], "trace_rate_rps": self.trace_rate_rps, "probes": len(self.probes),
-               "goodput_rps": best.goodput_rps if best else None}
+               "coarse_probes": len(self.coarse_probes), "goodput_rps": best.goodput_rps if best else None}
         for metric, value in (best.latencies if best else {}).items():
             out[f"{metric}_at_capacity"] = value
         out["error"] = self.error
@@ -238,30 +246,47 @@ def _search(name: str, settings: dict, config: RunConfig, slo: Slo, tolerance: f
     if config.rate_scale != 1.0:
         raise ValueError("capacity scales the trace itself: leave rate_scale at 1 (request_rate sets the first probe)")
     base = trace_rate(config)
-    probes: list[Probe] = []
-
-    def run(rate: float) -> bool:
-        probes.append(probe(config, rate, slo))
-        return probes[-1].met
-
     start = config.request_rate or base
-    met_rate: float | None = start if run(start) else None
-    missed_rate: float | None = None if met_rate is not None else start
-    for _ in range(MAX_DOUBLINGS):
-        if met_rate is not None and missed_rate is not None:
-            break
-        if missed_rate is None:
-            rate = met_rate * 2
-            met_rate, missed_rate = (rate, None) if run(rate) else (met_rate, rate)
+    coarse: list[Probe] = []
+    requests = len(load_run_trace(config.updated(request_rate=None)))
+    first = requests // COARSE_SHARE
+    if first >= COARSE_MIN_REQUESTS and tolerance < COARSE_TOLERANCE:
+        head = config.updated(max_requests=first)
+        met, missed = gallop(lambda rate: _record(coarse, probe(head, rate, slo)), start, COARSE_TOLERANCE)
+        start = met if met is not None else missed
+    probes: list[Probe] = []
+    met, missed = gallop(lambda rate: _record(probes, probe(config, rate, slo)), start, tolerance)
+    return Capacity(name, settings, met or 0.0, (met or 0.0, missed), base, probes, coarse)
+
+
+def _record(probes: list[Probe], result: Probe) -> bool:
+    probes.append(result)
+    return result.met
+
+
+def gallop(meets, start: float, tolerance: float) -> tuple[float | None, float | None]:
+    """(highest rate found meeting, lowest rate found missing), within ``1 + tolerance`` of
+    each other, for a ``meets(rate)`` that holds below some rate and fails above it.
+
+    From ``start`` it steps up (or down) by ``1 + tolerance``, squaring the step after each
+    probe, until the answer flips, then bisects geometrically. Either side is None when the
+    search reached ``MAX_RANGE`` times (or 1/``MAX_RANGE`` of) ``start`` without a flip.
+    """
+    met, missed = (start, None) if meets(start) else (None, start)
+    step = 1.0 + tolerance
+    while met is None or missed is None:
+        if missed is None:
+            if met >= start * MAX_RANGE:
+                return met, None
+            rate = min(met * step, start * MAX_RANGE)
+            met, missed = (rate, None) if meets(rate) else (met, rate)
         else:
-            rate = missed_rate / 2
-            met_rate, missed_rate = (rate, missed_rate) if run(rate) else (None, rate)
-    if met_rate is None:  # even 1/4096 of the trace's rate misses
-        return Capacity(name, settings, 0.0, (0.0, missed_rate), base, probes)
-    while missed_rate is not None and missed_rate > met_rate * (1 + tolerance):
-        rate = math.sqrt(met_rate * missed_rate)
-        if run(rate):
-            met_rate = rate
-        else:
-            missed_rate = rate
-    return Capacity(name, settings, met_rate, (met_rate, missed_rate), base, probes)
+            if missed <= start / MAX_RANGE:
+                return None, missed
+            rate = max(missed / step, start / MAX_RANGE)
+            met, missed = (rate, missed) if meets(rate) else (None, rate)
+        step *= step
+    while missed > met * (1.0 + tolerance):
+        rate = math.sqrt(met * missed)
+        met, missed = (rate, missed) if meets(rate) else (met, rate)
+    return met, missed

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvsim.sim.capacity import Slo, SloWatch, evaluate, probe
+from kvsim.sim.capacity import MAX_RANGE, Slo, SloWatch, evaluate, gallop, probe
 from kvsim.sim.cli import main
 from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
@@ -90,3 +90,29 @@ def test_capacity_file_mistakes_are_one_line(tmp_path, text, expected):
     result = CliRunner().invoke(main, ["capacity", str(grid), "--out", str(tmp_path / "cap")])
     assert result.exit_code == 2 and expected in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("threshold", [0.003, 0.7, 1.0, 1.04, 3.3, 950.0])
+def test_gallop_brackets_the_threshold_within_tolerance(threshold):
+    calls = []
+
+    def meets(rate: float) -> bool:
+        calls.append(rate)
+        return rate <= threshold
+
+    met, missed = gallop(meets, 1.0, 0.05)
+    assert met <= threshold < missed <= met * 1.05
+    assert len(calls) <= 16
+    assert gallop(lambda rate: True, 2.0, 0.05) == (2.0 * MAX_RANGE, None)
+    assert gallop(lambda rate: False, 2.0, 0.05) == (None, 2.0 / MAX_RANGE)
+
+
+@pytest.mark.slow
+def test_a_long_trace_gets_a_first_pass_and_a_full_trace_answer():
+    config = RunConfig(trace="azure_conv_10min", max_requests=2000, block_size=16)
+    from kvsim.sim.capacity import search
+
+    result = search("bs16", {"block_size": 16}, config, SLO, tolerance=0.05)
+    assert result.coarse_probes and not result.error
+    assert probe(config, result.capacity_rps, SLO).met
+    assert not probe(config, result.bracket[1], SLO).met
