@@ -32,7 +32,7 @@ def test_rejections_are_counted_with_their_reasons(tmp_path):
 
 
 def test_overload_and_a_growing_queue_are_flagged(tmp_path):
-    warnings, output = _simulate(tmp_path, "--trace", "azure_conv_10min", "--max-requests", "120", "--request-rate", "30",
+    warnings, output = _simulate(tmp_path, "--trace", "azure_conv_10min", "--max-requests", "60", "--request-rate", "30",
                                  "--num-gpu-blocks-override", "200", "--block-size", "16")
     assert warnings["overload"]["duration_s"] > 2 * warnings["overload"]["trace_span_s"]
     assert warnings["unbounded_queue"]["slope_s_per_s"] > 0.05
