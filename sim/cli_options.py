@@ -1,4 +1,4 @@
-"""Command-line options shared by ``kvsim simulate``, ``execute``, ``validate``, ``sweep`` and ``capacity``.
+"""Command-line options shared by ``kvsim simulate``, ``execute`` and ``validate``.
 
 Every option maps onto a :class:`sim.run_config.RunConfig` field; an option left unset keeps
 the value from ``--config`` (or the default), so a TOML file and flags compose. Where vLLM
