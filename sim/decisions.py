@@ -27,6 +27,7 @@ import queue
 import threading
 import zlib
 from dataclasses import dataclass, field
+from itertools import count
 from operator import add, attrgetter
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -39,7 +40,8 @@ DIGEST = "decisions.digest.json"
 LEGACY_LOG = "decisions.jsonl"  # the reference lines as runs before the diff encoding wrote them
 FORMAT = 1
 
-_ENTRY = attrgetter("request_id", "first_position", "num_tokens", "is_prefill", "samples")
+_RID, _POS, _NTOK = attrgetter("request_id"), attrgetter("first_position"), attrgetter("num_tokens")
+_PRE, _SMP = attrgetter("is_prefill"), attrgetter("samples")
 _SEPARATORS = (",", ":")
 _CHUNK_BYTES = 1 << 20
 
@@ -110,10 +112,8 @@ class DiffEncoder:
         rec: dict = {}
         if plan.step != b.next_step:
             rec["n"] = plan.step
-        if plan.entries:
-            rids, pos, ns, pre, smp = map(list, zip(*map(_ENTRY, plan.entries)))
-        else:
-            rids, pos, ns, pre, smp = [], [], [], [], []
+        entries = plan.entries
+        rids, pos, ns = list(map(_RID, entries)), list(map(_POS, entries)), list(map(_NTOK, entries))
         block_tables = plan.block_tables
         if list(block_tables) == rids:
             tables = list(block_tables.values())
@@ -127,10 +127,17 @@ class DiffEncoder:
             index = dict(zip(b.rids, range(len(b.rids))))
             src = list(map(index.get, rids))
             self._order(rec, src, len(b.rids))
-        if not (same_batch and pos == b.next_pos and ns.count(1) == len(ns) and not any(pre) and all(smp)):
+        if not (same_batch and pos == b.next_pos and ns.count(1) == len(ns) and not any(map(_PRE, entries))
+                and all(map(_SMP, entries))):
+            pre, smp = list(map(_PRE, entries)), list(map(_SMP, entries))
             self._entries(rec, src, rids, pos, ns, pre, smp, tables, "T" not in rec)
-        if not (same_batch and tables == b.tables):
-            self._tables(rec, src, tables)
+        previous = b.tables
+        if same_batch:
+            changed = [(i, i) for i, table, old in zip(count(), tables, previous) if table != old]
+        else:
+            changed = [(i, j) for i, j in enumerate(src) if j is not None and tables[i] != previous[j]]
+        if changed:
+            self._tables(rec, changed, tables)
         try:
             derived = derive_slots(pos, ns, tables, b.block_size)
         except IndexError:  # a table too short for its entry: keep the plan's own slots
@@ -177,16 +184,12 @@ class DiffEncoder:
         if odd:
             rec["v"] = odd
 
-    def _tables(self, rec, src, tables) -> None:
+    def _tables(self, rec, changed: list[tuple[int, int]], tables) -> None:
         """``g``: blocks appended to a kept request's table; ``G``: a table that changed otherwise."""
         previous = self.batch.tables
         grown, replaced = [], []
-        for i, j in enumerate(src):
-            if j is None:
-                continue
+        for i, j in changed:
             table, old = tables[i], previous[j]
-            if table == old:
-                continue
             n = len(old)
             if len(table) > n and table[:n] == old:
                 grown.append([i, *table[n:]])
