@@ -180,9 +180,8 @@ def calibrate_kv_scales(
         key_max, value_max = absmax[layer]
         absmax[layer] = (torch.maximum(key_max, rope_pair_absmax(k)), torch.maximum(value_max, v.float().abs().amax(0)))
         group = spec.num_heads // spec.num_kv_heads
-        heads_first = (q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
-        out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in heads_first), is_causal=True, scale=model.scale)
-        return out.transpose(0, 1)
+        heads_first = [t.transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))]
+        return F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=model.scale).transpose(0, 1)
 
     rng = np.random.default_rng([seed % 2**64, _CALIBRATION_STREAM])
     positions = torch.arange(tokens, device=model.device)

@@ -228,7 +228,8 @@ def test_preflight_passes_on_a_matching_environment(standin) -> None:
 def test_preflight_torch_npu_built_for_another_torch(standin) -> None:
     standin.__version__ = "2.10.0.post4"
     message = _preflight_error(standin)
-    assert "torch_npu 2.10.0.post4" in message and f"pip install torch-npu=={torch.__version__.split('+')[0]}" in message
+    assert "torch_npu 2.10.0.post4" in message
+    assert f"pip install torch-npu=={torch.__version__.split('+')[0]}" in message
 
 
 def test_preflight_cann_too_old_for_tnd_with_a_block_table(standin, monkeypatch) -> None:
@@ -250,7 +251,9 @@ def test_preflight_loads_atb_eagerly_and_names_nnal(standin, monkeypatch) -> Non
     """torch_npu keeps libatb.so's load error until the first ATB call; the preflight makes that call at start."""
 
     def missing_nnal():
-        raise OSError("Please check that the nnal package is installed. Please run 'source set_env.sh' in the NNAL installation path.")
+        raise OSError(
+            "Please check that the nnal package is installed. Please run 'source set_env.sh' in the NNAL installation path."
+        )
 
     monkeypatch.setattr(standin.op_plugin.atb._atb_ops, "_register_atb_extensions", missing_nnal)
     message = _preflight_error(standin)

@@ -891,17 +891,27 @@ class _Ops:
         if _given(antiquant.get("antiquant_scale")) or _given(antiquant.get("antiquant_mode")):
             raise NotModelled("FIA's combined antiquant_scale/antiquant_mode are not modelled")
         key_scale, value_scale = antiquant.get("key_antiquant_scale"), antiquant.get("value_antiquant_scale")
-        _require((key_scale is None) == (value_scale is None), "fia.antiquant_pair", "only one of key/value_antiquant_scale")
-        _require(key_scale is not None, "fia.int8_kv_scales", f"int8 K/V under a {query.dtype} query without antiquant scales")
+        _require(
+            (key_scale is None) == (value_scale is None), "fia.antiquant_pair", "only one of key/value_antiquant_scale"
+        )
+        _require(
+            key_scale is not None, "fia.int8_kv_scales", f"int8 K/V under a {query.dtype} query without antiquant scales"
+        )
         key_mode, value_mode = antiquant.get("key_antiquant_mode", 0), antiquant.get("value_antiquant_mode", 0)
-        _require(key_mode == value_mode, "fia.antiquant_modes", f"key_antiquant_mode={key_mode}, value_antiquant_mode={value_mode}")
+        _require(
+            key_mode == value_mode,
+            "fia.antiquant_modes",
+            f"key_antiquant_mode={key_mode}, value_antiquant_mode={value_mode}",
+        )
         if key_mode != 0:
             raise NotModelled("FIA antiquant modes other than per-channel (0) are not modelled")
         if antiquant.get("key_antiquant_offset") is not None or antiquant.get("value_antiquant_offset") is not None:
             raise NotModelled("asymmetric antiquant (offsets) is not modelled")
         if input_layout != "BSH" or block_table is None:
             raise NotModelled("int8 FIA is modelled for a BSH query over a paged cache")
-        _require(query.dim() == 3 and query.dtype in HALF_TYPES, "fia.query_dtype", f"query {tuple(query.shape)} {query.dtype}")
+        _require(
+            query.dim() == 3 and query.dtype in HALF_TYPES, "fia.query_dtype", f"query {tuple(query.shape)} {query.dtype}"
+        )
         batch, q_s, hidden = query.shape
         _require(q_s == 1, "fia.antiquant_prompt", f"Q_S={q_s} with antiquant scales over a paged cache")
         _require(
@@ -929,7 +939,9 @@ class _Ops:
                 f"KV_N={num_kv_heads}, D={head_size}",
             )
         _require(
-            0 < block_size <= 512 and block_size % 32 == 0, "fia.ifa_block_size", f"block_size={block_size} for int8 K/V"
+            0 < block_size <= 512 and block_size % 32 == 0,
+            "fia.ifa_block_size",
+            f"block_size={block_size} for int8 K/V",
         )
         _require(
             key.shape[1] == block_size and key.shape[2] == kv_hidden,
@@ -939,7 +951,9 @@ class _Ops:
         _require(actual_seq_lengths_kv is not None, "fia.pa_actual_seq_lengths_kv", "actual_seq_lengths_kv is missing")
         assert actual_seq_lengths_kv is not None
         _require(
-            _is_int_list(actual_seq_lengths_kv), "fia.seq_lengths_are_lists", "actual_seq_lengths_kv is not a host int list"
+            _is_int_list(actual_seq_lengths_kv),
+            "fia.seq_lengths_are_lists",
+            "actual_seq_lengths_kv is not a host int list",
         )
         kv_lens = list(actual_seq_lengths_kv)
         _require(

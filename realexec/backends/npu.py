@@ -196,7 +196,8 @@ class NpuBackend(KernelBackend):
             return self._int8_attention(query, key_cache, value_cache, meta, scale, quant)
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
         num_heads = query.shape[1]
-        if meta.is_decode_only and block_size <= PAGED_ATTENTION_MAX_BLOCK and head_size <= PAGED_ATTENTION_MAX_HEAD_SIZE:
+        paged_attention_fits = block_size <= PAGED_ATTENTION_MAX_BLOCK and head_size <= PAGED_ATTENTION_MAX_HEAD_SIZE
+        if meta.is_decode_only and paged_attention_fits:
             out = torch.empty_like(query)
             self.torch_npu._npu_paged_attention(
                 query=query,
@@ -242,7 +243,8 @@ class NpuBackend(KernelBackend):
             return self._int8_part(query, key_cache, value_cache, parts[0][1], scale, quant)
         out = torch.empty_like(query)
         for rows, part in parts:
-            out.index_copy_(0, rows, self._int8_part(query.index_select(0, rows), key_cache, value_cache, part, scale, quant))
+            part_out = self._int8_part(query.index_select(0, rows), key_cache, value_cache, part, scale, quant)
+            out.index_copy_(0, rows, part_out)
         return out
 
     def _int8_part(
@@ -358,7 +360,9 @@ def _raise_errors(
     """Raise every error finding at once (one line each); warn about the rest and return their messages."""
     errors = [f.message for f in findings if f.error]
     if errors:
-        raise error(heading + ":\n" + "\n".join(f"  - {m}" for m in errors) if len(errors) > 1 else f"{heading}: {errors[0]}")
+        if len(errors) == 1:
+            raise error(f"{heading}: {errors[0]}")
+        raise error(heading + ":\n" + "\n".join(f"  - {m}" for m in errors))
     for finding in findings:
         warnings.warn(finding.message, PreflightWarning, stacklevel=3)
     return [f.message for f in findings]
