@@ -10,8 +10,11 @@ Sources (each message quotes its rule's source):
 - torch-npu 2.13.0 wheel: ``torch_npu/_op_plugin_docs.py`` (FIA), ``torch_npu/op_plugin/atb/_atb_api_docs.py``
   (ATB PagedAttention), ``torch_npu/op_plugin/atb/_atb_ops.py`` (how libatb.so is loaded: lazily, with the
   load error kept until the first ATB call), ``torch_npu/npu/utils.py`` (``get_cann_version``).
-- vllm-ascend ``docs/source/installation.md``: torch-npu is built for one torch version; NNAL is "Required
-  for libatb.so"; the CANN version the TND + block-table FIA path was written against.
+- vllm-ascend ``docs/source/installation.md`` (https://docs.vllm.ai/projects/ascend/en/<version>/installation.html):
+  torch-npu is pinned to one torch version (v0.26.0rc1: torch 2.10.0, torch-npu 2.10.0.post4, CANN 9.1.0);
+  NNAL is "Required for libatb.so". CANN minimum: v0.10.0rc1, before the FIA TND + block_table path,
+  asked for ">= 8.2.RC1"; v0.13.0 pins 8.5.0. ``MIN_CANN`` = 8.3 is the release between, as issue 15 read
+  it: a vllm-ascend requirement, not a per-op minimum the CANN documentation states.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-MIN_CANN = (8, 3)  # vllm-ascend's requirement when its FIA TND + block_table path was read (issue 15)
+MIN_CANN = (8, 3)  # vllm-ascend's requirement for its FIA TND + block_table path (module docstring)
 FIA_MAX_HEAD_SIZE = 512  # FIA: "支持D轴小于等于512"
 FIA_MAX_HIDDEN_BNBSH = 65535  # FIA: "(blocknum, blocksize, H), 且KV_N*D超过65535时 ... 会被拦截报错"
 FIA_BLOCK_SIZES = (128, 256, 384, 512)  # FIA, Q_S > 1 with page attention: "block_size最小为128, 最大为512, 且要求是128的倍数"
