@@ -336,3 +336,8 @@ def test_padding_slots_reach_the_write_kernel_and_are_skipped(backend, standin) 
     ones = torch.ones(3, 2, 64, dtype=torch.bfloat16)
     backend.write_kv(ones, ones, key_cache, value_cache, torch.tensor([5, -1, 7]))
     assert int(key_cache.count_nonzero()) == 2 * 2 * 64
+
+
+def test_preflight_without_an_atb_module_says_so(standin) -> None:
+    del standin.op_plugin
+    assert "ATB ops unavailable (this torch_npu has no op_plugin.atb module)" in _preflight_error(standin)

@@ -19,6 +19,7 @@ Sources (each message quotes its rule's source):
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,9 +146,14 @@ def _cann_version(torch_npu: Any) -> str | None:
 def _atb_load_error(torch_npu: Any) -> str | None:
     """Load libatb.so now (torch_npu defers it to the first ATB call); the first line of its error, if any."""
     try:
-        torch_npu.op_plugin.atb._atb_ops._register_atb_extensions()
-    except AttributeError:
-        return "this torch_npu has no op_plugin.atb module"
+        atb_ops = torch_npu.op_plugin.atb._atb_ops
+    except AttributeError:  # a submodule not bound as an attribute yet: import it by name
+        try:
+            atb_ops = importlib.import_module(f"{torch_npu.__name__}.op_plugin.atb._atb_ops")
+        except ImportError:
+            return "this torch_npu has no op_plugin.atb module"
+    try:
+        atb_ops._register_atb_extensions()
     except Exception as err:  # OSError from dlopen, kept by torch_npu until this call
         return (str(err).strip().splitlines() or [type(err).__name__])[0]
     return None
