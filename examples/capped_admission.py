@@ -12,11 +12,12 @@ where FCFS would evict the newest request, which holds the least.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from itertools import islice
 
 from kvsim.policies.request import Request
 from kvsim.policies.schedulers import SchedulerPolicy
+from kvsim.policies.view import EngineView
 
 
 class CappedAdmission(SchedulerPolicy):
@@ -26,9 +27,9 @@ class CappedAdmission(SchedulerPolicy):
             raise ValueError(f"capped_admission: max_new_per_step must be >= 1, not {max_new_per_step}")
         self.max_new_per_step = max_new_per_step
 
-    def waiting_order(self, waiting: Iterable[Request], now: float) -> Iterable[Request]:
+    def waiting_order(self, queue: Collection[Request], view: EngineView) -> Iterable[Request]:
         """The queue in its order (preempted requests at the front), cut to the step's cap."""
-        return islice(waiting, self.max_new_per_step)
+        return islice(queue, self.max_new_per_step)
 
-    def pick_victim(self, candidates: list[Request]) -> Request:
-        return max(candidates, key=lambda r: (r.num_computed_tokens, r.arrival_s, r.order))
+    def pick_victim(self, view: EngineView) -> Request:
+        return max(view.running, key=lambda r: (r.num_computed_tokens, r.arrival_s, r.order))

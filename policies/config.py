@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     num_blocks: int
     block_size: int = 16

@@ -29,6 +29,7 @@ from kvsim.policies.queue import RequestQueue
 from kvsim.policies.registry import resolve_block_manager, resolve_scheduler
 from kvsim.policies.request import Request, Status
 from kvsim.policies.schedulers import SchedulerPolicy
+from kvsim.policies.view import EngineView
 
 KVCounts = tuple[int, int, int, int]  # (used, cached, free) blocks and internal-waste slots
 
@@ -76,6 +77,8 @@ class EngineCore:
         self.running: list[Request] = []
         self.swapped = RequestQueue(self.policy.queue_key)
         self.counters = EngineCounters()
+        self.now = 0.0  # the time of the step being (or last) scheduled
+        self.view = EngineView(self)  # all a policy sees of the engine
         self._num_orders = 0
         self._pending_rejections: list[tuple[str, str]] = []
         # Macro-stepping assumes an all-decode batch keeps its order; a policy that reorders
@@ -143,7 +146,7 @@ class EngineCore:
         step_cap = min(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
         if not self.policy.chunked_prefill and r.max_kv_tokens > step_cap:
             return "exceeds_token_budget"
-        if r.n_samples > self.policy.admission_limit(cfg.max_num_seqs):
+        if r.n_samples > self.policy.admission_limit(self.view):
             return "exceeds_max_num_seqs"
         if cfg.max_waiting and len(self.waiting) >= cfg.max_waiting:
             return "queue_full"
@@ -176,22 +179,22 @@ class EngineCore:
 
     # --- the step ----------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
-        cfg = self.config
+        self.now = now
         plan = StepPlan(step=self.counters.steps, rejected=self._pending_rejections)
         self._pending_rejections = []
-        self._budget = cfg.max_num_batched_tokens
+        self._budget = self.config.max_num_batched_tokens
         self._scheduled: dict[str, tuple[Request, int]] = {}  # request id -> (request, new tokens), in order
         self._batch_blocks = 0  # sum of scheduled requests' table lengths (see batch_blocks_within_pool)
 
         preempted = self._schedule_running(plan)
-        if not preempted and self.policy.admission_open(len(self.running)):
-            limit = self.policy.admission_limit(cfg.max_num_seqs)
+        if not preempted and self.policy.admission_open(self.view):
+            limit = self.policy.admission_limit(self.view)
             self._seats_taken = sum(self._seats(r) for r in self.running)
-            self._admit_swapped(plan, now, limit)
+            self._admit_swapped(plan, limit)
             if not self.swapped:  # a swapped request that cannot come back yet holds the line
-                self._admit_waiting(now, limit)
+                self._admit_waiting(limit)
         if not self._scheduled and not self.running and not self.swapped and self.waiting:
-            self._reject_unschedulable(plan, now)
+            self._reject_unschedulable(plan)
 
         self._fill_plan(plan)
         self.counters.steps += 1
@@ -209,7 +212,7 @@ class EngineCore:
 
     def _schedule_running(self, plan: StepPlan) -> bool:
         preempted_any = False
-        for request in list(self.policy.running_order(self.running)):
+        for request in list(self.policy.running_order(self.view)):
             if self._budget <= 0:
                 break
             if request.status is not Status.RUNNING:
@@ -218,7 +221,7 @@ class EngineCore:
             if num_new == 0 or not self._within_kernel_block_limit(request.num_computed_tokens + num_new):
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.policy.pick_victim(self.running)
+                victim = self.policy.pick_victim(self.view)
                 self._preempt(victim, plan)
                 preempted_any = True
                 if victim is request:
@@ -268,8 +271,8 @@ class EngineCore:
     def _room_for(self, blocks_needed: int) -> bool:
         return self.kv.num_available_blocks() - blocks_needed >= self.config.watermark_blocks
 
-    def _admit_swapped(self, plan: StepPlan, now: float, limit: int) -> None:
-        for request in list(self.policy.waiting_order(self.swapped, now)):
+    def _admit_swapped(self, plan: StepPlan, limit: int) -> None:
+        for request in list(self.policy.waiting_order(self.view.swapped, self.view)):
             if self._budget <= 0 or self._seats_taken + self._seats(request) > limit:
                 return
             num_new = self._num_new_tokens(request)
@@ -285,9 +288,9 @@ class EngineCore:
             self.swapped.remove(request)
             self._start_running(request, num_new)
 
-    def _admit_waiting(self, now: float, limit: int) -> None:
+    def _admit_waiting(self, limit: int) -> None:
         admitted: list[Request] = []
-        for request in self.policy.waiting_order(self.waiting, now):
+        for request in self.policy.waiting_order(self.view.waiting, self.view):
             if self._budget <= 0 or self._seats_taken + self._seats(request) > limit:
                 break
             num_hit = self.kv.lookup(request)
@@ -319,9 +322,9 @@ class EngineCore:
         self.running.append(request)
         self._schedule(request, num_new)
 
-    def _reject_unschedulable(self, plan: StepPlan, now: float) -> None:
+    def _reject_unschedulable(self, plan: StepPlan) -> None:
         """Nothing runs and nothing can be admitted: the head of the policy's queue can never run."""
-        request = next(iter(self.policy.waiting_order(self.waiting, now)))
+        request = next(iter(self.policy.waiting_order(self.view.waiting, self.view)))
         self._leave_waiting(request)
         request.status = Status.REJECTED
         request.reject_reason = "unschedulable"
@@ -427,9 +430,9 @@ class EngineCore:
             return 0
         if len(self.running) > self.config.max_num_batched_tokens:
             return 0
-        if self.waiting and self.policy.admission_open(len(self.running)):
+        if self.waiting and self.policy.admission_open(self.view):
             seats = sum(self._seats(r) for r in self.running)
-            if seats < self.policy.admission_limit(self.config.max_num_seqs):
+            if seats < self.policy.admission_limit(self.view):
                 return 0
         limit = None
         for r in self.running:

@@ -3,15 +3,17 @@
 The step algorithm itself is one (vLLM V1's, in ``policies.engine``): serve running requests
 under one token budget, preempting when a request cannot get a block, then admit waiting
 ones if nothing was preempted. A policy only decides orders, the preemption victim, whether
-prefills may be chunked and when admission is open.
+prefills may be chunked and when admission is open, from a read-only view of the engine
+(``EngineView``: its queues, KV pool, configuration and clock).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from kvsim.policies.registry import register_scheduler
 from kvsim.policies.request import Request
+from kvsim.policies.view import EngineView
 
 
 class SchedulerPolicy:
@@ -24,21 +26,25 @@ class SchedulerPolicy:
 
     queue_key: Callable[[Request], tuple] | None = None  # static service order of the queues; None = FIFO
 
-    def running_order(self, running: list[Request]) -> Iterable[Request]:
-        return running
+    def running_order(self, view: EngineView) -> Iterable[Request]:
+        """The order running requests get their next tokens in this step."""
+        return view.running
 
-    def waiting_order(self, waiting: Iterable[Request], now: float) -> Iterable[Request]:
-        """Admission order: the queue as kept (by ``queue_key``), unless a policy says otherwise."""
-        return waiting
+    def waiting_order(self, queue: Collection[Request], view: EngineView) -> Iterable[Request]:
+        """Admission order of ``queue`` (``view.waiting`` or ``view.swapped``): as kept (by ``queue_key``)."""
+        return queue
 
-    def pick_victim(self, candidates: list[Request]) -> Request:
-        return candidates[-1]
+    def pick_victim(self, view: EngineView) -> Request:
+        """The running request to preempt when one cannot get a block (it may be the one asking)."""
+        return view.running[-1]
 
-    def admission_open(self, num_running: int) -> bool:
+    def admission_open(self, view: EngineView) -> bool:
+        """May this step admit anyone (swapped requests first, then waiting ones)?"""
         return True
 
-    def admission_limit(self, max_num_seqs: int) -> int:
-        return max_num_seqs
+    def admission_limit(self, view: EngineView) -> int:
+        """How many sequences may run at once."""
+        return view.config.max_num_seqs
 
 
 @register_scheduler("fcfs")
@@ -55,9 +61,9 @@ class ChunkedPrefillPolicy(SchedulerPolicy):
     def __init__(self) -> None:
         super().__init__(chunked_prefill=True)
 
-    def running_order(self, running: list[Request]) -> Iterable[Request]:
-        decodes = [r for r in running if not r.is_prefill]
-        return decodes + [r for r in running if r.is_prefill]
+    def running_order(self, view: EngineView) -> Iterable[Request]:
+        decodes = [r for r in view.running if not r.is_prefill]
+        return decodes + [r for r in view.running if r.is_prefill]
 
 
 def _priority_key(r: Request) -> tuple:
@@ -70,8 +76,8 @@ class PriorityPolicy(SchedulerPolicy):
 
     queue_key = staticmethod(_priority_key)
 
-    def pick_victim(self, candidates: list[Request]) -> Request:
-        return max(candidates, key=_priority_key)
+    def pick_victim(self, view: EngineView) -> Request:
+        return max(view.running, key=_priority_key)
 
 
 @register_scheduler("sjf")
@@ -97,8 +103,8 @@ class ShortestJobFirstPolicy(SchedulerPolicy):
         (the ``now`` term is common to all), so the key is static and the queue stays sorted."""
         return (self.job_length(r) + self.aging * r.arrival_s, r.arrival_s, r.order)
 
-    def pick_victim(self, candidates: list[Request]) -> Request:
-        return max(candidates, key=lambda r: (self.job_length(r), r.arrival_s, r.order))
+    def pick_victim(self, view: EngineView) -> Request:
+        return max(view.running, key=lambda r: (self.job_length(r), r.arrival_s, r.order))
 
 
 @register_scheduler("static")
@@ -111,8 +117,8 @@ class StaticBatchingPolicy(SchedulerPolicy):
             raise ValueError(f"static: batch_size must be >= 1, not {batch_size}")
         self.batch_size = batch_size
 
-    def admission_open(self, num_running: int) -> bool:
-        return num_running == 0
+    def admission_open(self, view: EngineView) -> bool:
+        return not view.running
 
-    def admission_limit(self, max_num_seqs: int) -> int:
-        return min(self.batch_size, max_num_seqs)
+    def admission_limit(self, view: EngineView) -> int:
+        return min(self.batch_size, view.config.max_num_seqs)

@@ -8,6 +8,7 @@ request's tail block first.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.request import Status
+from kvsim.policies.schedulers import FCFSPolicy
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -266,3 +268,26 @@ def test_a_policy_parameter_it_does_not_take_is_named(monkeypatch):
     config = EngineConfig(num_blocks=8, scheduler="capped_admission:CappedAdmission", scheduler_params={"max_new": 1})
     with pytest.raises(ValueError, match=r"does not take parameter\(s\) \['max_new'\]"):
         EngineCore(config)
+
+
+def test_a_policy_reads_a_live_read_only_view_of_the_engine(make_driver):
+    """Hooks get the engine's queues, pool and clock as they stand, and cannot change them."""
+    seen = []
+
+    class Recording(FCFSPolicy):
+        def admission_open(self, view) -> bool:
+            seen.append((view.now, view.step, len(view.running), len(view.waiting), view.num_free_blocks))
+            with pytest.raises(AttributeError):
+                view.running.append(None)  # a window, not the engine's list
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                view.config.max_num_seqs = 1
+            return True
+
+    d = make_driver(block_manager="paged")
+    d.engine.policy = Recording()
+    add_all(d.engine, ("A", 0.0, 8, 2), ("B", 0.0, 40, 2))  # B's 40 tokens exceed the 32-token budget
+    d.step()
+    d.step()
+    # At step 1 the view is live: A (9 tokens, 3 blocks) and B (40 tokens, 10 blocks) already grew.
+    assert seen[:2] == [(0.0, 0, 0, 2, 16), (1.0, 1, 2, 0, 16 - 3 - 10)]
+    assert d.engine.view.kv_stats().used == 10  # A finished at step 1: B alone
