@@ -35,15 +35,21 @@ class ContiguousBlockManager(BlockManager):
         tokens = self.max_model_len if self.reserve == "max_model_len" else request.max_kv_tokens
         return cdiv(tokens, self.block_size)
 
-    def _first_fit(self, n: int) -> int | None:
-        for i, (start, length) in enumerate(self.extents):
-            if length >= n:
-                if length == n:
-                    del self.extents[i]
-                else:
-                    self.extents[i] = (start + n, length - n)
-                return start
-        return None
+    def choose_extent(self, n: int) -> int | None:
+        """The placement rule: which free extent (index into ``extents``) a new ``n``-block region
+        takes, None if none holds it. First fit, the lowest; a subclass may choose otherwise."""
+        return next((i for i, (_, length) in enumerate(self.extents) if length >= n), None)
+
+    def _place(self, n: int) -> int | None:
+        i = self.choose_extent(n)
+        if i is None:
+            return None
+        start, length = self.extents[i]
+        if length == n:
+            del self.extents[i]
+        else:
+            self.extents[i] = (start + n, length - n)
+        return start
 
     def _release_extent(self, start: int, n: int) -> None:
         i = bisect.bisect_left(self.extents, (start, 0))
@@ -72,7 +78,7 @@ class ContiguousBlockManager(BlockManager):
         seq = request.request_id
         if seq not in self.regions:
             n = self._region_blocks(request)
-            start = self._first_fit(n)
+            start = self._place(n)
             if start is None:
                 return False
             self.regions[seq] = (start, n)
@@ -99,7 +105,7 @@ class ContiguousBlockManager(BlockManager):
         blocks and preempts or requeues it like any request that cannot allocate.
         """
         n = self._region_blocks(child)
-        start = self._first_fit(n)
+        start = self._place(n)
         if start is None:
             return
         self.regions[child.request_id] = (start, n)
@@ -117,7 +123,7 @@ class ContiguousBlockManager(BlockManager):
 
     def _take_blocks_for_swap_in(self, request: Request, n: int) -> list[int] | None:
         size = self._region_blocks(request)
-        start = self._first_fit(size)
+        start = self._place(size)
         if start is None:
             return None
         self.regions[request.request_id] = (start, size)
