@@ -24,6 +24,12 @@ def slot(block_id: N, offset: N, block_size: int) -> N:
     return block_id * block_size + offset
 
 
+def decode_slots(positions: Sequence[int], tables: Sequence[Sequence[int]], block_size: int) -> list[int]:
+    """Slots of one token per sequence (a decode step): ``slot`` inlined, for the hot path."""
+    bs = block_size
+    return [table[p // bs] * bs + p % bs for p, table in zip(positions, tables)]
+
+
 def slots_for(table: Sequence[int], first: int, end: int, block_size: int) -> list[int]:
     """Slots of positions ``[first, end)`` of a sequence with block table ``table``."""
     if end - first == 1:

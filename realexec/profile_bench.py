@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.plan import PlanEntry, StepPlan
@@ -79,7 +80,7 @@ class KVPool:
         pool, so what a step reads is about as spread, and as cache-resident, as that). On a CPU
         the layout matters: consecutive blocks gather faster than scattered ones.
         """
-        counts = [-(-(s.cached + s.new) // self.block_size) for s in shape]
+        counts = [cdiv(s.cached + s.new, self.block_size) for s in shape]
         footprint = sum(counts)
         if footprint > self.num_blocks:
             raise ValueError(f"a step of {footprint} blocks does not fit the profiling pool of {self.num_blocks}")
@@ -121,7 +122,7 @@ class PlanBuilder:
             self._next_id += 1
             plan.entries.append(PlanEntry(rid, s.cached, s.new, not s.is_decode, s.samples))
             plan.block_tables[rid] = table
-            plan.slot_mapping += [table[p // bs] * bs + p % bs for p in range(s.cached, s.cached + s.new)]
+            plan.slot_mapping += slots_for(table, s.cached, s.cached + s.new, bs)
         return plan
 
 
@@ -187,7 +188,7 @@ class OperatorBenches:
 
         def case() -> float:
             table = self.builder.pool.tables(shape, self.rng)[0]
-            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(tokens)], dtype=torch.int64).to(self.backend.device)
+            slots = torch.tensor(slots_for(table, 0, tokens, bs), dtype=torch.int64).to(self.backend.device)
             return self._timed(lambda: [self.backend.write_kv(k, v, kc, vc, slots) for kc, vc in self.ex.kv_caches])
 
         return Sample("kv_write", "kv_write", self._features(shape), case)
@@ -315,7 +316,7 @@ def engine_run(executor: Executor, sweep: Sweep, seed: int, rate: float) -> Step
     )
     lengths = np.minimum(trace.prompt_tokens + trace.output_tokens, executor.spec.max_position)
     batch = max(sweep.decode_batches)
-    blocks = int(np.sum(-(-np.sort(lengths)[-batch:] // executor.block_size)))
+    blocks = int(np.sum(cdiv(np.sort(lengths)[-batch:], executor.block_size)))
     config = EngineConfig(
         num_blocks=min(executor.num_blocks, blocks), block_size=executor.block_size, max_model_len=int(lengths.max()),
         max_num_seqs=batch, max_num_batched_tokens=longest,

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import PlanEntry, StepPlan
 from kvsim.realexec.backends import KernelBackend
 from kvsim.sim.cost_model import StepFeatures, features_from_plan
@@ -135,7 +136,7 @@ def shape_features(shape: StepShape, block_size: int) -> StepFeatures:
 
 def footprint(shape: StepShape, block_size: int) -> int:
     """KV blocks a step of this shape holds."""
-    return sum(-(-(s.cached + s.new) // block_size) for s in shape)
+    return sum(cdiv(s.cached + s.new, block_size) for s in shape)
 
 
 

@@ -32,6 +32,7 @@ from operator import add, attrgetter
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from kvsim.policies.blocks import decode_slots, slots_for
 from kvsim.policies.plan import DecodeStretch, StepPlan, expand_decision_log
 
 MODES = ("off", "summary", "full")
@@ -47,22 +48,12 @@ _CHUNK_BYTES = 1 << 20
 
 
 def derive_slots(positions: list[int], counts: list[int], tables: list[list[int]], block_size: int) -> list[int]:
-    """The flat slot mapping a plan's entries imply: position ``p`` of table ``t`` is ``t[p // bs] * bs + p % bs``."""
-    bs = block_size
-    if counts.count(1) == len(counts):  # one token each (decodes): the common step, in one comprehension
-        return [table[p // bs] * bs + p % bs for p, table in zip(positions, tables)]
+    """The flat slot mapping a plan's entries imply (``kvsim.policies.blocks``' slot formula)."""
+    if counts.count(1) == len(counts):  # one token each (decodes): the common step
+        return decode_slots(positions, tables, block_size)
     out: list[int] = []
     for first, n, table in zip(positions, counts, tables):
-        if n == 1:
-            out.append(table[first // bs] * bs + first % bs)
-            continue
-        pos, end = first, first + n
-        while pos < end:
-            block = pos // bs
-            block_end = min(end, (block + 1) * bs)
-            base = table[block] * bs - block * bs
-            out.extend(range(base + pos, base + block_end))
-            pos = block_end
+        out += slots_for(table, first, first + n, block_size)
     return out
 
 

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from kvsim.policies.blocks import slot
 from kvsim.realexec.backends.kv_quant import KVScales
 
 T = TypeVar("T")
@@ -80,7 +81,7 @@ class AttentionMetadata:
         seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
         first_row = torch.cumsum(q_lens, 0) - q_lens
         positions = (s_lens - q_lens)[seq_of_token] + torch.arange(int(q_lens.sum())) - first_row[seq_of_token]
-        slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+        slots = slot(tables[seq_of_token, positions // block_size].long(), positions % block_size, block_size)
         return cls(
             query_start_loc=torch.cat([q_lens.new_zeros(1), torch.cumsum(q_lens, 0)]).to(device, torch.int32),
             seq_lens=s_lens.to(device, torch.int32),

@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvsim.policies.blocks import cdiv
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks, swap_blocks
 from kvsim.realexec.backends.errors import BackendUnavailable, PreflightFailed
@@ -371,7 +372,7 @@ def _raise_errors(
 def _compact_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
     """(block ids to copy, in order; metadata of the same step over the compact cache they form)."""
     tables = meta.block_tables.cpu()
-    counts = [-(-s // meta.block_size) for s in meta.seq_lens_list]
+    counts = [cdiv(s, meta.block_size) for s in meta.seq_lens_list]
     blocks = torch.cat([tables[b, :n] for b, n in enumerate(counts)]).long()
     starts = [0, *accumulate(counts)]
     compact_rows = [list(range(starts[b], starts[b + 1])) for b in range(len(counts))]
@@ -394,7 +395,7 @@ def _decode_and_prefill_parts(meta: AttentionMetadata) -> list[tuple[torch.Tenso
         part = AttentionMetadata.build(
             [meta.query_lens_list[b] for b in seqs],
             [meta.seq_lens_list[b] for b in seqs],
-            [tables[b, : -(-meta.seq_lens_list[b] // meta.block_size)].tolist() for b in seqs],
+            [tables[b, : cdiv(meta.seq_lens_list[b], meta.block_size)].tolist() for b in seqs],
             meta.block_size,
             meta.block_tables.device,
             meta.slot_mapping.dtype,
