@@ -49,7 +49,7 @@ def drain(engine: EngineCore, trace: Trace, step_time_s: float, check: bool = Fa
         steps += 1
         if check:
             engine.check_invariants()
-            plan.check(engine.config.block_size)
+            plan.check(engine.kv.block_size)
         if steps > max_steps:
             raise RuntimeError(f"trace did not drain within {max_steps} steps")
     return steps

@@ -41,7 +41,7 @@ class Driver:
 
     def step(self) -> StepPlan:
         plan = self.engine.schedule(self.now)
-        plan.check(self.engine.config.block_size)
+        plan.check(self.engine.kv.block_size)
         self.now += self.step_time
         self.finished += [r.request_id for r in self.engine.commit(plan, self.now)]
         self.engine.check_invariants()

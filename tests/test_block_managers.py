@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvsim.policies.block_manager import BlockManager
+from kvsim.policies.blocks import cdiv
 from kvsim.policies.contiguous import ContiguousBlockManager
 from kvsim.policies.paged import PagedBlockManager, PrefixCachingBlockManager
 from kvsim.policies.request import Request
@@ -29,10 +30,6 @@ TRACE_BLOCK = 8  # trace hashes over 8 tokens: two engine blocks per trace block
 MAX_PROMPT, MAX_OUTPUT = 16, 8  # prompt + output <= MAX_MODEL_LEN
 
 pick = st.integers(0, 1_000)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 FAMILIES = 5
