@@ -21,27 +21,29 @@ from kvsim.sim.runner import run_trace
 # What `kvsim execute` / `validate` run when not told otherwise: the tiny model on the CPU and
 # the demo trace at a rate the CPU serves with room to spare. Above its capacity (the demo at
 # 25x, as before) requests queue behind one another, so TTFT adds up every step's error and a
-# few per cent per step become tens of per cent of latency; at 6x (about 60 % busy on the
-# 2-core development VM, docs/benchmarks.md) a request waits little, yet batches still form.
-# A pool of 160 blocks (about four of the demo's longest requests) forces preemptions.
+# few per cent per step become tens of per cent of latency. At 3x (about a third busy on the
+# 2-core development VM) a request rarely waits, and most decode steps run one sequence:
+# batches of 2-3 sequences are where this CPU's GEMM kernels cost more than a roofline says
+# (docs/benchmarks.md), and at 6x they made TPOT miss. A pool of 64 blocks (1,024 tokens,
+# about two of the demo's longest requests) forces preemptions; prefixes are still hit.
 WORKLOAD = (
     "the bundled demo trace (41 requests of 17 Mooncake conversations: prompts of about 430 "
-    "tokens sharing prefixes, outputs of about 21) at 6x its arrival rate (5.8 requests/s, about "
-    "60 % of what a 2-core VM serves), the tiny model, FCFS with prefix caching, a 512-token step "
-    "budget and a pool of 160 blocks of 16 tokens: prefill, decode and mixed steps, prefix hits and "
-    "preemptions."
+    "tokens sharing prefixes, outputs of about 21) at 3x its arrival rate (2.9 requests/s, about "
+    "a third of what a 2-core VM serves), the tiny model, FCFS with prefix caching, a 512-token "
+    "step budget and a pool of 64 blocks of 16 tokens: prefill, decode and mixed steps, prefix "
+    "hits and preemptions."
 )
 REAL_DEFAULTS = RunConfig(
     trace="demo",
     model="tiny",
     device="cpu",
     block_size=16,
-    num_blocks=160,
+    num_blocks=64,
     max_model_len=2048,
     max_num_batched_tokens=512,
     max_num_seqs=32,
     swap_space_gb=0.05,
-    rate_scale=6.0,
+    rate_scale=3.0,
 )
 
 

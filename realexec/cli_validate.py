@@ -30,7 +30,6 @@ WALL_CLOCK = "wall clock (time.perf_counter), recorded beside the device clock, 
 
 @click.command(help=f"""Cross-validate the simulator against the real executor on the same trace.
 
-\b
 Default workload: {WORKLOAD}""")
 @run_options(defaults=REAL_DEFAULTS)
 @click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
