@@ -315,7 +315,9 @@ def _front_end(sent: np.ndarray, engine: EngineProfile | None) -> np.ndarray:
     return seen
 
 
-def _closed_loop(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, clients: int, engine: EngineProfile | None) -> tuple[np.ndarray, list[dict]]:
+def _closed_loop(
+    resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, clients: int, engine: EngineProfile | None
+) -> tuple[np.ndarray, list[dict]]:
     """Send times of ``clients`` closed-loop clients and the simulated requests (module docstring).
 
     Each round replays the clients with the previous round's per-request engine latencies
