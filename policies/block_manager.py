@@ -28,8 +28,9 @@ class KVStats:
     free: int  # unreferenced and empty
     internal_waste_slots: int  # allocated token slots not (yet) holding a token
     fragmentation: float  # contiguous only: 1 - largest free extent / free blocks
-    prefix_query_tokens: int
+    prefix_query_tokens: int  # first admissions only, as vLLM's hit rate
     prefix_hit_tokens: int
+    resume_hit_blocks: int  # cached blocks recompute-preempted requests found again on re-admission
     evictions: int
     copies: int
     swapped_out_blocks: int
@@ -75,6 +76,7 @@ class BlockManager(ABC):
         self._host_tables: dict[str, list[int]] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.resume_hit_blocks = 0
         self.num_copies = 0
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0

@@ -155,6 +155,7 @@ class ContiguousBlockManager(BlockManager):
             fragmentation=(1.0 - largest / free_blocks) if free_blocks else 0.0,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=0,
+            resume_hit_blocks=0,
             evictions=0,
             copies=self.num_copies,
             swapped_out_blocks=self.swapped_out_blocks,

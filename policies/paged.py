@@ -86,6 +86,8 @@ class PagedBlockManager(BlockManager):
             if request.num_preemptions == 0:  # as vLLM's hit rate: re-admissions are not queries
                 self.prefix_query_tokens += request.num_tokens
                 self.prefix_hit_tokens += num_hit_tokens
+            else:
+                self.resume_hit_blocks += num_hit_tokens // self.block_size
         if num_hit_tokens:
             for block in self._hit_blocks(request, num_hit_tokens):
                 self.pool.touch(block)
@@ -180,6 +182,7 @@ class PagedBlockManager(BlockManager):
             fragmentation=0.0,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
+            resume_hit_blocks=self.resume_hit_blocks,
             evictions=self.pool.evictions,
             copies=self.num_copies,
             swapped_out_blocks=self.swapped_out_blocks,

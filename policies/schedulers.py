@@ -66,18 +66,28 @@ class ChunkedPrefillPolicy(SchedulerPolicy):
         return decodes + [r for r in view.running if r.is_prefill]
 
 
-def _priority_key(r: Request) -> tuple:
-    return (r.priority, r.arrival_s, r.order)
-
-
 @register_scheduler("priority")
 class PriorityPolicy(SchedulerPolicy):
-    """Lower ``priority`` value first, then arrival; the victim is the worst priority, latest arrival."""
+    """Lower ``priority`` value first, then arrival, with aging; the victim is the worst by the same key.
 
-    queue_key = staticmethod(_priority_key)
+    A request's effective priority improves by ``aging_per_s`` levels per second it has waited,
+    so a low-priority request cannot starve behind a steady stream of higher-priority ones: with
+    the default 0.1, one level is worth 10 s of waiting. 0 gives strict priority.
+    """
+
+    def __init__(self, aging_per_s: float = 0.1, chunked_prefill: bool = True) -> None:
+        super().__init__(chunked_prefill=chunked_prefill)
+        if aging_per_s < 0:
+            raise ValueError(f"priority: aging_per_s must be >= 0, not {aging_per_s}")
+        self.aging = aging_per_s
+
+    def queue_key(self, r: Request) -> tuple:
+        """``priority - aging * (now - arrival)`` orders requests as ``priority + aging * arrival``
+        does (the ``now`` term is common to all), so the key is static and the queue stays sorted."""
+        return (r.priority + self.aging * r.arrival_s, r.arrival_s, r.order)
 
     def pick_victim(self, view: EngineView) -> Request:
-        return max(view.running, key=_priority_key)
+        return max(view.running, key=self.queue_key)
 
 
 @register_scheduler("sjf")

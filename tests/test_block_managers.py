@@ -201,7 +201,7 @@ class PagedModel(SwapModel):
         return dict(
             num_blocks=NUM_BLOCKS, used=NUM_BLOCKS - len(self.queue), cached=cached, free=len(self.queue) - cached,
             internal_waste_slots=sum(BS - f for f in filled.values()), fragmentation=0.0,
-            prefix_query_tokens=self.queries, prefix_hit_tokens=self.hits, evictions=self.evictions,
+            prefix_query_tokens=self.queries, prefix_hit_tokens=self.hits, resume_hit_blocks=0, evictions=self.evictions,
             copies=self.copies, swapped_out_blocks=self.host.out, swapped_in_blocks=self.host.back,
             host_blocks_used=HOST_BLOCKS - len(self.host.free),
         )  # fmt: skip
@@ -285,7 +285,7 @@ class ContiguousModel(SwapModel):
             num_blocks=NUM_BLOCKS, used=reserved, cached=0, free=free,
             internal_waste_slots=reserved * BS - sum(r.num_computed_tokens for r in live),
             fragmentation=(1.0 - largest / free) if free else 0.0,
-            prefix_query_tokens=self.queries, prefix_hit_tokens=0, evictions=0, copies=self.copies,
+            prefix_query_tokens=self.queries, prefix_hit_tokens=0, resume_hit_blocks=0, evictions=0, copies=self.copies,
             swapped_out_blocks=self.host.out, swapped_in_blocks=self.host.back,
             host_blocks_used=HOST_BLOCKS - len(self.host.free),
         )  # fmt: skip

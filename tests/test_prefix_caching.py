@@ -176,9 +176,9 @@ def test_a_victim_preempted_after_its_own_allocation_leaves_no_uncomputed_block_
     d.run()
 
 
-def test_prefix_queries_and_hits_count_first_admissions_only(make_driver):
+def test_prefix_hits_count_first_admissions_and_resume_hits_apart(make_driver):
     """As vLLM's hit-rate metric: a recompute-preempted request's re-admission (which hits its
-    own surviving blocks) is not a new query."""
+    own surviving blocks) is not a new query; the blocks it finds again are counted apart."""
     d = make_driver(num_blocks=4)
     d.engine.add_request("A", 0.0, 7, 6, token_ids=unique_tokens(1, 7))
     d.engine.add_request("B", 0.0, 7, 6, token_ids=unique_tokens(2, 7))
@@ -192,6 +192,7 @@ def test_prefix_queries_and_hits_count_first_admissions_only(make_driver):
     assert d.engine.requests["B"].prefix_hit_tokens == 0
     stats = d.engine.kv_stats()
     assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (14, 0)
+    assert stats.resume_hit_blocks == 1  # counted apart: B's surviving block
 
 
 def test_a_waiting_request_aborted_after_prefix_lookups_leaves_no_hash_list_behind(make_driver):

@@ -151,6 +151,22 @@ def test_sjf_aging_admits_a_long_request_despite_a_stream_of_short_ones(make_dri
     assert d.engine.requests["L"].admitted_step == admitted
 
 
+@pytest.mark.parametrize(("aging", "admitted"), [(0.1, 10), (0.0, 20)])
+def test_priority_aging_admits_a_low_priority_request_despite_a_stream_of_high_priority_ones(
+    make_driver, aging, admitted
+):
+    """A priority-1 request waits behind priority-0 ones arriving every step. With aging 0.1 levels/s
+    its key 1 + 0.1 * 0 ties a fresh one's 0 + 0.1 t at t = 10 and wins on its earlier arrival;
+    without aging it starves until the stream stops after step 19."""
+    d = make_driver(scheduler="priority", scheduler_params={"aging_per_s": aging}, max_num_seqs=1)
+    d.engine.add_request("L", 0.0, 4, 1, priority=1)
+    for k in range(20):
+        d.engine.add_request(f"h{k}", d.now, 4, 1, priority=0)
+        d.step()
+    d.run()
+    assert d.engine.requests["L"].admitted_step == admitted
+
+
 def test_static_batching_runs_a_batch_to_completion_before_admitting_more(make_driver):
     requests = [("A", 0.0, 4, 3), ("B", 0.0, 4, 1), ("C", 0.0, 4, 2), ("D", 0.0, 4, 2), ("E", 0.0, 4, 1)]
     d = make_driver(scheduler="static", scheduler_params={"batch_size": 2})
