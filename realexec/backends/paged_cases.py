@@ -8,12 +8,12 @@ backend's own ``write_kv``, so a case checks writing and attending together.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvsim.policies.blocks import cdiv, slot
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.backends.reference import dense_attention
@@ -71,7 +71,7 @@ def random_case(
 ) -> PagedCase:
     """Random Q/K/V; each sequence gets randomly chosen blocks, and the table one unused column."""
     gen = torch.Generator().manual_seed(seed)
-    needed = [math.ceil(s / block_size) for s in seq_lens]
+    needed = [cdiv(s, block_size) for s in seq_lens]
     num_blocks = sum(needed) + spare_blocks
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, start = [], 0
@@ -127,4 +127,4 @@ def _all_slots(meta: AttentionMetadata) -> torch.Tensor:
     tables = meta.block_tables.cpu().long()
     seq = torch.repeat_interleave(torch.arange(meta.num_seqs), torch.tensor(meta.seq_lens_list))
     pos = torch.cat([torch.arange(s) for s in meta.seq_lens_list])
-    return tables[seq, pos // meta.block_size] * meta.block_size + pos % meta.block_size
+    return slot(tables[seq, pos // meta.block_size], pos % meta.block_size, meta.block_size)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvsim.policies.blocks import cdiv, slot
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
 from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize, require_scales
@@ -69,7 +70,7 @@ def _padded_batch(meta: AttentionMetadata, seqs: list[int], group: int) -> Padde
     q_host = [meta.query_lens_list[b] for b in seqs]
     s_host = [meta.seq_lens_list[b] for b in seqs]
     max_q = max(q_host)
-    max_blocks = math.ceil(max(s_host) / meta.block_size)
+    max_blocks = cdiv(max(s_host), meta.block_size)
     ids = torch.tensor(seqs, dtype=torch.long, device=device)
     q_lens = torch.tensor(q_host, dtype=torch.long, device=device)
     s_lens = torch.tensor(s_host, dtype=torch.long, device=device)
@@ -192,7 +193,7 @@ def token_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens, output_size=total)
     first = torch.cumsum(lens, 0) - lens
     pos = torch.arange(total, device=lens.device) - first[seq]
-    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
+    return slot(block_tables[seq, pos // block_size].long(), pos % block_size, block_size)
 
 
 def gather_kv(
