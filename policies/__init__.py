@@ -6,3 +6,4 @@ name (``fcfs``, ``chunked``, ``priority``, ``sjf``, ``static``; ``paged``, ``pre
 """
 
 from kvsim.policies import contiguous, paged, schedulers  # noqa: F401  (registration)
+from kvsim.policies import v0_scheduler  # noqa: F401  (registration: vllm-v0)
