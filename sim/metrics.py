@@ -8,10 +8,7 @@ step-by-step run collects, so percentiles agree exactly.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import attrgetter
 
 import numpy as np
 
@@ -41,10 +38,6 @@ STEP_COLUMNS = (
     "memory_bytes",
 )
 
-_NUM_TOKENS = attrgetter("num_tokens")
-_IS_PREFILL = attrgetter("is_prefill")
-_KINDS = {(True, True): "mixed", (True, False): "prefill", (False, True): "decode"}  # (has prefill, has decode)
-
 
 @dataclass
 class StepLog:
@@ -58,13 +51,10 @@ class StepLog:
         c["start_s"].append(start_s)
         c["duration_s"].append(duration_s)
         c["timed"].append(int(timing is not None))  # 0: nothing to run (only rejections)
-        tokens = list(map(_NUM_TOKENS, plan.entries))
-        prefill = list(map(_IS_PREFILL, plan.entries))
-        prefill_tokens = sum(compress(tokens, prefill))
-        c["kind"].append(_KINDS[any(prefill), not all(prefill)] if prefill else "idle")  # as StepPlan.kind
-        c["batch_size"].append(len(tokens))
-        c["prefill_tokens"].append(prefill_tokens)
-        c["decode_tokens"].append(sum(tokens) - prefill_tokens)
+        c["kind"].append(plan.kind)
+        c["batch_size"].append(len(plan.entries))
+        c["prefill_tokens"].append(plan.num_prefill_tokens)
+        c["decode_tokens"].append(plan.num_decode_tokens)
         c["kv_used"].append(counts[0])
         c["kv_cached"].append(counts[1])
         c["kv_free"].append(counts[2])
@@ -115,23 +105,6 @@ class TokenTimes:
 
     def scheduled(self, request_id: str, now: float) -> None:
         self.first_scheduled.setdefault(request_id, now)
-
-    def scheduled_all(self, request_ids: list[str], now: float) -> None:
-        """``scheduled`` for each of a step's requests, at C speed (``map`` over ``setdefault``)."""
-        deque(map(self.first_scheduled.setdefault, request_ids, repeat(now)), maxlen=0)
-
-    def tokens(self, request_ids: list[str], now: float) -> None:
-        """``token`` for each of a step's sampling requests (distinct ids), in bulk: same gaps, same order."""
-        lasts = list(map(self.last_token.get, request_ids))
-        timed = request_ids
-        if None in lasts:  # first tokens among them: no gap yet
-            have = [last is not None for last in lasts]
-            timed, lasts = list(compress(request_ids, have)), list(compress(lasts, have))
-        gaps = [now - last for last in lasts]
-        self._pending_gaps.extend(gaps)
-        worst = self.max_gap
-        worst.update([(rid, gap) for rid, gap, old in zip(timed, gaps, map(worst.get, timed, repeat(0.0))) if gap > old])
-        self.last_token.update(zip(request_ids, repeat(now)))
 
     def token(self, request_id: str, now: float) -> None:
         last = self.last_token.get(request_id)
@@ -258,7 +231,6 @@ def summarize(requests: list[Request], times: TokenTimes, steps: StepLog, num_bl
         "e2e_s": distribution([max([r.finish_s] + [c.finish_s for c in r.children]) - r.arrival_s for r in done]),
         "preemptions": sum(r.num_preemptions for r in requests),
         "prefix_hit_rate": kv_stats.prefix_hit_tokens / kv_stats.prefix_query_tokens if kv_stats.prefix_query_tokens else 0.0,
-        "resume_hit_blocks": kv_stats.resume_hit_blocks,  # blocks re-admitted preempted requests found cached
         "num_kv_blocks": num_blocks,
         "peak_kv_blocks_used": int(used.max()) if len(used) else 0,
         "mean_kv_usage": float((used * durations).sum() / busy / num_blocks) if busy > 0 else 0.0,

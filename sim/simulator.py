@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from itertools import compress
-from operator import attrgetter
 from typing import Callable
 
 import numpy as np
@@ -35,9 +33,6 @@ from kvsim.sim.decisions import DecisionSink
 from kvsim.sim.metrics import StepLog, TokenTimes, request_rows, summarize
 from kvsim.sim.step_timer import StepTimer, StepTiming
 from kvsim.traces.schema import Trace
-
-_REQUEST_ID = attrgetter("request_id")
-_SAMPLES = attrgetter("samples")
 
 
 @dataclass
@@ -151,10 +146,12 @@ class Simulation:
                     yield link
                     yield self.env.timeout(swap_s)
         yield from self._advance_to(start + duration)
-        rids = list(map(_REQUEST_ID, plan.entries))
-        self.times.scheduled_all(rids, start)
+        for entry in plan.entries:
+            self.times.scheduled(entry.request_id, start)
         ended = engine.commit(plan, self.clock)
-        self.times.tokens(list(compress(rids, map(_SAMPLES, plan.entries))), self.clock)
+        for entry in plan.entries:
+            if entry.samples:
+                self.times.token(entry.request_id, self.clock)
         for parent_id, child_ids in plan.forks:
             for child_id in child_ids:
                 self.times.scheduled(child_id, start)
