@@ -231,6 +231,7 @@ def summarize(requests: list[Request], times: TokenTimes, steps: StepLog, num_bl
         "e2e_s": distribution([max([r.finish_s] + [c.finish_s for c in r.children]) - r.arrival_s for r in done]),
         "preemptions": sum(r.num_preemptions for r in requests),
         "prefix_hit_rate": kv_stats.prefix_hit_tokens / kv_stats.prefix_query_tokens if kv_stats.prefix_query_tokens else 0.0,
+        "resume_hit_blocks": kv_stats.resume_hit_blocks,  # blocks re-admitted preempted requests found cached
         "num_kv_blocks": num_blocks,
         "peak_kv_blocks_used": int(used.max()) if len(used) else 0,
         "mean_kv_usage": float((used * durations).sum() / busy / num_blocks) if busy > 0 else 0.0,
