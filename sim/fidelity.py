@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsim.policies.registry import SCHEDULERS
 from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.device import SHAPE_KEYS, DeviceProfile, OperatorCoefficients, load_device
 from kvsim.sim.engine_overhead import EngineProfile
@@ -97,6 +98,8 @@ class Row:
     fits: str = ""  # fit rows: the parameter solved on this row
     engine_mode: str = ""  # override of the device's [engine] mode ("eager" or "graph")
     async_scheduling: bool | None = None
+    scheduler: str = "fcfs"  # vLLM V1's; "vllm-v0" = prefill-first (V0, vllm-ascend's AscendScheduler)
+    watermark: float = 0.0  # fraction of KV blocks admission keeps free (V0 and AscendScheduler: 0.01)
     num_prompts: int = 0
     input_len: int = 0  # fixed lengths (random dataset), or
     output_len: int = 0
@@ -129,7 +132,7 @@ class Result:
         return {
             "id": r.id, "source": r.source, "split": r.split, "metric": r.metric, "measured": r.measured,
             "predicted": self.predicted, "signed_error": self.signed_error, "fits": r.fits, "model": r.model,
-            "device": r.device, "engine": r.engine, "engine_mode": r.engine_mode, "parallelism": r.parallelism,
+            "device": r.device, "engine": r.engine, "engine_mode": r.engine_mode, "scheduler": r.scheduler, "parallelism": r.parallelism,
             "workload": r.workload, "num_prompts": r.num_prompts, "input_len": r.input_len or None,
             "output_len": r.output_len or None, "input_total": r.input_total or None,
             "output_total": r.output_total or None, "rate": r.rate or None, "concurrency": r.concurrency or None,
@@ -182,6 +185,8 @@ def _check_row(row: Row, sources: dict[str, Source], path: Path, where: str) -> 
         problems.append(f"split must be one of {SPLITS}")
     if row.metric not in METRICS:
         problems.append(f"metric must be one of {METRICS}")
+    if row.scheduler not in SCHEDULERS:
+        problems.append(f"scheduler must be one of {sorted(SCHEDULERS)}")
     if row.workload not in WORKLOADS:
         problems.append(f"workload must be one of {WORKLOADS}")
     if not row.measured > 0:
@@ -284,7 +289,7 @@ def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
         trace="(fidelity row)", model=row.model, device=row.device, block_size=row.block_size,
         memory_utilization=row.memory_utilization, max_num_seqs=row.max_num_seqs,
         max_num_batched_tokens=row.max_num_batched_tokens, max_model_len=row.max_model_len or None,
-        block_manager="paged", seed=row.seed,
+        block_manager="paged", scheduler=row.scheduler, watermark=row.watermark, seed=row.seed,
     )  # fmt: skip
     resolved = resolve(config)
     return replace(resolved, device=device)
