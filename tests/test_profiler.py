@@ -172,6 +172,8 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     assert {"steps", "held-out steps"} <= names and any(name.startswith("engine ") for name in names)  # engine-run steps are fitted
     held = result.error("held-out steps")
     assert held.samples >= SMALL.engine_requests + 1  # every request's prefill plus at least one more step
+    fitted_engine_steps = sum(label.startswith("engine ") for label in result.measurements.labels["steps"])
+    assert fitted_engine_steps > held.samples  # a run at each of SMALL.engine_rates, the held-out run at the first
     assert 0 <= held.mape <= held.max_error and result.step_noise >= 0
     assert any(line.startswith("held-out steps") for line in lines) and lines[-1].startswith("profiled in")
 
