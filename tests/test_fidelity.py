@@ -80,6 +80,7 @@ max_num_batched_tokens = 29000
         (('source = "vllm-10517"', 'source = "nowhere"'), "not a \\[\\[source\\]\\] id"),
         (("measured = 1478", "measured = 1478\nrate_qps = 3"), "unknown field"),
         (('wording = "w"\n', ""), "missing field"),
+        (('engine = "e"', 'engine = "e"\nscheduler = "v2"'), "scheduler must be one of"),
     ],
 )
 def test_bad_rows_are_rejected_naming_file_and_row(tmp_path: Path, edit: tuple[str, str], message: str) -> None:
@@ -112,6 +113,22 @@ def test_the_api_server_admits_one_request_at_a_time() -> None:
     engine = EngineProfile(mode="eager", dispatch_s=0.0, admit_s=0.01, request_s=0.05)
     seen = _front_end(np.array([0.0, 0.0, 0.0, 1.0]), engine)
     assert seen == pytest.approx([0.06, 0.07, 0.08, 1.06])  # a burst queues; a lone request only waits
+
+
+def test_rows_replay_their_engines_scheduler(published) -> None:
+    """vllm-ascend v0.7.3 ran vLLM V0 and v0.9.1 forces its AscendScheduler on for these models:
+    both are prefill-first, whole prompts; the vLLM V1 rows keep fcfs (mixed chunked steps)."""
+    for r in published.rows:
+        assert r.scheduler == ("vllm-v0" if r.engine.startswith("vllm-ascend") else "fcfs"), r.id
+
+
+def test_prefill_first_stalls_decodes_while_prompts_arrive() -> None:
+    device = load_device("ascend-910b3")
+    row = _serving_row(workload="poisson", rate=20.0, num_prompts=40, input_len=1024, output_len=32,
+                       max_num_batched_tokens=4096, metric="tpot_mean")  # fmt: skip
+    mixed = predict_row(row, device)
+    prefill_first = predict_row(replace(row, scheduler="vllm-v0"), device)
+    assert prefill_first > 1.05 * mixed
 
 
 def test_one_closed_loop_client_sends_after_each_answer() -> None:
