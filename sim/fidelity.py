@@ -8,6 +8,10 @@ the same figure. Rows are ``fit`` or ``check``: :func:`fit_parameters` solves ea
 named parameter (``fits``) so that row is matched, in file order, and check rows are only
 predicted, never used to choose a value, so their error is the model's accuracy.
 
+Each row runs the scheduler its source's engine ran (``scheduler``): ``fcfs`` for vLLM V1's mixed,
+chunked steps; ``vllm-v0`` (policies/v0_scheduler.py) for vLLM V0 and vllm-ascend's AscendScheduler,
+which run whole prompts in prefill-only steps.
+
 Benchmark clients are reproduced as follows (vLLM ``benchmarks/`` and ``vllm bench``):
 ``batch`` = every prompt at t = 0 inside the engine (offline latency / throughput tests, no API
 server); ``burst`` = every prompt at t = 0 through the API server (``--request-rate inf``);
