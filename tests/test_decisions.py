@@ -38,7 +38,8 @@ def logged_run(trace, out, mode="full", exact=False, **overrides) -> tuple[list[
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     tee = Tee(DecisionLog(mode, resolved.engine_config.block_size, out))
-    run = simulate(trace, resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions(exact=exact, decisions=tee))
+    timer = CostModelTimer(resolved.cost_model())
+    run = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact, decisions=tee))
     digest = tee.log.close()
     assert digest["steps"] == len(run.steps)
     return tee.lines, digest
@@ -95,7 +96,8 @@ def test_summary_digest_equals_the_full_one_and_tells_runs_apart(tmp_path):
 
 
 def _plan(step, entries, tables, slots, **rest) -> StepPlan:
-    return StepPlan(step=step, entries=[PlanEntry(*e) for e in entries], block_tables=tables, slot_mapping=slots, **rest)
+    entries = [PlanEntry(*e) for e in entries]
+    return StepPlan(step=step, entries=entries, block_tables=tables, slot_mapping=slots, **rest)
 
 
 def test_plans_outside_the_expected_shape_round_trip():
