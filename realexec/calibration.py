@@ -21,8 +21,9 @@ from kvsim.realexec.backends import KernelBackend
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
 # by an older profiler are not reused (2: every timed run primed by a run of the same case;
-# 3: the cpu backend times on its CPU-time clock, not the wall clock).
-PROFILER_VERSION = 3
+# 3: the cpu backend times on its CPU-time clock, not the wall clock; 4: a case's primed and timed
+# runs read the same KV blocks).
+PROFILER_VERSION = 4
 
 Echo = Callable[[str], None]
 

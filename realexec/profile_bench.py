@@ -32,7 +32,8 @@ from kvsim.sim.simulator import SimOptions, simulate
 from kvsim.sim.step_timer import StepTiming
 from kvsim.traces.synth import Uniform, synthesize
 
-Case = Callable[[], float]  # runs once, returns the seconds to count
+Run = Callable[[], float]  # runs once, returns the seconds to count
+Case = Callable[[], Run]  # one instance of a case (its block layout, its ids): run twice, primed then timed
 
 
 @dataclass
@@ -46,17 +47,19 @@ class Measured:
 def measure(cases: Sequence[Case], repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
     """Time ``repeats`` rounds, each visiting the cases in a fresh shuffled order, every timed run primed.
 
-    Each timed run follows an untimed run of the same case, which leaves the caches holding that
-    case's weights and KV blocks, as the step before it does in a serving run (a decode step
-    follows a decode step of about the same batch). Timed right after some other case instead, a
-    batch-1 decode step measured 27 % slower on a CPU, and the profile overestimated every small
-    step of a served trace (docs/benchmarks.md). ``tick`` is called after every timed run.
+    Each round makes a fresh instance of every case (a new block layout) and runs it twice: the
+    untimed run leaves the caches holding that instance's weights and KV blocks, as the step
+    before it does in a serving run, where a decode step follows a decode step of the same
+    requests reading the same blocks. Timed right after some other case instead, a batch-1
+    decode step measured 27 % slower on a CPU, and the profile overestimated every small step of
+    a served trace (docs/benchmarks.md). ``tick`` is called after every timed run.
     """
     runs = np.empty((len(cases), repeats))
     for r in range(repeats):
         for i in rng.permutation(len(cases)):
-            cases[i]()
-            runs[i, r] = cases[i]()
+            run = cases[i]()
+            run()
+            runs[i, r] = run()
             if tick is not None:
                 tick()
     return Measured(np.median(runs, axis=1), runs)
@@ -94,10 +97,10 @@ class KVPool:
             start += counts[i]
         return tables
 
-    def metadata(self, shape: StepShape, rng: np.random.Generator, device: torch.device) -> AttentionMetadata:
-        """Attention metadata of a step of this shape, as the executor builds it."""
+    def metadata(self, shape: StepShape, tables: list[list[int]], device: torch.device) -> AttentionMetadata:
+        """Attention metadata of a step of this shape on ``tables``, as the executor builds it."""
         return AttentionMetadata.build(
-            [s.new for s in shape], [s.cached + s.new for s in shape], self.tables(shape, rng), self.block_size, device
+            [s.new for s in shape], [s.cached + s.new for s in shape], tables, self.block_size, device
         )
 
 
@@ -113,10 +116,11 @@ class PlanBuilder:
         self.rng = rng
         self._next_id = 0
 
-    def plan(self, shape: StepShape) -> StepPlan:
+    def plan(self, shape: StepShape, tables: list[list[int]] | None = None) -> StepPlan:
+        """A plan of fresh requests of this shape, on ``tables`` (default: a fresh layout)."""
         bs = self.pool.block_size
         plan = StepPlan(step=self._next_id)
-        for s, table in zip(shape, self.pool.tables(shape, self.rng)):
+        for s, table in zip(shape, tables or self.pool.tables(shape, self.rng)):
             rid = f"profile-{self._next_id}"
             self.executor.add_request(Request(rid, self._next_id, 0.0, s.cached + s.new, 1))
             self._next_id += 1
@@ -134,7 +138,7 @@ class Sample:
     group: str
     label: str
     features: StepFeatures
-    run: Case
+    case: Case
 
 
 class OperatorBenches:
@@ -158,6 +162,14 @@ class OperatorBenches:
     def _timed(self, fn: Callable[[], object]) -> float:
         return self.backend.elapsed(fn)[1]
 
+    def _same(self, fn: Callable[[], object]) -> Case:
+        """A case with nothing to lay out: every instance times ``fn``."""
+
+        def run() -> float:
+            return self._timed(fn)
+
+        return lambda: run
+
     def gemm(self, tokens: int) -> Sample:
         s = self.spec
         x, attn, act = self._randn(tokens, s.hidden_size), self._randn(tokens, s.q_size), self._randn(tokens, s.intermediate_size)
@@ -169,7 +181,7 @@ class OperatorBenches:
                 x @ layer.gate_up_proj.T
                 act @ layer.down_proj.T
 
-        return Sample("gemm", "gemm", self._features(prefill(tokens)), lambda: self._timed(run))
+        return Sample("gemm", "gemm", self._features(prefill(tokens)), self._same(run))
 
     def forward_without_attention(self, tokens: int) -> Sample:
         """The decoder's forward pass with attention replaced by the identity: GEMMs + elementwise."""
@@ -179,17 +191,17 @@ class OperatorBenches:
         def run() -> None:
             self.ex.model.forward(ids, positions, lambda layer, q, k, v: q)
 
-        return Sample("elementwise", "forward without attention", self._features(prefill(tokens)), lambda: self._timed(run))
+        return Sample("elementwise", "forward without attention", self._features(prefill(tokens)), self._same(run))
 
     def kv_write(self, tokens: int) -> Sample:
         s, bs = self.spec, self.ex.block_size
         k, v = (self._randn(tokens, s.num_kv_heads, s.head_dim, dtype=self.ex.kv_dtype) for _ in range(2))
         shape = prefill(tokens)
 
-        def case() -> float:
+        def case() -> Run:
             table = self.builder.pool.tables(shape, self.rng)[0]
             slots = torch.tensor(slots_for(table, 0, tokens, bs), dtype=torch.int64).to(self.backend.device)
-            return self._timed(lambda: [self.backend.write_kv(k, v, kc, vc, slots) for kc, vc in self.ex.kv_caches])
+            return lambda: self._timed(lambda: [self.backend.write_kv(k, v, kc, vc, slots) for kc, vc in self.ex.kv_caches])
 
         return Sample("kv_write", "kv_write", self._features(shape), case)
 
@@ -198,43 +210,57 @@ class OperatorBenches:
         q = self._randn(sum(x.new for x in shape), s.num_heads, s.head_dim, dtype=self.ex.kv_dtype)
         scale = self.ex.model.scale
 
-        def case() -> float:
-            meta = pool.metadata(shape, self.rng, self.backend.device)  # fresh: what a backend derives per step is part of the cost
-            return self._timed(lambda: [self.backend.attention(q, kc, vc, meta, scale) for kc, vc in pool.caches])
+        def case() -> Run:
+            tables = pool.tables(shape, self.rng)
+
+            def run() -> float:
+                meta = pool.metadata(shape, tables, self.backend.device)  # fresh: what a backend derives per step is part of the cost
+                return self._timed(lambda: [self.backend.attention(q, kc, vc, meta, scale) for kc, vc in pool.caches])
+
+            return run
 
         label = f"attention {'decode' if shape[0].is_decode else 'prefill'}"
         return Sample("attention", label, shape_features(shape, pool.block_size), case)
 
     def lm_head(self, rows: int) -> Sample:
         hidden = self._randn(rows, self.spec.hidden_size)
-        return Sample("lm_head", "lm_head", self._features(decode(rows, 1)), lambda: self._timed(lambda: self.ex.model.logits(hidden)))
+        return Sample("lm_head", "lm_head", self._features(decode(rows, 1)), self._same(lambda: self.ex.model.logits(hidden)))
 
     def sampling(self, rows: int) -> Sample:
         """Greedy sampling, as the executor samples: an argmax over the fp32 logits."""
         logits = self.ex.model.logits(self._randn(rows, self.spec.hidden_size))
-        return Sample("sampling", "sampling", self._features(decode(rows, 1)), lambda: self._timed(lambda: logits.argmax(dim=-1)))
+        return Sample("sampling", "sampling", self._features(decode(rows, 1)), self._same(lambda: logits.argmax(dim=-1)))
 
     def block_copy(self, blocks: int) -> Sample:
-        def case() -> float:
+        def case() -> Run:
             ids = self.rng.permutation(self.ex.num_blocks)[: 2 * blocks].tolist()
             pairs = list(zip(ids[:blocks], ids[blocks:]))
-            return self._timed(lambda: self.backend.copy_blocks(self.ex.kv_caches, pairs))
+            return lambda: self._timed(lambda: self.backend.copy_blocks(self.ex.kv_caches, pairs))
 
         return Sample("block_copy", "block_copy", _only("copy_blocks", blocks), case)
 
     def swap(self, blocks: int, out: bool) -> Sample:
-        def case() -> float:
+        def case() -> Run:
             device = self.rng.permutation(self.ex.num_blocks)[:blocks].tolist()
             host = self.rng.permutation(self.ex.num_host_blocks)[:blocks].tolist()
-            if out:
-                return self._timed(lambda: self.backend.swap(self.ex.kv_caches, self.ex.host_caches, list(zip(device, host))))
-            return self._timed(lambda: self.backend.swap(self.ex.host_caches, self.ex.kv_caches, list(zip(host, device))))
+            pairs = list(zip(device, host)) if out else list(zip(host, device))
+            src, dst = (self.ex.kv_caches, self.ex.host_caches) if out else (self.ex.host_caches, self.ex.kv_caches)
+            return lambda: self._timed(lambda: self.backend.swap(src, dst, pairs))
 
         return Sample("swap", "swap out" if out else "swap in", _only("swap_blocks", blocks), case)
 
     def step(self, shape: StepShape) -> Sample:
-        """A whole step through the executor: what the simulator's step time must match."""
-        return Sample("steps", f"steps {step_kind(shape)}", self._features(shape), lambda: self.ex.step(self.builder.plan(shape)).duration_s)
+        """A whole step through the executor: what the simulator's step time must match.
+
+        Both runs of an instance read the same blocks (fresh requests, as a sampled token makes
+        a plan single-use), as consecutive decode steps of the same requests do.
+        """
+
+        def case() -> Run:
+            tables = self.builder.pool.tables(shape, self.rng)
+            return lambda: self.ex.step(self.builder.plan(shape, tables)).duration_s
+
+        return Sample("steps", f"steps {step_kind(shape)}", self._features(shape), case)
 
 
 

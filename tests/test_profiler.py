@@ -16,7 +16,8 @@ from click.testing import CliRunner  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from torch_npu_standin import make_torch_npu_standin  # noqa: E402
 from kvsim.realexec.cli_profile import profile as profile_command  # noqa: E402
-from kvsim.realexec.profile_bench import KVPool, Measured, Sample, measure  # noqa: E402
+from kvsim.realexec.executor import Executor  # noqa: E402
+from kvsim.realexec.profile_bench import KVPool, Measured, OperatorBenches, Sample, measure  # noqa: E402
 from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups  # noqa: E402
 from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_decode, shape_features, sweep_for  # noqa: E402
 from kvsim.realexec.profiler import run_profile  # noqa: E402
@@ -72,7 +73,7 @@ def synthetic_measurements(truth, sweep: Sweep) -> Measurements:
             for shape in shapes.get(group.name, []):
                 features = shape_features(shape, block_size)
                 times = model.operator_times(features)
-                samples.append(Sample(group.name, group.name, features, lambda: 0.0))
+                samples.append(Sample(group.name, group.name, features, lambda: lambda: 0.0))
                 seconds.append(sum(times[op] for op in group.operators + group.fixed))
         runs = np.array(seconds)[:, None]
         data.add(samples, Measured(runs[:, 0], runs))
@@ -108,22 +109,31 @@ def test_fit_recovers_a_known_device_and_its_attention_layout(padded: bool, tmp_
 
 
 def test_measure_interleaves_primed_rounds_and_takes_medians() -> None:
-    order: list[int] = []
-    # Each round runs a case twice in a row and keeps the second (primed) time.
+    order: list[tuple[int, int]] = []  # (case, instance) of every run
+    # Each round makes an instance of each case, runs it twice in a row and keeps the second (primed) time.
     values = {0: iter([0.0, 5.0, 0.0, 1.0, 0.0, 3.0]), 1: iter([0.0, 2.0, 0.0, 2.0, 0.0, 9.0])}
+    instances = {0: 0, 1: 0}
 
     def case(i: int):
-        def run() -> float:
-            order.append(i)
-            return next(values[i])
+        def instance():
+            instances[i] += 1
+            made = instances[i]
 
-        return run
+            def run() -> float:
+                order.append((i, made))
+                return next(values[i])
+
+            return run
+
+        return instance
 
     measured = measure([case(0), case(1)], repeats=3, rng=np.random.default_rng(0))
     assert measured.median.tolist() == [3.0, 2.0]
     assert measured.runs[1].tolist() == [2.0, 2.0, 9.0]  # each case's timed runs in its own row, whatever the order
     pairs = [order[k : k + 2] for k in range(0, len(order), 2)]
-    assert all(a == b for a, b in pairs)  # every timed run right after an untimed run of the same case
+    assert all(a == b for a, b in pairs)  # every timed run right after an untimed run of the same instance
+    assert instances == {0: 3, 1: 3}  # a fresh instance (block layout) every round
+    pairs = [[case for case, _ in pair] for pair in pairs]
     assert sorted(p[0] for p in pairs[:2]) == sorted(p[0] for p in pairs[2:4]) == sorted(p[0] for p in pairs[4:]) == [0, 1]
 
 
@@ -220,3 +230,17 @@ def test_cli_bad_input_is_one_line(args: list[str], message: str, tmp_path: Path
     output = result.output.strip()
     assert output.startswith("Error: ") and "\n" not in output and message in output, output
     assert not (tmp_path / "p.toml").exists()
+
+
+def test_a_step_instance_runs_twice_on_the_same_blocks_as_a_served_decode_does() -> None:
+    executor = Executor(TINY, get_backend("cpu"), num_blocks=64, block_size=BS, seed=0)
+    plans = []
+    step = executor.step
+    executor.step = lambda plan: plans.append(plan) or step(plan)
+    case = OperatorBenches(executor, np.random.default_rng(0), 0).step(decode(2, 40)).case
+    first = case()
+    first(), first()
+    case()()
+    tables = [list(plan.block_tables.values()) for plan in plans]
+    assert tables[0] == tables[1] != tables[2]  # primed and timed run share a layout; the next instance gets its own
+    assert not set(plans[0].block_tables) & set(plans[1].block_tables)  # fresh requests each run
