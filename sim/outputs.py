@@ -1,7 +1,7 @@
 """A run's files (summary.json, requests.csv, steps.csv) and its printed summary table.
 
 ``kvsim simulate`` and ``kvsim execute`` write the same files, so reports and scripts read
-either world the same way. ``decisions.jsonl`` is streamed during the run. Each file is
+either world the same way. The decision log is streamed during the run (``sim.decisions``). Each file is
 written under a temporary name and renamed, so a reader never sees half of one.
 """
 
@@ -21,7 +21,6 @@ from kvsim.sim.metrics import REQUEST_COLUMNS, STEP_COLUMNS, StepLog
 SUMMARY = "summary.json"
 REQUESTS = "requests.csv"
 STEPS = "steps.csv"
-DECISIONS = "decisions.jsonl"
 
 
 def _clean(value):
