@@ -75,6 +75,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue(self.policy.queue_key)
         self.running: list[Request] = []
+        self._running_seats = 0  # sum of _seats over running, kept as requests join and leave
         self.swapped = RequestQueue(self.policy.queue_key)
         self.counters = EngineCounters()
         self.now = 0.0  # the time of the step being (or last) scheduled
@@ -158,7 +159,7 @@ class EngineCore:
         if request is None or request.is_finished:
             return False
         if request.status is Status.RUNNING:
-            self.running.remove(request)
+            self._leave_running(request)
             self.kv.free(request)
         elif request.status is Status.SWAPPED:
             self.swapped.remove(request)
@@ -189,7 +190,6 @@ class EngineCore:
         preempted = self._schedule_running(plan)
         if not preempted and self.policy.admission_open(self.view):
             limit = self.policy.admission_limit(self.view)
-            self._seats_taken = sum(self._seats(r) for r in self.running)
             self._admit_swapped(plan, limit)
             if not self.swapped:  # a swapped request that cannot come back yet holds the line
                 self._admit_waiting(limit)
@@ -212,15 +212,24 @@ class EngineCore:
 
     def _schedule_running(self, plan: StepPlan) -> bool:
         preempted_any = False
+        allocate_slots = self.kv.allocate_slots
+        kernel_limit = self.config.batch_blocks_within_pool
+        running = Status.RUNNING
         for request in list(self.policy.running_order(self.view)):
             if self._budget <= 0:
                 break
-            if request.status is not Status.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this step
-            num_new = self._num_new_tokens(request)
-            if num_new == 0 or not self._within_kernel_block_limit(request.num_computed_tokens + num_new):
+            # The steady state, a decode: one token, which any positive budget and cap admit.
+            if request.prompt_tokens + request.num_output_tokens - request.num_computed_tokens == 1:
+                num_new = 1
+            else:
+                num_new = self._num_new_tokens(request)
+                if num_new == 0:
+                    continue
+            if kernel_limit and not self._within_kernel_block_limit(request.num_computed_tokens + num_new):
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            while not allocate_slots(request, num_new):
                 victim = self.policy.pick_victim(self.view)
                 self._preempt(victim, plan)
                 preempted_any = True
@@ -232,7 +241,8 @@ class EngineCore:
     def _schedule(self, request: Request, num_new: int) -> None:
         self._scheduled[request.request_id] = (request, num_new)
         self._budget -= num_new
-        self._batch_blocks += cdiv(request.num_computed_tokens + num_new, self.kv.block_size)
+        if self.config.batch_blocks_within_pool:  # only the kernel-limit check reads it
+            self._batch_blocks += cdiv(request.num_computed_tokens + num_new, self.kv.block_size)
 
     def _within_kernel_block_limit(self, tokens_after: int) -> bool:
         if not self.config.batch_blocks_within_pool:
@@ -240,11 +250,12 @@ class EngineCore:
         return self._batch_blocks + cdiv(tokens_after, self.kv.block_size) <= self.config.num_blocks
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
-        self.running.remove(victim)
+        self._leave_running(victim)
         taken = self._scheduled.pop(victim.request_id, None)
         if taken is not None:
             self._budget += taken[1]
-            self._batch_blocks -= cdiv(victim.num_computed_tokens + taken[1], self.kv.block_size)
+            if self.config.batch_blocks_within_pool:
+                self._batch_blocks -= cdiv(victim.num_computed_tokens + taken[1], self.kv.block_size)
         # A victim whose copy-on-write is still pending this step has a block whose content
         # does not exist yet: swapping it out would save garbage, so it is recomputed instead.
         cow_pending = self.kv.cancel_copies(victim)
@@ -273,7 +284,7 @@ class EngineCore:
 
     def _admit_swapped(self, plan: StepPlan, limit: int) -> None:
         for request in list(self.policy.waiting_order(self.view.swapped, self.view)):
-            if self._budget <= 0 or self._seats_taken + self._seats(request) > limit:
+            if self._budget <= 0 or self._running_seats + self._seats(request) > limit:
                 return
             num_new = self._num_new_tokens(request)
             host_blocks = self.kv.swap_in_blocks_needed(request)
@@ -291,7 +302,7 @@ class EngineCore:
     def _admit_waiting(self, limit: int) -> None:
         admitted: list[Request] = []
         for request in self.policy.waiting_order(self.view.waiting, self.view):
-            if self._budget <= 0 or self._seats_taken + self._seats(request) > limit:
+            if self._budget <= 0 or self._running_seats + self._seats(request) > limit:
                 break
             num_hit = self.kv.lookup(request)
             num_new = self._num_new_tokens(request, num_hit)
@@ -317,10 +328,17 @@ class EngineCore:
         return request.n_samples if request.parent is None and not request.forked else 1
 
     def _start_running(self, request: Request, num_new: int) -> None:
-        self._seats_taken += self._seats(request)
         request.status = Status.RUNNING
-        self.running.append(request)
+        self._join_running(request)
         self._schedule(request, num_new)
+
+    def _join_running(self, request: Request) -> None:
+        self.running.append(request)
+        self._running_seats += self._seats(request)
+
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._running_seats -= self._seats(request)
 
     def _reject_unschedulable(self, plan: StepPlan) -> None:
         """Nothing runs and nothing can be admitted: the head of the policy's queue can never run."""
@@ -333,32 +351,38 @@ class EngineCore:
 
     def _fill_plan(self, plan: StepPlan) -> None:
         bs = self.kv.block_size
+        block_table = self.kv.block_table
+        entries, tables, slot_mapping = plan.entries, plan.block_tables, plan.slot_mapping
         for request, num_new in self._scheduled.values():
+            rid = request.request_id
             first = request.num_computed_tokens
             end = first + num_new
-            samples = end == request.num_tokens
-            is_decode = num_new == 1 and samples and request.num_output_tokens > 0
-            plan.entries.append(PlanEntry(request.request_id, first, num_new, not is_decode, samples))
-            table = self.kv.block_table(request)
-            plan.block_tables[request.request_id] = table[:]
-            plan.slot_mapping.extend(slots_for(table, first, end, bs))
+            samples = end == request.prompt_tokens + request.num_output_tokens
+            table = block_table(request)
+            tables[rid] = table[:]
+            if num_new == 1:  # a decode (or a one-token chunk): its slot inline
+                entries.append(PlanEntry(rid, first, 1, not samples or request.num_output_tokens == 0, samples))
+                slot_mapping.append(table[first // bs] * bs + first % bs)
+            else:
+                entries.append(PlanEntry(rid, first, num_new, True, samples))
+                slot_mapping.extend(slots_for(table, first, end, bs))
             request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.parent is None and not request.forked:
-                plan.forks.append(
-                    (request.request_id, [f"{request.request_id}#{k}" for k in range(1, request.n_samples)])
-                )
+                plan.forks.append((rid, [f"{rid}#{k}" for k in range(1, request.n_samples)]))
         plan.copies = self.kv.take_copies()
 
     def commit(self, plan: StepPlan, now: float) -> list[Request]:
         """Apply a step's results at time ``now``; returns the requests that finished."""
         sampled: list[Request] = []
+        requests, running = self.requests, Status.RUNNING
         for entry in plan.entries:
-            request = self.requests[entry.request_id]
-            if entry.samples and request.status is Status.RUNNING:
-                request.num_output_tokens += 1
-                if request.first_token_s is None:
-                    request.first_token_s = now
-                sampled.append(request)
+            if entry.samples:
+                request = requests[entry.request_id]
+                if request.status is running:
+                    request.num_output_tokens += 1
+                    if request.first_token_s is None:
+                        request.first_token_s = now
+                    sampled.append(request)
         for parent_id, child_ids in plan.forks:
             parent = self.requests[parent_id]
             if parent.status is Status.RUNNING:
@@ -369,7 +393,9 @@ class EngineCore:
         return finished
 
     def _fork(self, parent: Request, child_ids: list[str], now: float) -> list[Request]:
+        self._running_seats -= self._seats(parent)  # a running parent: its seats become its children's
         parent.forked = True
+        self._running_seats += self._seats(parent)
         children = []
         for child_id in child_ids:
             child = Request(
@@ -397,7 +423,7 @@ class EngineCore:
             # A child whose one output token is the one just sampled finishes at this commit, room or not.
             if self.kv.block_table(child) or child.remaining_output == 0:
                 child.status = Status.RUNNING
-                self.running.append(child)
+                self._join_running(child)
             else:  # no room to hold the child's KV: it starts over like a recompute preemption
                 child.num_computed_tokens = 0
                 child.status = Status.WAITING
@@ -408,7 +434,7 @@ class EngineCore:
     def _finish(self, request: Request, now: float) -> None:
         request.status = Status.FINISHED
         request.finish_s = now
-        self.running.remove(request)
+        self._leave_running(request)
         self.kv.free(request)
         self.counters.finished += 1
 
@@ -431,8 +457,7 @@ class EngineCore:
         if len(self.running) > self.config.max_num_batched_tokens:
             return 0
         if self.waiting and self.policy.admission_open(self.view):
-            seats = sum(self._seats(r) for r in self.running)
-            if seats < self.policy.admission_limit(self.view):
+            if self._running_seats < self.policy.admission_limit(self.view):
                 return 0
         limit = None
         for r in self.running:
@@ -534,6 +559,7 @@ class EngineCore:
         for request in self.waiting:
             assert request.status is Status.WAITING and not self.kv.block_table(request)
         assert len(self.running) <= self.config.max_num_seqs
+        assert self._running_seats == sum(map(self._seats, self.running)), "running seats out of step"
         if not self.has_unfinished():
             stats = self.kv_stats()
             assert stats.used == 0, f"engine drained but {stats.used} blocks are still used"

@@ -162,14 +162,15 @@ class PagedBlockManager(BlockManager):
         return self.pool.counts()
 
     def internal_waste(self, live: list[Request]) -> int:
+        bs, tables = self.block_size, self.tables
         filled_in_last: dict[int, int] = {}  # a forked, shared last block counts once
         for req in live:
-            table = self.tables.get(req.request_id)
+            table = tables.get(req.request_id)
             if table:
-                last = table[-1]
-                filled = req.num_computed_tokens - (len(table) - 1) * self.block_size
-                filled_in_last[last] = max(filled_in_last.get(last, 0), min(max(filled, 0), self.block_size))
-        return sum(self.block_size - f for f in filled_in_last.values())
+                filled = min(max(req.num_computed_tokens - (len(table) - 1) * bs, 0), bs)
+                if filled > filled_in_last.get(table[-1], -1):
+                    filled_in_last[table[-1]] = filled
+        return bs * len(filled_in_last) - sum(filled_in_last.values())
 
     def stats(self, live: list[Request]) -> KVStats:
         used, cached, free = self.pool_counts()
