@@ -181,7 +181,7 @@ class BlockManager(ABC):
 
     @abstractmethod
     def internal_waste(self, live: list[Request]) -> int:
-        """Allocated token slots that hold no token yet (``live`` hold device blocks)."""
+        """Allocated token slots that hold no token yet (``live`` hold device blocks), asked between steps."""
 
     @abstractmethod
     def stats(self, live: list[Request]) -> KVStats:

@@ -560,6 +560,7 @@ class EngineCore:
             assert request.status is Status.WAITING and not self.kv.block_table(request)
         assert len(self.running) <= self.config.max_num_seqs
         assert self._running_seats == sum(map(self._seats, self.running)), "running seats out of step"
+        assert self.kv_counts()[3] == self.kv_stats().internal_waste_slots, "internal waste out of step"
         if not self.has_unfinished():
             stats = self.kv_stats()
             assert stats.used == 0, f"engine drained but {stats.used} blocks are still used"

@@ -10,12 +10,17 @@ partially filled block copies it first (copy-on-write).
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from kvsim.policies.block_manager import BlockManager, DecodeOutlook, KVStats
 from kvsim.policies.block_pool import BlockPool
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.hashing import check_block_size_compatible, extend_block_hashes
 from kvsim.policies.registry import register_block_manager
 from kvsim.policies.request import Request
+
+
+_num_computed = attrgetter("num_computed_tokens")
 
 
 @register_block_manager("paged")
@@ -28,6 +33,8 @@ class PagedBlockManager(BlockManager):
         self.tables: dict[str, list[int]] = {}
         self.hashes: dict[str, list[int]] = {}  # each request's block-hash chain so far
         self.num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
+        self.num_table_blocks = 0  # sum of every table's length (a shared block once per table)
+        self.forked: set[str] = set()  # requests whose last block a fork may share
 
     # --- capacity ------------------------------------------------------------------------
     def can_ever_fit(self, request: Request) -> bool:
@@ -92,6 +99,7 @@ class PagedBlockManager(BlockManager):
             for block in self._hit_blocks(request, num_hit_tokens):
                 self.pool.touch(block)
                 table.append(block)
+            self.num_table_blocks += num_hit_tokens // self.block_size
             self.num_registered[seq] = len(table)
         first_write = request.num_computed_tokens + num_hit_tokens
         if self._needs_copy(table, first_write):
@@ -102,8 +110,10 @@ class PagedBlockManager(BlockManager):
             self._pending_copies.append((src, dst))
             self.num_copies += 1
         total = first_write + num_new_tokens
-        for _ in range(cdiv(total, self.block_size) - len(table)):
+        growth = cdiv(total, self.block_size) - len(table)
+        for _ in range(growth):
             table.append(self.pool.allocate())
+        self.num_table_blocks += max(growth, 0)
         if self.enable_caching:
             self._register_full_blocks(request, table, min(total, request.num_tokens) // self.block_size)
         return True
@@ -123,7 +133,9 @@ class PagedBlockManager(BlockManager):
         table = self.tables.pop(seq, None)
         self.num_registered.pop(seq, None)
         self.hashes.pop(seq, None)
+        self.forked.discard(seq)
         if table:
+            self.num_table_blocks -= len(table)
             # Blocks are hashed when allocated, before the step computes them; a request freed
             # in between (preempted after its allocation this step) never wrote them.
             for block in table[request.num_computed_tokens // self.block_size :]:
@@ -136,6 +148,8 @@ class PagedBlockManager(BlockManager):
         for block in table:
             self.pool.touch(block)
         self.tables[child.request_id] = list(table)
+        self.num_table_blocks += len(table)
+        self.forked.update((parent.request_id, child.request_id))
         self.hashes[child.request_id] = list(self.hashes.get(parent.request_id, []))
         self.num_registered[child.request_id] = self.num_registered[parent.request_id]
 
@@ -146,6 +160,7 @@ class PagedBlockManager(BlockManager):
         if n > self.pool.num_free:
             return None
         table = self.tables[request.request_id] = [self.pool.allocate() for _ in range(n)]
+        self.num_table_blocks += n
         self.num_registered[request.request_id] = 0
         return list(table)
 
@@ -162,6 +177,15 @@ class PagedBlockManager(BlockManager):
         return self.pool.counts()
 
     def internal_waste(self, live: list[Request]) -> int:
+        """Between steps every live table ends in the block of its last computed token, so
+        without forks (a shared last block counts once) the waste is slots held minus tokens
+        computed: one C-level sum instead of a walk over the tables."""
+        if self.forked:
+            return self._waste_by_last_block(live)
+        return self.num_table_blocks * self.block_size - sum(map(_num_computed, live))
+
+    def _waste_by_last_block(self, live: list[Request]) -> int:
+        """Internal waste at any moment, also mid-step (tables grown, tokens not yet computed)."""
         bs, tables = self.block_size, self.tables
         filled_in_last: dict[int, int] = {}  # a forked, shared last block counts once
         for req in live:
@@ -179,7 +203,7 @@ class PagedBlockManager(BlockManager):
             used=used,
             cached=cached,
             free=free,
-            internal_waste_slots=self.internal_waste(live),
+            internal_waste_slots=self._waste_by_last_block(live),
             fragmentation=0.0,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
@@ -202,6 +226,7 @@ class PagedBlockManager(BlockManager):
             for block in table:
                 holders[block] += 1
         assert set(self.tables) <= {r.request_id for r in live}, "a table belongs to no live request"
+        assert self.num_table_blocks == sum(map(len, self.tables.values())), "table block count out of step"
         self.pool.check_invariants(holders)
 
 
