@@ -65,20 +65,20 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, out_dir: 
 
 
 def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, echo) -> Path:
-    """This machine's calibrated profile; one cached earlier is measured anew when the machine no longer runs at its speed.
+    """This machine's calibrated profile, measured anew (once) when the machine no longer runs at its speed.
 
     The stale-profile decision is the speed check's (on the backend's clock): reference steps
-    timed now against the cached profile's prediction, off by more than its timing noise (at
-    least 10 %) means the machine's state has moved since it was profiled.
+    timed now against the profile's prediction, off by more than its timing noise (at least
+    10 %), mean the machine's state has moved since it was profiled: days ago for a cached
+    profile, or during the minute of profiling on a shared host.
     """
     calibrated = calibrated_profile(kernels, config.model, refresh="--reprofile" if reprofile else None, echo=echo)
-    if not calibrated.cached:
-        return calibrated.path
     cost = resolve(config.updated(device=str(calibrated.path))).cost_model()
     check = speed_check(kernels, cost, seed=config.seed)
     if not stale(check.ratio, load_device(calibrated.path).step_timing_noise):
         return calibrated.path
-    reason = f"the cached profile is stale: reference steps took {check.ratio:.2f}x its prediction on {kernels.clock}"
+    which = "the cached profile is stale" if calibrated.cached else "the machine's speed changed while it was profiled"
+    reason = f"{which}: reference steps took {check.ratio:.2f}x its prediction on {kernels.clock}"
     return calibrated_profile(kernels, config.model, refresh=reason, echo=echo).path
 
 

@@ -157,3 +157,22 @@ def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tm
         assert cli_validate.machine_profile(cpu, REAL_DEFAULTS, False, said.append) == path
         assert bool(reasons) == remeasured
     assert "the cached profile is stale: reference steps took 1.30x its prediction on thread CPU time" in said[-1]
+
+
+def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(tmp_path, monkeypatch):
+    from kvsim.realexec import cli_validate
+    from kvsim.realexec.speed_check import SpeedCheck
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    made: list[Path] = []
+
+    def run_profile(backend, model, out, **kw):
+        made.append(Path(out))
+        save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05), out)
+
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
+    monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.3], [1.0]))
+    said: list[str] = []
+    path = cli_validate.machine_profile(get_backend("cpu"), REAL_DEFAULTS, False, said.append)
+    assert made == [path, path]  # measured, found stale, measured once more: no loop
+    assert "the machine's speed changed while it was profiled: reference steps took 1.30x" in said[-1]
