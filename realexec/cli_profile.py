@@ -8,6 +8,7 @@ import click
 
 from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable
 from kvsim.realexec.profiler import run_profile
+from kvsim.sim.run_config import KV_DTYPES
 
 
 @click.command()
@@ -17,17 +18,19 @@ from kvsim.realexec.profiler import run_profile
 @click.option("--base-device", default=None,
               help="Profile the fit starts from and keeps the roofs of [default: cpu; h100-sxm or h200 by CUDA device name; ascend-910b3].")
 @click.option("--device", "torch_device", default=None, help="Torch device, e.g. cuda:1 [default: the backend's].")
+@click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
+              help="KV cache dtype to profile (auto: the model's); int8 times the quantised cache's writes and attention.")
 @click.option("--quick", is_flag=True, help="A small sweep: about a minute for the tiny model on a CPU.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Fixes the sweep's order, block ids, inputs and held-out trace.")
 @click.option("--quiet", is_flag=True, help="Only the path written.")
-def profile(backend: str, model: str, out_path: Path, base_device: str | None, torch_device: str | None, quick: bool,
-            seed: int, quiet: bool) -> None:
+def profile(backend: str, model: str, out_path: Path, base_device: str | None, torch_device: str | None, kv_dtype: str,
+            quick: bool, seed: int, quiet: bool) -> None:
     """Measure a backend running the paged decoder and fit the cost model's coefficients to it."""
     if not out_path.parent.is_dir():
         raise click.ClickException(f"--out {out_path}: directory {out_path.parent} does not exist")
     try:
         run_profile(backend, model, out_path, quick=quick, seed=seed, base_device=base_device, torch_device=torch_device,
-                    echo=None if quiet else click.echo, progress=not quiet)
+                    kv_dtype=None if kv_dtype == "auto" else kv_dtype, echo=None if quiet else click.echo, progress=not quiet)
     except (ValueError, BackendUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {out_path}")

@@ -194,28 +194,32 @@ class OperatorBenches:
         return Sample("elementwise", "forward without attention", self._features(prefill(tokens)), self._same(run))
 
     def kv_write(self, tokens: int) -> Sample:
+        """KV writes into every layer's cache as the executor writes them (an int8 cache quantises with the layer's scales)."""
         s, bs = self.spec, self.ex.block_size
-        k, v = (self._randn(tokens, s.num_kv_heads, s.head_dim, dtype=self.ex.kv_dtype) for _ in range(2))
+        k, v = (self._randn(tokens, s.num_kv_heads, s.head_dim, dtype=self.ex.attention_dtype) for _ in range(2))
         shape = prefill(tokens)
+        layers = list(zip(self.ex.kv_caches, self.ex.kv_scales))
 
         def case() -> Run:
             table = self.builder.pool.tables(shape, self.rng)[0]
             slots = torch.tensor(slots_for(table, 0, tokens, bs), dtype=torch.int64).to(self.backend.device)
-            return lambda: self._timed(lambda: [self.backend.write_kv(k, v, kc, vc, slots) for kc, vc in self.ex.kv_caches])
+            return lambda: self._timed(lambda: [self.backend.write_kv(k, v, kc, vc, slots, sc) for (kc, vc), sc in layers])
 
         return Sample("kv_write", "kv_write", self._features(shape), case)
 
     def attention(self, shape: StepShape, pool: KVPool) -> Sample:
+        """Paged attention over every layer of ``pool``, in the executor's attention dtype (an int8 cache dequantised with the layer's scales)."""
         s = self.spec
-        q = self._randn(sum(x.new for x in shape), s.num_heads, s.head_dim, dtype=self.ex.kv_dtype)
+        q = self._randn(sum(x.new for x in shape), s.num_heads, s.head_dim, dtype=self.ex.attention_dtype)
         scale = self.ex.model.scale
+        layers = list(zip(pool.caches, self.ex.kv_scales))
 
         def case() -> Run:
             tables = pool.tables(shape, self.rng)
 
             def run() -> float:
                 meta = pool.metadata(shape, tables, self.backend.device)  # fresh: what a backend derives per step is part of the cost
-                return self._timed(lambda: [self.backend.attention(q, kc, vc, meta, scale) for kc, vc in pool.caches])
+                return self._timed(lambda: [self.backend.attention(q, kc, vc, meta, scale, sc) for (kc, vc), sc in layers])
 
             return run
 

@@ -83,8 +83,13 @@ class Measurements:
             self.noise.setdefault(sample.group, []).append(np.abs(measured.runs[i] / measured.median[i] - 1.0))
 
 
-def fit_groups(spec: ModelSpec, base: DeviceProfile, block_size: int, data: Measurements) -> tuple[DeviceProfile, list[FitError]]:
+def fit_groups(
+    spec: ModelSpec, base: DeviceProfile, block_size: int, data: Measurements, kv_dtype: str | None = None
+) -> tuple[DeviceProfile, list[FitError]]:
     """Fit every group in :data:`GROUPS` order; each starts from the coefficients fitted before it.
+
+    ``kv_dtype`` is the KV cache dtype the measurements ran with (None: the model's): the cost
+    model then counts the bytes that cache moves, as the simulator will when it predicts it.
 
     The attention group also decides ``padded_attention``: it is fitted both ways and the layout
     that explains the measurements better is kept (ragged batches in the sweep tell them apart).
@@ -96,7 +101,7 @@ def fit_groups(spec: ModelSpec, base: DeviceProfile, block_size: int, data: Meas
             continue
         features, seconds = stack(data.features[group.name]), np.array(data.median[group.name])
         layouts = [replace(device, padded_attention=p) for p in (False, True)] if group.name == "attention" else [device]
-        fits = sorted((_fit_group(spec, layout, block_size, group, features, seconds) for layout in layouts), key=lambda fit: fit[2])
+        fits = sorted((_fit_group(spec, layout, block_size, kv_dtype, group, features, seconds) for layout in layouts), key=lambda fit: fit[2])
         (device, predicted, _), rejected = fits[0], fits[1:]
         labels = np.array(data.labels[group.name])
         for label in dict.fromkeys(labels.tolist()):
@@ -110,10 +115,12 @@ def fit_groups(spec: ModelSpec, base: DeviceProfile, block_size: int, data: Meas
 
 
 def _fit_group(
-    spec: ModelSpec, device: DeviceProfile, block_size: int, group: Group, features: StepFeatures, seconds: np.ndarray
+    spec: ModelSpec, device: DeviceProfile, block_size: int, kv_dtype: str | None, group: Group, features: StepFeatures,
+    seconds: np.ndarray,
 ) -> tuple[DeviceProfile, np.ndarray, float]:
     """The profile with ``group`` fitted, its predictions of the group's samples, and their MAPE."""
-    fitted = device.with_operators(CostModel(spec, device, block_size).fit(features, seconds, group.operators, fixed=group.fixed))
-    times = CostModel(spec, fitted, block_size).operator_times(features)
+    model = CostModel(spec, device, block_size, kv_dtype)
+    fitted = device.with_operators(model.fit(features, seconds, group.operators, fixed=group.fixed))
+    times = CostModel(spec, fitted, block_size, kv_dtype).operator_times(features)
     predicted = sum(np.broadcast_to(times[op], seconds.shape) for op in group.operators + group.fixed)
     return fitted, predicted, float(np.mean(np.abs(predicted / seconds - 1.0)))

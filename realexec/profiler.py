@@ -63,17 +63,18 @@ class Profile:
     seconds: float  # wall time of the profiling run
     measurements: Measurements  # what the fit saw
     held_out: StepRecords  # the held-out steps
+    kv_dtype: str  # the KV cache dtype every case wrote and attended through
 
     def error(self, name: str) -> FitError:
         return next(e for e in self.errors if e.name == name)
 
 
-def kv_token_budget(spec: ModelSpec, base: DeviceProfile, block_size: int, pools: int) -> int:
+def kv_token_budget(spec: ModelSpec, base: DeviceProfile, block_size: int, pools: int, kv_dtype: str | None = None) -> int:
     """KV tokens one profiling pool may hold: half of what an engine would give its KV cache on ``base``, split over the pools.
 
     Half, because attention may gather a padded copy of everything it reads next to the cache.
     """
-    return plan_memory(spec, base, block_size=block_size).num_blocks * block_size // (2 * pools)
+    return plan_memory(spec, base, block_size=block_size, kv_dtype=kv_dtype).num_blocks * block_size // (2 * pools)
 
 
 def profile(
@@ -84,8 +85,12 @@ def profile(
     seed: int = 0,
     echo: Echo | None = None,
     progress: bool = False,
+    kv_dtype: str | None = None,
 ) -> Profile:
     """Measure ``backend`` running ``spec`` over ``sweep`` and fit ``base``'s coefficients to it.
+
+    ``kv_dtype`` is the KV cache the executor runs with (None: the model's); with int8 every KV
+    write, attention and step runs the quantised path, and the fit counts int8 bytes.
 
     One executor at the first block size runs everything but attention at the other block sizes,
     which reads bare pools of those sizes; every case of every block size is timed in the same
@@ -95,7 +100,8 @@ def profile(
     say = echo or (lambda _: None)
     rng = np.random.default_rng(seed)
     first = sweep.block_sizes[0]
-    budget = kv_token_budget(spec, base, first, len(sweep.block_sizes))
+    kv_dtype = kv_dtype or spec.kv_dtype
+    budget = kv_token_budget(spec, base, first, len(sweep.block_sizes), kv_dtype)
 
     def fits(shape: StepShape, block_size: int) -> bool:
         return footprint(shape, block_size) * block_size <= budget
@@ -104,7 +110,8 @@ def profile(
     if not any(fits(shape, first) for shape in shapes):
         raise ValueError(f"model {spec.name} leaves no memory for a KV cache on {base.name} ({base.hbm_bytes} bytes)")
     blocks = max([footprint(shape, first) for shape in shapes if fits(shape, first)] + [2 * max(sweep.moved_blocks)])
-    executor = Executor(spec, backend, num_blocks=blocks, block_size=first, num_host_blocks=max(sweep.moved_blocks), seed=seed)
+    executor = Executor(spec, backend, num_blocks=blocks, block_size=first, num_host_blocks=max(sweep.moved_blocks), seed=seed,
+                        kv_dtype=kv_dtype)
     pools = [KVPool(executor.kv_caches, first, executor.num_blocks)]
     for block_size in sweep.block_sizes[1:]:
         blocks = max([footprint(shape, block_size) for shape in sweep.attention_shapes() if fits(shape, block_size)], default=0)
@@ -124,8 +131,8 @@ def profile(
         data.add_once(engine_run(executor, sweep, seed + 1 + i, rate))
     held_out = engine_run(executor, sweep, seed, sweep.engine_rates[0])
 
-    device, errors = fit_groups(spec, base, first, data)
-    predicted = CostModel(spec, device, first).predict(stack(held_out.features))
+    device, errors = fit_groups(spec, base, first, data, kv_dtype)
+    predicted = CostModel(spec, device, first, kv_dtype).predict(stack(held_out.features))
     seconds, kinds = np.array(held_out.seconds), np.array(held_out.kinds)
     errors.append(FitError.of("held-out steps", predicted, seconds))
     for kind in STEP_KINDS:
@@ -134,7 +141,7 @@ def profile(
     noise = {group: float(np.mean(np.concatenate(runs))) for group, runs in data.noise.items()}
     step_noise = noise.pop("steps")
     operator_noise = float(np.mean(list(noise.values())))
-    return Profile(device, errors, operator_noise, step_noise, time.perf_counter() - started, data, held_out)
+    return Profile(device, errors, operator_noise, step_noise, time.perf_counter() - started, data, held_out, kv_dtype)
 
 
 def run_profile(
@@ -149,10 +156,12 @@ def run_profile(
     sweep: Sweep | None = None,
     echo: Echo | None = None,
     progress: bool = False,
+    kv_dtype: str | None = None,
 ) -> Profile:
     """``kvsim profile``: profile ``backend`` running ``model``, write the calibrated profile to ``out``.
 
-    ``sweep`` replaces the quick or full sweep (tests run a small one).
+    ``sweep`` replaces the quick or full sweep (tests run a small one); ``kv_dtype`` is the KV
+    cache dtype to profile (None: the model's), named in the profile's ``source``.
     """
     spec = load_model(model)
     kernels = get_backend(backend, torch_device)
@@ -160,9 +169,10 @@ def run_profile(
     sweep = sweep or sweep_for(kernels, quick)
     if echo:
         echo(f"profiling {backend} ({kernels.machine_name()}) with model {spec.name}, {torch.get_num_threads()} torch threads, "
-             f"{'quick' if quick else 'full'} sweep, starting from the {base.name} profile")
-    result = profile(kernels, spec, base, sweep, seed, echo, progress)
-    command = f"kvsim profile --backend {backend} --model {model}{' --quick' if quick else ''} --seed {seed}"
+             f"{'quick' if quick else 'full'} sweep, {kv_dtype or spec.kv_dtype} KV cache, starting from the {base.name} profile")
+    result = profile(kernels, spec, base, sweep, seed, echo, progress, kv_dtype)
+    command = (f"kvsim profile --backend {backend} --model {model} --kv-cache-dtype {result.kv_dtype}"
+               f"{' --quick' if quick else ''} --seed {seed}")
     held = result.error("held-out steps")
     source = (
         f"{command} on {kernels.machine_name()}, torch {torch.__version__} with num_threads={torch.get_num_threads()}, "

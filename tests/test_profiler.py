@@ -167,7 +167,7 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     loaded = load_device(out)
     assert loaded == result.device and loaded.name == "cpu-calibrated"
     assert loaded.step_timing_noise == round(result.step_noise, 4)  # what validate reports as the noise floor
-    assert loaded.source.startswith("kvsim profile --backend cpu --model tiny --seed 3 on ")
+    assert loaded.source.startswith("kvsim profile --backend cpu --model tiny --kv-cache-dtype fp32 --seed 3 on ")
     assert f"torch {torch.__version__} with num_threads=1, timed on thread CPU time," in loaded.source
     base = load_device("cpu")
     assert loaded.operators != base.operators
@@ -244,3 +244,42 @@ def test_a_step_instance_runs_twice_on_the_same_blocks_as_a_served_decode_does()
     tables = [list(plan.block_tables.values()) for plan in plans]
     assert tables[0] == tables[1] != tables[2]  # primed and timed run share a layout; the next instance gets its own
     assert not set(plans[0].block_tables) & set(plans[1].block_tables)  # fresh requests each run
+
+
+def test_int8_benches_write_and_attend_through_the_quantised_cache_with_the_executors_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = get_backend("cpu")
+    executor = Executor(TINY, backend, num_blocks=64, block_size=BS, seed=0, kv_dtype="int8")
+    assert executor.kv_dtype == torch.int8 and all(s is not None for s in executor.kv_scales)
+    calls: list[tuple[str, torch.dtype, torch.dtype, object]] = []
+    for name in ("write_kv", "attention"):
+        real = getattr(backend, name)
+
+        def spy(*args, name=name, real=real):
+            key_cache = args[2 if name == "write_kv" else 1]
+            calls.append((name, args[0].dtype, key_cache.dtype, args[-1]))
+            return real(*args)
+
+        monkeypatch.setattr(backend, name, spy)
+    benches = OperatorBenches(executor, np.random.default_rng(0), 0)
+    benches.kv_write(16).case()()
+    benches.attention(decode(2, 40), KVPool(executor.kv_caches, BS, executor.num_blocks)).case()()
+    layers = TINY.num_layers
+    assert [c[0] for c in calls] == ["write_kv"] * layers + ["attention"] * layers
+    for i, (_, data_dtype, cache_dtype, scales) in enumerate(calls):
+        assert data_dtype == executor.attention_dtype and cache_dtype == torch.int8
+        assert scales is executor.kv_scales[i % layers]  # each layer's own static scales, as the executor passes them
+
+
+def test_an_int8_profile_is_measured_and_fitted_with_int8_and_says_so(tmp_path: Path, one_thread: None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    fitted_with: list[str | None] = []
+    executors: list[Executor] = []
+    monkeypatch.setattr("kvsim.realexec.profiler.fit_groups",
+                        lambda spec, base, bs, data, kv_dtype=None: fitted_with.append(kv_dtype) or fit_groups(spec, base, bs, data, kv_dtype))
+    monkeypatch.setattr("kvsim.realexec.profiler.OperatorBenches",
+                        lambda ex, rng, seed: executors.append(ex) or OperatorBenches(ex, rng, seed))
+    out = tmp_path / "int8.toml"
+    result = run_profile("cpu", "tiny", out, sweep=dataclasses.replace(SMALL, block_sizes=(16,)), seed=3, kv_dtype="int8")
+    assert result.kv_dtype == "int8" and fitted_with == ["int8"]
+    assert [ex.kv_dtype for ex in executors] == [torch.int8]  # every bench and whole step ran the quantised cache
+    assert load_device(out).source.startswith("kvsim profile --backend cpu --model tiny --kv-cache-dtype int8 --seed 3 on ")
