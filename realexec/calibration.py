@@ -2,7 +2,8 @@
 
 A profile measured on one machine says little about another, so profiles are cached per
 machine fingerprint (what the backend says identifies its machine: processor, core count,
-torch version and threads, device name; plus the profiler's version) under ``$KVSIM_CACHE``
+torch version and threads, device name; plus the profiler's version and the KV cache dtype, since
+an int8 cache writes and attends through other kernels) under ``$KVSIM_CACHE``
 (default ``~/.cache/kvsim/profiles``), each beside a JSON file listing those parts, so that
 when none fits the message can say what changed. ``kvsim validate`` uses the cached one or
 profiles on the spot (``kvsim profile --quick``) and caches the result.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvsim.realexec.backends import KernelBackend
+from kvsim.sim.model_spec import load_model
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
 # by an older profiler are not reused (2: every timed run primed by a run of the same case;
@@ -32,12 +34,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVSIM_CACHE", Path.home() / ".cache" / "kvsim")) / "profiles"
 
 
-def fingerprint_parts(backend: KernelBackend) -> list[str]:
-    return [*backend.fingerprint_parts(), f"profiler {PROFILER_VERSION}"]
+def fingerprint_parts(backend: KernelBackend, kv_dtype: str) -> list[str]:
+    return [*backend.fingerprint_parts(), f"profiler {PROFILER_VERSION}", f"kv cache {kv_dtype}"]
 
 
-def machine_fingerprint(backend: KernelBackend) -> str:
-    return hashlib.sha256("|".join(fingerprint_parts(backend)).encode()).hexdigest()[:12]
+def machine_fingerprint(backend: KernelBackend, kv_dtype: str) -> str:
+    return hashlib.sha256("|".join(fingerprint_parts(backend, kv_dtype)).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -46,26 +48,30 @@ class Calibrated:
     cached: bool  # True: measured by an earlier run (it may have gone stale); False: measured just now
 
 
-def calibrated_profile(backend: KernelBackend, model: str, *, refresh: str | None = None, echo: Echo | None = None) -> Calibrated:
-    """This machine's calibrated profile for (backend, model), profiling now if there is none.
+def calibrated_profile(
+    backend: KernelBackend, model: str, *, kv_dtype: str | None = None, refresh: str | None = None, echo: Echo | None = None
+) -> Calibrated:
+    """This machine's calibrated profile for (backend, model, KV cache dtype), profiling now if there is none.
 
-    ``refresh``: measure anew even if one is cached, for the reason given (echoed).
+    ``kv_dtype``: None is the model's. ``refresh``: measure anew even if one is cached, for the reason given (echoed).
     """
     from kvsim.realexec.profiler import run_profile
 
     say = echo or (lambda _: None)
-    parts = fingerprint_parts(backend)
-    stem = f"{backend.name}-{Path(model).stem}"
-    path = cache_dir() / f"{stem}-{machine_fingerprint(backend)}.toml"
+    kv_dtype = kv_dtype or load_model(model).kv_dtype
+    parts = fingerprint_parts(backend, kv_dtype)
+    stem = f"{backend.name}-{Path(model).stem}-{kv_dtype}"
+    path = cache_dir() / f"{stem}-{machine_fingerprint(backend, kv_dtype)}.toml"
     if path.exists() and not refresh:
         say(f"using the calibrated profile {path}")
         return Calibrated(path, cached=True)
     reason = refresh or why_not_cached(path.parent, stem, parts)
     say(f"{reason}: profiling now (kvsim profile --quick, about a minute): timing how fast this machine runs the "
-        f"{Path(model).stem} model's operators and whole steps on {backend.clock}, so the simulator can predict "
+        f"{Path(model).stem} model's operators and whole steps (KV cache in {kv_dtype}) on {backend.clock}, so the simulator can predict "
         f"its step times; the profile is cached as {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    run_profile(backend.name, model, path, quick=True, torch_device=str(backend.device), echo=echo, progress=echo is not None)
+    run_profile(backend.name, model, path, quick=True, torch_device=str(backend.device), kv_dtype=kv_dtype, echo=echo,
+                progress=echo is not None)
     path.with_suffix(".json").write_text(json.dumps(parts) + "\n")
     return Calibrated(path, cached=False)
 

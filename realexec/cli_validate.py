@@ -72,14 +72,15 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     10 %), mean the machine's state has moved since it was profiled: days ago for a cached
     profile, or during the minute of profiling on a shared host.
     """
-    calibrated = calibrated_profile(kernels, config.model, refresh="--reprofile" if reprofile else None, echo=echo)
+    kv_dtype = resolve(config).memory.kv_dtype  # the profile must time the KV cache the run will use
+    calibrated = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh="--reprofile" if reprofile else None, echo=echo)
     cost = resolve(config.updated(device=str(calibrated.path))).cost_model()
     check = speed_check(kernels, cost, seed=config.seed)
     if not stale(check.ratio, load_device(calibrated.path).step_timing_noise):
         return calibrated.path
     which = "the cached profile is stale" if calibrated.cached else "the machine's speed changed while it was profiled"
     reason = f"{which}: reference steps took {check.ratio:.2f}x its prediction on {kernels.clock}"
-    return calibrated_profile(kernels, config.model, refresh=reason, echo=echo).path
+    return calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo).path
 
 
 def stale(ratio: float, noise: float | None) -> bool:
@@ -119,6 +120,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(
         backend=backend.name,
+        kv_dtype=memory.kv_dtype,
         clocks=clocks(backend.clock),
         profile=str(profile_path),
         config=config.to_dict(),

@@ -146,7 +146,7 @@ def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tm
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
     cpu = get_backend("cpu")
-    path = tmp_path / "profiles" / f"cpu-tiny-{calibration.machine_fingerprint(cpu)}.toml"
+    path = tmp_path / "profiles" / f"cpu-tiny-fp32-{calibration.machine_fingerprint(cpu, 'fp32')}.toml"
     path.parent.mkdir()
     save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05), path)
     reasons: list[str] = []
@@ -176,3 +176,33 @@ def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(t
     path = cli_validate.machine_profile(get_backend("cpu"), REAL_DEFAULTS, False, said.append)
     assert made == [path, path]  # measured, found stale, measured once more: no loop
     assert "the machine's speed changed while it was profiled: reference steps took 1.30x" in said[-1]
+
+
+def test_an_int8_run_is_profiled_with_int8_and_its_cache_kept_apart(tmp_path, monkeypatch):
+    from kvsim.realexec import calibration, cli_validate
+    from kvsim.realexec.speed_check import SpeedCheck
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    profiled: list[tuple[Path, str]] = []
+
+    def run_profile(backend, model, out, **kw):
+        profiled.append((Path(out), kw["kv_dtype"]))
+        save_device(load_device(BASE_PROFILE), out)
+
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
+    monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.0], [1.0]))
+    cpu, said = get_backend("cpu"), []
+    int8 = cli_validate.machine_profile(cpu, REAL_DEFAULTS.updated(kv_dtype="int8"), False, said.append)
+    default = cli_validate.machine_profile(cpu, REAL_DEFAULTS, False, None)
+    assert profiled == [(int8, "int8"), (default, "fp32")]  # the tiny model's own KV dtype is fp32
+    assert int8.name.startswith("cpu-tiny-int8-") and int8.name != default.name
+    assert "kv cache int8" in json.loads(int8.with_suffix(".json").read_text()) and "(KV cache in int8)" in said[0]
+
+
+def test_int8_validate_replays_the_real_decisions_and_predicts_its_memory_exactly(tmp_path):
+    config = REAL_DEFAULTS.updated(max_requests=6, num_blocks=48, kv_dtype="int8")
+    result = cross_validate(config, load_run_trace(config), get_backend("cpu"), BASE_PROFILE, tmp_path, Thresholds())
+    assert result["kv_dtype"] == "int8" and json.loads((tmp_path / "validation.json").read_text())["kv_dtype"] == "int8"
+    assert result["decision_identity"]["identical"], result["decision_identity"]["first_divergence"]
+    pool = result["memory"]["kv_pool_bytes"]
+    assert pool["predicted"] == pool["measured"] > 0
