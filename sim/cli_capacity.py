@@ -89,12 +89,11 @@ def write_capacity(out_dir: Path, results: list[Capacity], slo: Slo) -> None:
 def format_table(results: list[Capacity], slo: Slo) -> str:
     width = max([len(r.name) for r in results] + [13])
     lines = [f"capacity within {slo.describe()}",
-             f"{'configuration':<{width}}  {'req/s':>9}  {'goodput':>9}  {'x trace':>8}  {'probes':>6}  {'1st pass':>8}"]
+             f"{'configuration':<{width}}  {'req/s':>9}  {'goodput':>9}  {'x trace':>8}  {'probes':>6}"]
     for r in results:
         best = r.at_capacity
         goodput = f"{best.goodput_rps:9.3f}" if best and best.goodput_rps is not None else f"{'-':>9}"
         ratio = f"{r.capacity_rps / r.trace_rate_rps:8.2f}" if r.trace_rate_rps else f"{'-':>8}"
         note = "  failed" if r.error else ("  (never missed)" if r.bracket[1] is None and not r.error else "")
-        lines.append(f"{r.name or 'config':<{width}}  {r.capacity_rps:9.3f}  {goodput}  {ratio}  {len(r.probes):>6}  "
-                     f"{len(r.coarse_probes):>8}{note}")
+        lines.append(f"{r.name or 'config':<{width}}  {r.capacity_rps:9.3f}  {goodput}  {ratio}  {len(r.probes):>6}{note}")
     return "\n".join(lines)

@@ -106,13 +106,3 @@ def test_gallop_brackets_the_threshold_within_tolerance(threshold):
     assert gallop(lambda rate: True, 2.0, 0.05) == (2.0 * MAX_RANGE, None)
     assert gallop(lambda rate: False, 2.0, 0.05) == (None, 2.0 / MAX_RANGE)
 
-
-@pytest.mark.slow
-def test_a_long_trace_gets_a_first_pass_and_a_full_trace_answer():
-    config = RunConfig(trace="azure_conv_10min", max_requests=2000, block_size=16)
-    from kvsim.sim.capacity import search
-
-    result = search("bs16", {"block_size": 16}, config, SLO, tolerance=0.05)
-    assert result.coarse_probes and not result.error
-    assert probe(config, result.capacity_rps, SLO).met
-    assert not probe(config, result.bracket[1], SLO).met
