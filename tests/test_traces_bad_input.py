@@ -148,5 +148,7 @@ def test_canonical_header_and_row_count_are_checked(tmp_path: Path) -> None:
     assert (err.line, err.field) == (1, "version")
     err = error_of(write(tmp_path, "c.jsonl", header.replace('"hash_block_size": null', '"hash_block_size": 16') + row + row))
     assert err.field == "hash_block_size"
+    without_key = header.replace('"hash_block_size": null, ', "")  # optional when there are no prefix hashes
+    assert len(traces.load(write(tmp_path, "c.jsonl", without_key + row + row))) == 2
     err = error_of(write(tmp_path, "c.jsonl", header + row + row.replace("3", "3.5")))
     assert (err.line, err.field, err.message) == (3, "prompt_tokens", "is not a 64-bit integer (3.5)")

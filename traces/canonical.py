@@ -53,14 +53,14 @@ def save(trace: Trace, path: str | Path) -> Path:
 def read_canonical(path: Path, text: str, skip_bad: bool) -> Trace:
     number, line = first_line(text)
     header = _header(path, number, line)
-    layout = Layout({c: c for c in header["columns"]}, "s", header["hash_block_size"], exact_ints=True)
+    layout = Layout({c: c for c in header["columns"]}, "s", header.get("hash_block_size"), exact_ints=True)
     raw = read_jsonl(path, text, layout, skip_lines=number)
     if len(raw.lines) != header["rows"]:
         raise TraceFormatError(
             str(path), number, "rows", f"the header promises {header['rows']} rows but the file has {len(raw.lines)}"
         )
     raw.notes[:0] = header["notes"]
-    return to_trace(raw, source=header["source"], hash_block_size=header["hash_block_size"], skip_bad=skip_bad)
+    return to_trace(raw, source=header["source"], hash_block_size=header.get("hash_block_size"), skip_bad=skip_bad)
 
 
 def _header(path: Path, number: int, line: str) -> dict:
