@@ -75,7 +75,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue(self.policy.queue_key)
         self.running: list[Request] = []
-        self._running_seats = 0  # sum of _seats over running, kept as requests join and leave
+        self._running_seats = 0  # sum of Request.seats over running, kept as requests join and leave
         self.swapped = RequestQueue(self.policy.queue_key)
         self.counters = EngineCounters()
         self.now = 0.0  # the time of the step being (or last) scheduled
@@ -284,7 +284,7 @@ class EngineCore:
 
     def _admit_swapped(self, plan: StepPlan, limit: int) -> None:
         for request in list(self.policy.waiting_order(self.view.swapped, self.view)):
-            if self._budget <= 0 or self._running_seats + self._seats(request) > limit:
+            if self._budget <= 0 or self._running_seats + request.seats > limit:
                 return
             num_new = self._num_new_tokens(request)
             host_blocks = self.kv.swap_in_blocks_needed(request)
@@ -302,7 +302,7 @@ class EngineCore:
     def _admit_waiting(self, limit: int) -> None:
         admitted: list[Request] = []
         for request in self.policy.waiting_order(self.view.waiting, self.view):
-            if self._budget <= 0 or self._running_seats + self._seats(request) > limit:
+            if self._budget <= 0 or self._running_seats + request.seats > limit:
                 break
             num_hit = self.kv.lookup(request)
             num_new = self._num_new_tokens(request, num_hit)
@@ -322,11 +322,6 @@ class EngineCore:
             return
         self.waiting.remove_all(admitted)
 
-    @staticmethod
-    def _seats(request: Request) -> int:
-        """Running slots a request will take: its samples fork once its prefill completes."""
-        return request.n_samples if request.parent is None and not request.forked else 1
-
     def _start_running(self, request: Request, num_new: int) -> None:
         request.status = Status.RUNNING
         self._join_running(request)
@@ -334,11 +329,11 @@ class EngineCore:
 
     def _join_running(self, request: Request) -> None:
         self.running.append(request)
-        self._running_seats += self._seats(request)
+        self._running_seats += request.seats
 
     def _leave_running(self, request: Request) -> None:
         self.running.remove(request)
-        self._running_seats -= self._seats(request)
+        self._running_seats -= request.seats
 
     def _reject_unschedulable(self, plan: StepPlan) -> None:
         """Nothing runs and nothing can be admitted: the head of the policy's queue can never run."""
@@ -393,9 +388,9 @@ class EngineCore:
         return finished
 
     def _fork(self, parent: Request, child_ids: list[str], now: float) -> list[Request]:
-        self._running_seats -= self._seats(parent)  # a running parent: its seats become its children's
+        self._running_seats -= parent.seats  # a running parent: its seats become its children's
         parent.forked = True
-        self._running_seats += self._seats(parent)
+        self._running_seats += parent.seats
         children = []
         for child_id in child_ids:
             child = Request(
@@ -559,7 +554,7 @@ class EngineCore:
         for request in self.waiting:
             assert request.status is Status.WAITING and not self.kv.block_table(request)
         assert len(self.running) <= self.config.max_num_seqs
-        assert self._running_seats == sum(map(self._seats, self.running)), "running seats out of step"
+        assert self._running_seats == sum(r.seats for r in self.running), "running seats out of step"
         assert self.kv_counts()[3] == self.kv_stats().internal_waste_slots, "internal waste out of step"
         if not self.has_unfinished():
             stats = self.kv_stats()

@@ -68,6 +68,11 @@ class Request:
         return self.prompt_tokens + self.output_tokens - 1
 
     @property
+    def seats(self) -> int:
+        """Running slots the request takes: its samples fork once its prefill completes."""
+        return self.n_samples if self.parent is None and not self.forked else 1
+
+    @property
     def is_prefill(self) -> bool:
         """True while the step would not sample a token at the end of a one-token step."""
         return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvsim.policies.blocks import cdiv
-from kvsim.policies.engine import EngineCore
 from kvsim.policies.registry import register_scheduler
 from kvsim.policies.request import Request
 from kvsim.policies.schedulers import SchedulerPolicy
@@ -47,7 +46,7 @@ class PrefillFirstPolicy(SchedulerPolicy):
             return False  # swapped requests come back before any new prompt (as in V0)
         head = next(iter(self.waiting_order(view.waiting, view)))
         cfg = view.config
-        seats = sum(map(EngineCore._seats, view.running)) + EngineCore._seats(head)
+        seats = view.running_seats + head.seats
         if seats > self.admission_limit(view):
             return False
         tokens = head.num_tokens - head.num_computed_tokens  # whole prompt (plus outputs after a recompute)

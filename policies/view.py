@@ -88,6 +88,11 @@ class EngineView:
         return self._engine.counters.steps
 
     @property
+    def running_seats(self) -> int:
+        """Running slots taken now (``Request.seats`` summed over the running requests)."""
+        return self._engine._running_seats
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation could use right now (free plus evictable cached)."""
         return self._engine.kv.num_available_blocks()
