@@ -33,7 +33,7 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--max-requests",), "max_requests", {"type": int, "help": "Replay only the first N requests (0: all)."}),
     (("--model",), "model", {"help": "Model name (sim/models) or TOML path."}),
     (("--device",), "device", {"help": "Device name (sim/devices, or NAME.toml in the working directory) or TOML path."}),
-    (("--scheduler",), "scheduler", {"help": "fcfs | chunked | priority | sjf | static | module:Class."}),
+    (("--scheduler",), "scheduler", {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's AscendScheduler) | module:Class."}),
     (("--block-manager",), "block_manager", {"help": "prefix | paged | contiguous | module:Class."}),
     ((_switch("enable-prefix-caching"),), "enable_prefix_caching",
      {"help": "vLLM's switch: on = block manager prefix, off = paged. [default: follows --block-manager]"}),
