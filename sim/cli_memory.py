@@ -87,6 +87,8 @@ def format_plan(plan: MemoryPlan, seq_len: int) -> str:
         ("  KV pool", plan.kv_pool_bytes, kv_note),
         ("  unused", plan.unused_bytes, "less than one block" if plan.fits else ""),
     ]
+    if plan.kv_scale_bytes:
+        rows.insert(-1, ("  KV scales", plan.kv_scale_bytes, "static per-channel (C8), once for all blocks"))
     lines = [
         f"{plan.model} on {plan.device}: kv {plan.kv_dtype}, block {plan.block_size}, "
         f"max_model_len {plan.max_model_len}, max_num_batched_tokens {plan.max_num_batched_tokens}"

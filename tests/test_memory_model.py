@@ -111,6 +111,15 @@ def test_cli_prints_the_breakdown() -> None:
     assert f"{plan.num_blocks} blocks x 64.00 MiB" in result.output
     assert "KV bytes per token" in result.output and "512.00 KiB" in result.output
     assert "sequences of 2048" in result.output and f"{plan.max_sequences(2048)}" in result.output
+    assert "KV scales" not in result.output  # fp16 carries none
+
+
+def test_cli_shows_the_int8_scales_beside_the_pool() -> None:
+    result = CliRunner().invoke(memory, ["--model", "llama-2-7b", "--device", "ascend-910b3", "--kv-cache-dtype", "int8"])
+    assert result.exit_code == 0, result.output
+    plan = plan_memory(load_model("llama-2-7b"), load_device("ascend-910b3"), kv_dtype="int8")
+    assert plan.kv_scale_bytes > 0
+    assert "KV scales                 1.00 MiB" in result.output and f"{plan.num_blocks} blocks x 32.00 MiB" in result.output
 
 
 def test_cli_json_matches_the_plan() -> None:
