@@ -762,15 +762,7 @@ class _Ops:
         q_lens = [b - a for a, b in zip([0, *actual_seq_lengths], actual_seq_lengths)]
         is_prompt = max(q_lens) > 1  # Q_S > 1 runs PromptFlashAttention, Q_S = 1 IncreFlashAttention
 
-        _require(actual_seq_lengths_kv is not None, "fia.pa_actual_seq_lengths_kv", "actual_seq_lengths_kv is missing")
-        assert actual_seq_lengths_kv is not None
-        kv_lens = list(actual_seq_lengths_kv)
-        _require(
-            len(kv_lens) == batch and all(k >= 0 for k in kv_lens),
-            "fia.pa_kv_lengths_per_batch",
-            f"actual_seq_lengths_kv={kv_lens} for {batch} batches",
-        )
-        _require(block_table.dtype == torch.int32, "fia.block_table_dtype", f"block_table is {block_table.dtype}")
+        kv_lens = _paged_kv_lengths(actual_seq_lengths_kv, batch, block_table)
         if is_prompt:
             _require(
                 128 <= block_size <= 512 and block_size % 128 == 0,
@@ -948,20 +940,12 @@ class _Ops:
             "fia.pa_kv_dims",
             f"key {tuple(key.shape)} is not (blocknum, {block_size}, {num_kv_heads}*{head_size})",
         )
-        _require(actual_seq_lengths_kv is not None, "fia.pa_actual_seq_lengths_kv", "actual_seq_lengths_kv is missing")
-        assert actual_seq_lengths_kv is not None
         _require(
-            _is_int_list(actual_seq_lengths_kv),
+            actual_seq_lengths_kv is None or _is_int_list(actual_seq_lengths_kv),
             "fia.seq_lengths_are_lists",
             "actual_seq_lengths_kv is not a host int list",
         )
-        kv_lens = list(actual_seq_lengths_kv)
-        _require(
-            len(kv_lens) == batch and all(k >= 0 for k in kv_lens),
-            "fia.pa_kv_lengths_per_batch",
-            f"actual_seq_lengths_kv={kv_lens} for {batch} batches",
-        )
-        _require(block_table.dtype == torch.int32, "fia.block_table_dtype", f"block_table is {block_table.dtype}")
+        kv_lens = _paged_kv_lengths(actual_seq_lengths_kv, batch, block_table)
         _require(
             block_table.dim() == 2
             and block_table.shape[0] == batch
@@ -1148,6 +1132,20 @@ def _write(
     real = slots != PAD_SLOT
     key_cache.view(-1, *key_cache.shape[2:])[slots[real].long()] = key[real]
     value_cache.view(-1, *value_cache.shape[2:])[slots[real].long()] = value[real]
+
+
+def _paged_kv_lengths(actual_seq_lengths_kv: Sequence[int] | None, batch: int, block_table: torch.Tensor) -> list[int]:
+    """FIA over a paged cache: one non-negative KV length a batch and an int32 block table."""
+    _require(actual_seq_lengths_kv is not None, "fia.pa_actual_seq_lengths_kv", "actual_seq_lengths_kv is missing")
+    assert actual_seq_lengths_kv is not None
+    kv_lens = list(actual_seq_lengths_kv)
+    _require(
+        len(kv_lens) == batch and all(k >= 0 for k in kv_lens),
+        "fia.pa_kv_lengths_per_batch",
+        f"actual_seq_lengths_kv={kv_lens} for {batch} batches",
+    )
+    _require(block_table.dtype == torch.int32, "fia.block_table_dtype", f"block_table is {block_table.dtype}")
+    return kv_lens
 
 
 def _check_fia_block_ids(table: torch.Tensor, lens: Sequence[int], block_size: int, num_blocks: int) -> None:
