@@ -357,12 +357,12 @@ class EngineCore:
             tables[rid] = table[:]
             if num_new == 1:  # a decode (or a one-token chunk): its slot inline
                 entries.append(PlanEntry(rid, first, 1, not samples or request.num_output_tokens == 0, samples))
-                slot_mapping.append(table[first // bs] * bs + first % bs)
+                slot_mapping.append(table[first // bs] * bs + first % bs)  # blocks.slot, inlined
             else:
                 entries.append(PlanEntry(rid, first, num_new, True, samples))
                 slot_mapping.extend(slots_for(table, first, end, bs))
             request.num_computed_tokens = end
-            if samples and request.n_samples > 1 and request.parent is None and not request.forked:
+            if samples and request.seats > 1:  # its samples fork now
                 plan.forks.append((rid, [f"{rid}#{k}" for k in range(1, request.n_samples)]))
         plan.copies = self.kv.take_copies()
 
