@@ -10,7 +10,9 @@ predicted, never used to choose a value, so their error is the model's accuracy.
 
 Each row runs the scheduler its source's engine ran (``scheduler``): ``fcfs`` for vLLM V1's mixed,
 chunked steps; ``vllm-v0`` (policies/v0_scheduler.py) for vLLM V0 and vllm-ascend's AscendScheduler,
-which run whole prompts in prefill-only steps.
+which run whole prompts in prefill-only steps. Rows of vLLM's V0 engine (``engine_core = "v0"``)
+also pay the device's V0 host time per sequence per step (``[engine] v0_seq_s``,
+sim/engine_overhead.py).
 
 Benchmark clients are reproduced as follows (vLLM ``benchmarks/`` and ``vllm bench``):
 ``batch`` = every prompt at t = 0 inside the engine (offline latency / throughput tests, no API
@@ -50,8 +52,9 @@ from kvsim.traces.synth import poisson_arrivals
 PUBLISHED = Path(__file__).parent / "published" / "serving.toml"
 SPLITS = ("fit", "check")
 WORKLOADS = ("batch", "burst", "poisson", "concurrency", "memory")
+ENGINE_CORES = ("v0", "v1")  # vLLM's engine generation: V0 LLMEngine, V1 EngineCore
 METRICS = (
-    "ttft_mean", "ttft_median", "tpot_mean", "tpot_median", "e2e_mean", "batch_latency",
+    "ttft_mean", "ttft_median", "tpot_mean", "tpot_median", "itl_median", "e2e_mean", "batch_latency",
     "output_throughput", "total_throughput", "request_throughput", "num_blocks",
 )  # fmt: skip
 # Parameters a fit row may solve, and the range searched (log-spaced bisection).
@@ -66,6 +69,7 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "operators.attn_prefill.score_bytes": (1e-2, 1e3),
     "operators.host_seq.seq_s": (1e-7, 1e-2),
     "engine.admit_s": (1e-5, 0.2),
+    "engine.v0_seq_s": (1e-7, 1e-2),
 }
 # Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
 # row is still reported as a fit row, never as accuracy.
@@ -103,6 +107,7 @@ class Row:
     engine_mode: str = ""  # override of the device's [engine] mode ("eager" or "graph")
     async_scheduling: bool | None = None
     scheduler: str = "fcfs"  # vLLM V1's; "vllm-v0" = prefill-first (V0, vllm-ascend's AscendScheduler)
+    engine_core: str = "v1"  # "v0": vLLM's V0 LLMEngine, which pays [engine] v0_seq_s per sequence per step
     watermark: float = 0.0  # fraction of KV blocks admission keeps free (V0 and AscendScheduler: 0.01)
     num_prompts: int = 0
     input_len: int = 0  # fixed lengths (random dataset), or
@@ -136,7 +141,8 @@ class Result:
         return {
             "id": r.id, "source": r.source, "split": r.split, "metric": r.metric, "measured": r.measured,
             "predicted": self.predicted, "signed_error": self.signed_error, "fits": r.fits, "model": r.model,
-            "device": r.device, "engine": r.engine, "engine_mode": r.engine_mode, "scheduler": r.scheduler, "parallelism": r.parallelism,
+            "device": r.device, "engine": r.engine, "engine_mode": r.engine_mode, "engine_core": r.engine_core,
+            "scheduler": r.scheduler, "parallelism": r.parallelism,
             "workload": r.workload, "num_prompts": r.num_prompts, "input_len": r.input_len or None,
             "output_len": r.output_len or None, "input_total": r.input_total or None,
             "output_total": r.output_total or None, "rate": r.rate or None, "concurrency": r.concurrency or None,
@@ -191,6 +197,8 @@ def _check_row(row: Row, sources: dict[str, Source], path: Path, where: str) -> 
         problems.append(f"metric must be one of {METRICS}")
     if row.scheduler not in SCHEDULERS:
         problems.append(f"scheduler must be one of {sorted(SCHEDULERS)}")
+    if row.engine_core not in ENGINE_CORES:
+        problems.append(f"engine_core must be one of {ENGINE_CORES}")
     if row.workload not in WORKLOADS:
         problems.append(f"workload must be one of {WORKLOADS}")
     if not row.measured > 0:
@@ -246,16 +254,22 @@ def get_parameter(device: DeviceProfile, name: str) -> float:
 
 
 def row_device(row: Row, device: DeviceProfile) -> DeviceProfile:
-    """The device as the row's engine ran it: its mode and async scheduling where the row says."""
+    """The device as the row's engine ran it: its mode and async scheduling where the row says,
+    and for a V0 engine the V0 host time per sequence added to the cost model's ``host_seq``."""
     engine: EngineProfile | None = device.engine
-    if engine is None or (not row.engine_mode and row.async_scheduling is None):
+    if engine is None:
         return device
     updates: dict = {}
     if row.engine_mode:
         updates["mode"] = row.engine_mode
     if row.async_scheduling is not None:
         updates["async_scheduling"] = row.async_scheduling
-    return replace(device, engine=replace(engine, **updates))
+    if updates:
+        device = replace(device, engine=replace(engine, **updates))
+    if row.engine_core == "v0" and engine.v0_seq_s > 0:
+        seq = device.operators.get("host_seq", OperatorCoefficients(call_s=0.0))
+        device = device.with_operators({"host_seq": replace(seq, call_s=seq.call_s + engine.v0_seq_s)})
+    return device
 
 
 # --- replay ----------------------------------------------------------------------------------
@@ -299,7 +313,15 @@ def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
     return replace(resolved, device=device)
 
 
-def _simulate(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, arrivals: np.ndarray) -> list[dict]:
+@dataclass
+class Replay:
+    """A simulated row: per-request rows in the row's prompt order, and every inter-token gap."""
+
+    rows: list[dict]
+    gaps: np.ndarray
+
+
+def _simulate(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, arrivals: np.ndarray) -> Replay:
     order = np.argsort(arrivals, kind="stable")
     trace = Trace(arrival_s=arrivals[order] - arrivals[order[0]], prompt_tokens=prompts[order], output_tokens=outputs[order])
     run, _ = run_trace(resolved, trace, CostModelTimer(resolved.cost_model()), None)
@@ -307,7 +329,7 @@ def _simulate(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, a
     start = float(arrivals[order[0]])
     back = np.empty_like(order)
     back[order] = np.arange(order.size)
-    return [{**rows[back[i]], "arrival_s": float(arrivals[i]), "start": start} for i in range(order.size)]
+    return Replay([{**rows[back[i]], "arrival_s": float(arrivals[i]), "start": start} for i in range(order.size)], run.times.all_gaps())
 
 
 def _front_end(sent: np.ndarray, engine: EngineProfile | None) -> np.ndarray:
@@ -326,7 +348,7 @@ def _front_end(sent: np.ndarray, engine: EngineProfile | None) -> np.ndarray:
 
 def _closed_loop(
     resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, clients: int, engine: EngineProfile | None
-) -> tuple[np.ndarray, list[dict]]:
+) -> tuple[np.ndarray, Replay]:
     """Send times of ``clients`` closed-loop clients and the simulated requests (module docstring).
 
     Each round replays the clients with the previous round's per-request engine latencies
@@ -336,8 +358,8 @@ def _closed_loop(
     n = prompts.size
     solo = _simulate(resolved, prompts, outputs, np.arange(n) * 1e4)  # far apart: each request alone
     front = 0.0 if engine is None else engine.admit_s + engine.request_s
-    latency = np.array([r["finish_s"] - r["arrival_s"] + r["start"] for r in solo])
-    sent, rows, nxt = np.zeros(n), solo, np.zeros(n)
+    latency = np.array([r["finish_s"] - r["arrival_s"] + r["start"] for r in solo.rows])
+    sent, replay, nxt = np.zeros(n), solo, np.zeros(n)
     for _ in range(FIXED_POINT_ROUNDS):
         free = np.zeros(clients)
         nxt = np.zeros(n)
@@ -345,12 +367,12 @@ def _closed_loop(
             c = int(np.argmin(free))
             nxt[k] = free[c]
             free[c] = nxt[k] + front + latency[k]
-        rows = _simulate(resolved, prompts, outputs, _front_end(nxt, engine))
-        latency = np.array([r["finish_s"] + r["start"] - r["arrival_s"] for r in rows])
+        replay = _simulate(resolved, prompts, outputs, _front_end(nxt, engine))
+        latency = np.array([r["finish_s"] + r["start"] - r["arrival_s"] for r in replay.rows])
         if np.max(np.abs(nxt - sent)) < 1e-4:
             break
         sent = nxt
-    return nxt, rows
+    return nxt, replay
 
 
 def predict_row(row: Row, device: DeviceProfile) -> float:
@@ -363,15 +385,17 @@ def predict_row(row: Row, device: DeviceProfile) -> float:
     front = device.engine if row.workload != "batch" else None  # offline tests have no API server
     n = row.num_prompts
     if row.workload == "concurrency":
-        sent, rows = _closed_loop(resolved, prompts, outputs, row.concurrency, front)
+        sent, replay = _closed_loop(resolved, prompts, outputs, row.concurrency, front)
     else:
         sent = poisson_arrivals(row.rate, n=n, rng=row.seed) if row.workload == "poisson" else np.zeros(n)
-        rows = _simulate(resolved, prompts, outputs, _front_end(sent, front))
-    return _metric(row.metric, rows, prompts, outputs, sent)
+        replay = _simulate(resolved, prompts, outputs, _front_end(sent, front))
+    return _metric(row.metric, replay, prompts, outputs, sent)
 
 
-def _metric(metric: str, rows: list[dict], prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray) -> float:
-    """vLLM's benchmark definitions: latencies from the client's send, throughput over the benchmark's span."""
+def _metric(metric: str, replay: Replay, prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray) -> float:
+    """vLLM's benchmark definitions: latencies from the client's send, throughput over the benchmark's
+    span, ITL the median of every request's gaps between successive tokens after its first."""
+    rows = replay.rows
     first = np.array([r["first_token_s"] + r["start"] for r in rows])
     finish = np.array([r["finish_s"] + r["start"] for r in rows])
     ttft, e2e = first - sent, finish - sent
@@ -379,7 +403,7 @@ def _metric(metric: str, rows: list[dict], prompts: np.ndarray, outputs: np.ndar
     span = finish.max() - sent.min()
     values = {
         "ttft_mean": lambda: ttft.mean(), "ttft_median": lambda: np.median(ttft),
-        "tpot_mean": lambda: tpot.mean(), "tpot_median": lambda: np.median(tpot),
+        "tpot_mean": lambda: tpot.mean(), "tpot_median": lambda: np.median(tpot), "itl_median": lambda: np.median(replay.gaps),
         "e2e_mean": lambda: e2e.mean(), "batch_latency": lambda: span,
         "output_throughput": lambda: outputs.sum() / span,
         "total_throughput": lambda: (outputs.sum() + prompts.sum()) / span,

@@ -81,6 +81,7 @@ max_num_batched_tokens = 29000
         (("measured = 1478", "measured = 1478\nrate_qps = 3"), "unknown field"),
         (('wording = "w"\n', ""), "missing field"),
         (('engine = "e"', 'engine = "e"\nscheduler = "v2"'), "scheduler must be one of"),
+        (('engine = "e"', 'engine = "e"\nengine_core = "v2"'), "engine_core must be one of"),
     ],
 )
 def test_bad_rows_are_rejected_naming_file_and_row(tmp_path: Path, edit: tuple[str, str], message: str) -> None:
@@ -129,6 +130,30 @@ def test_prefill_first_stalls_decodes_while_prompts_arrive() -> None:
     mixed = predict_row(row, device)
     prefill_first = predict_row(replace(row, scheduler="vllm-v0"), device)
     assert prefill_first > 1.05 * mixed
+
+
+def test_v0_rows_pay_the_v0_host_time_per_sequence_per_step() -> None:
+    """engine_core = "v0" adds [engine] v0_seq_s to the cost model's host_seq: a batch of 8
+    sequences decoding 16 tokens pays it 8 times a step, about 8 * 16 times in all; V1 rows never."""
+    device = load_device("ascend-910b3")
+    without = replace(device, engine=replace(device.engine, v0_seq_s=0.0))
+    with_v0 = replace(device, engine=replace(device.engine, v0_seq_s=1e-3))
+    row = _serving_row(metric="batch_latency", engine_mode="eager", engine_core="v0")
+    extra = predict_row(row, with_v0) - predict_row(row, without)
+    assert extra == pytest.approx(8 * 16 * 1e-3, rel=0.05)
+    v1 = replace(row, engine_core="v1")
+    assert predict_row(v1, with_v0) == predict_row(v1, without)
+
+
+def test_itl_median_is_the_typical_gap_between_tokens() -> None:
+    """One request alone: every gap after its first token is one decode step, so ITL is TPOT."""
+    device = load_device("ascend-910b3")
+    row = _serving_row(num_prompts=1, output_len=33, engine_mode="eager")
+    itl = predict_row(replace(row, metric="itl_median"), device)
+    assert itl == pytest.approx(predict_row(replace(row, metric="tpot_mean"), device), rel=0.01)
+    # under load the decode step grows with the batch, and so does the ITL
+    loaded = replace(row, num_prompts=64, engine_core="v0", metric="itl_median")
+    assert predict_row(loaded, device) > itl + 32 * device.engine.v0_seq_s
 
 
 def test_one_closed_loop_client_sends_after_each_answer() -> None:
