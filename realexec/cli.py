@@ -56,8 +56,10 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
                 check: bool = False, progress: bool = False, decisions: str = "summary"):
     """Run ``config`` on a real backend; returns (SimRun, summary). Shared by execute and validate.
 
-    The summary's ``measured`` block names the clock step times were taken on and holds the
-    run's wall-clock time beside it (``wall_s``, per step in ``step_wall_s``).
+    The summary's ``measured`` block names the clock step times were taken on, how many runs of
+    each step's forward pass they are the median of (``timing_repeats``) and each step's first
+    run alone (``single_run_s``), and holds the run's wall-clock time beside them (``wall_s``,
+    per step in ``step_wall_s``, first runs only).
     """
     config = for_backend(config, backend)
     resolved = resolve(config)
@@ -81,6 +83,8 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
             "backend": backend.name,
             "measured": {
                 "clock": backend.clock,
+                "timing_repeats": executor.timing_repeats,
+                "single_run_s": executor.single_run_s,
                 "wall_s": sum(executor.wall_s),
                 "step_wall_s": executor.wall_s,
                 "device_s": sum(d for d in run.steps.columns["device_s"] if d is not None),

@@ -345,3 +345,33 @@ def test_autoload_is_switched_off_unless_the_user_chose(monkeypatch, user_value,
         monkeypatch.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", user_value)
     importlib.reload(backends_package)
     assert os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] == expected
+
+
+def test_cpu_clock_settings_come_from_the_environment_and_name_the_variable(monkeypatch) -> None:
+    from kvsim.realexec.backends.cpu import CpuBackend
+
+    monkeypatch.setenv("KVSIM_CPU_TIMING_REPEATS", "3")
+    backend = CpuBackend()
+    assert backend.timing_repeats == 3 and "median of 3 timed runs per step" in backend.fingerprint_parts()
+    for name, bad in (("KVSIM_CPU_TIMING_REPEATS", "0"), ("KVSIM_CPU_THREADS", "two")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer, not '{bad}'"):
+            CpuBackend()
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt and per-thread rusage are Linux facts")
+def test_cpu_backend_keeps_freed_memory_so_steps_do_not_fault_in_fresh_pages() -> None:
+    import resource
+
+    from kvsim.realexec.backends.cpu import CpuBackend
+
+    assert CpuBackend().keeps_freed_memory
+
+    def faults_of_a_fresh_4_mib_tensor() -> int:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        torch.ones(1024 * 1024, dtype=torch.float32).sum()
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+    faults_of_a_fresh_4_mib_tensor()  # the heap grows once
+    assert faults_of_a_fresh_4_mib_tensor() < 64  # unmapped on free it would fault in about 1,024 pages again

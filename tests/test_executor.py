@@ -180,3 +180,32 @@ def test_bad_plans_are_rejected_with_the_reason(sc: Scenario) -> None:
         sc.ex.step(plan(0, [("a", 0, 20, True)], {"a": [1, 64]}))
     with pytest.raises(ValueError, match="request 'zz', which was never added"):
         sc.ex.step(plan(0, [("zz", 0, 1, True)], {"zz": [1]}))
+
+
+def test_a_steps_time_is_its_median_pass_and_its_first_pass_is_kept(sc: Scenario, monkeypatch) -> None:
+    """Repeated passes change no token (covered above with the default five); the time is the median run's."""
+    passes = []
+    timed_pass = sc.ex._timed_pass
+
+    def recording(plan):
+        result = timed_pass(plan)
+        passes.append(result)
+        return result
+
+    monkeypatch.setattr(sc.ex, "_timed_pass", recording)
+    sc.add("a", 0, 33)
+    sc.tables["a"] = [4, 5, 6]
+    timing = sc.run([("a", 0, 33, True)])
+    assert sc.ex.timing_repeats == len(passes) == 5
+    totals = sorted(p.host_s + p.forward_s for p in passes)
+    assert timing.duration_s == pytest.approx(totals[2])
+    assert sc.ex.single_run_s == [pytest.approx(passes[0].host_s + passes[0].forward_s)]
+    assert all(torch.equal(p.sampled, passes[0].sampled) for p in passes)
+    passes.clear()
+    timing = sc.ex.step(plan(9, [("a", 33, 1, True)], sc.tables), repeats=1)
+    assert len(passes) == 1 and sc.ex.single_run_s[-1] == pytest.approx(timing.duration_s)
+
+
+def test_timing_repeats_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="timing_repeats must be at least 1"):
+        Executor(TINY, get_backend("cpu"), num_blocks=4, block_size=BS, timing_repeats=0)

@@ -236,7 +236,8 @@ def test_a_step_instance_runs_twice_on_the_same_blocks_as_a_served_decode_does()
     executor = Executor(TINY, get_backend("cpu"), num_blocks=64, block_size=BS, seed=0)
     plans = []
     step = executor.step
-    executor.step = lambda plan: plans.append(plan) or step(plan)
+    passes: list[int | None] = []
+    executor.step = lambda plan, repeats=None: plans.append(plan) or passes.append(repeats) or step(plan, repeats)
     case = OperatorBenches(executor, np.random.default_rng(0), 0).step(decode(2, 40)).case
     first = case()
     first(), first()
@@ -244,6 +245,7 @@ def test_a_step_instance_runs_twice_on_the_same_blocks_as_a_served_decode_does()
     tables = [list(plan.block_tables.values()) for plan in plans]
     assert tables[0] == tables[1] != tables[2]  # primed and timed run share a layout; the next instance gets its own
     assert not set(plans[0].block_tables) & set(plans[1].block_tables)  # fresh requests each run
+    assert passes == [1, 1, 1]  # one pass per run: the case's median over rounds is its estimate
 
 
 def test_int8_benches_write_and_attend_through_the_quantised_cache_with_the_executors_scales(monkeypatch: pytest.MonkeyPatch) -> None:

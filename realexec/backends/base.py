@@ -131,6 +131,9 @@ class KernelBackend(ABC):
     # The dtypes attention kernels compute in, where not every float dtype (an int8 cache over an
     # fp32 model then attends in the last of these); None: any.
     attention_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    # Runs of each step's forward pass the executor times, keeping the median (``Executor``):
+    # device events time one run precisely; a shared CPU does not.
+    timing_repeats: int = 1
 
     def host_time(self) -> float:
         """Seconds on the clock host overhead (building inputs, Python) is timed with."""

@@ -14,10 +14,16 @@ thread, so ``time.thread_time()`` sees all of it; with more, the clock is the pr
 time, the work of all its threads. One thread also because on a 2-core VM two made step
 times 3-25x noisier (docs/benchmarks.md). Profiles are only comparable at the same thread
 count, which is part of the machine fingerprint.
+
+CPU time still varies run to run (caches and memory bandwidth shared with other tenants: 8-30 %
+for one run of a few milliseconds), so the executor times each step's forward pass five times
+and keeps the median (``KVSIM_CPU_TIMING_REPEATS``; ``Executor`` says why that is sound), as
+the profiler takes the median of its rounds; the repeat count is part of the fingerprint too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import time
@@ -32,14 +38,41 @@ from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, swap_bl
 from kvsim.realexec.backends.portable import TorchBackend
 
 R = TypeVar("R")
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's ceiling on 64-bit hosts: blocks below this come from the heap
+
+
+def _positive_env(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name} must be a positive integer, not {value!r}")
+    return int(value)
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory in the process instead of handing it back to the kernel.
+
+    A step allocates its activations afresh; by default glibc serves large blocks with ``mmap``
+    and unmaps them on free, so every step faults in new zeroed pages, on CPU time that depends
+    on the kernel's memory pressure. A 200-token prefill of the tiny model took 22 page faults
+    a step by default and 1.7 with this; its median CPU time fell about 5 % and its
+    run-to-run spread roughly halved (docs/benchmarks.md). Returns False where there is no glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_MAX) and libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def cpu_threads() -> int:
     """Intra-op threads the cpu backend times with (``KVSIM_CPU_THREADS``, default 1)."""
-    value = os.environ.get("KVSIM_CPU_THREADS", "1")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"KVSIM_CPU_THREADS must be a positive integer, not {value!r}")
-    return int(value)
+    return _positive_env("KVSIM_CPU_THREADS", 1)
+
+
+def cpu_timing_repeats() -> int:
+    """Forward-pass runs timed per step, median kept (``KVSIM_CPU_TIMING_REPEATS``, default 5)."""
+    return _positive_env("KVSIM_CPU_TIMING_REPEATS", 5)
 
 
 class CpuBackend(TorchBackend):
@@ -52,6 +85,8 @@ class CpuBackend(TorchBackend):
             raise ValueError(f"the cpu backend runs on 'cpu', not {device!r}")
         self.device = torch.device("cpu")
         self.threads = cpu_threads()
+        self.timing_repeats = cpu_timing_repeats()
+        self.keeps_freed_memory = keep_freed_memory()
         torch.set_num_threads(self.threads)
         self._cpu_time = time.thread_time if self.threads == 1 else time.process_time
         self.clock = "thread CPU time" if self.threads == 1 else f"process CPU time ({self.threads} threads)"
@@ -67,7 +102,8 @@ class CpuBackend(TorchBackend):
         return f"{_processor_name()} ({os.cpu_count()} cpus)"
 
     def fingerprint_parts(self) -> list[str]:
-        return [self.name, platform.machine(), self.machine_name(), torch.__version__, f"{self.threads} torch threads"]
+        return [self.name, platform.machine(), self.machine_name(), torch.__version__, f"{self.threads} torch threads",
+                f"median of {self.timing_repeats} timed runs per step"]
 
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
