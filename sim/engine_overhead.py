@@ -20,7 +20,9 @@ more costs outside the engine loop: ``admit_s``, the API server's own time for i
 parsing, chat template, tokenisation), which a single server process spends one request at a
 time, so a burst of prompts queues there; and ``request_s``, latency every request sees in
 parallel (HTTP, hand-over to the engine process, detokenising and streaming the first token).
-Both add to a served request's time to first token, not to any step.
+Both add to a served request's time to first token, not to any step. On vLLM's V1 engine the same
+server process also detokenises and streams every token, ``stream_s`` each, in one queue with
+the admissions (sim/api_server.py).
 
 vLLM's V0 engine (``vllm/engine/llm_engine.py``, ``LLMEngine.step``; vllm-ascend v0.7.x runs it)
 adds host work per sequence per step on the thread that also dispatches the kernels: the
@@ -56,6 +58,7 @@ class EngineProfile:
     request_s: float = 0.0  # latency per served request before its first token, paid in parallel
     admit_s: float = 0.0  # API-server time per request, paid one request at a time
     v0_seq_s: float = 0.0  # vLLM V0 engine: host time per sequence per step (module docstring)
+    stream_s: float = 0.0  # vLLM V1's API server: time per streamed token, serial with admissions
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -65,8 +68,8 @@ class EngineProfile:
             raise ValueError("graph mode needs capture_sizes")
         if any(s <= 0 for s in self.capture_sizes) or list(self.capture_sizes) != sorted(set(self.capture_sizes)):
             raise ValueError(f"capture_sizes must be positive, increasing and distinct, got {list(self.capture_sizes)}")
-        if min(self.dispatch_s, self.request_s, self.admit_s, self.v0_seq_s) < 0:
-            raise ValueError("dispatch_s, request_s, admit_s and v0_seq_s must be >= 0")
+        if min(self.dispatch_s, self.request_s, self.admit_s, self.v0_seq_s, self.stream_s) < 0:
+            raise ValueError("dispatch_s, request_s, admit_s, v0_seq_s and stream_s must be >= 0")
 
     def in_graph(self, num_tokens: Num) -> Num:
         """1 where a step of ``num_tokens`` replays a captured graph, else 0."""
@@ -97,7 +100,7 @@ class EngineProfile:
 
 def parse_engine(table: dict, path: Path) -> EngineProfile:
     """An ``[engine]`` table of a device TOML; errors name the file and field."""
-    allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "admit_s", "v0_seq_s", "source"}
+    allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "admit_s", "v0_seq_s", "stream_s", "source"}
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join('engine.' + k for k in unknown)} (allowed: {', '.join(sorted(allowed))})")
@@ -107,7 +110,7 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
     sizes = table.get("capture_sizes", [])
     if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
         raise ValueError(f"{path}: field engine.capture_sizes must be a list of integers, got {sizes!r}")
-    for key in ("dispatch_s", "request_s", "admit_s", "v0_seq_s"):
+    for key in ("dispatch_s", "request_s", "admit_s", "v0_seq_s", "stream_s"):
         value = table.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{path}: field engine.{key} must be a number >= 0, got {value!r}")
@@ -122,6 +125,7 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
             request_s=float(table.get("request_s", 0.0)),
             admit_s=float(table.get("admit_s", 0.0)),
             v0_seq_s=float(table.get("v0_seq_s", 0.0)),
+            stream_s=float(table.get("stream_s", 0.0)),
             source=str(table.get("source", "")),
         )
     except ValueError as exc:
@@ -139,5 +143,6 @@ def engine_toml_lines(engine: EngineProfile) -> list[str]:
         f"request_s = {engine.request_s!r}",
         f"admit_s = {engine.admit_s!r}",
         f"v0_seq_s = {engine.v0_seq_s!r}",
+        f"stream_s = {engine.stream_s!r}",
         f"source = {json.dumps(engine.source)}",
     ]

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.policies.registry import SCHEDULERS
+from kvsim.sim.api_server import serve_queue
 from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.device import SHAPE_KEYS, DeviceProfile, OperatorCoefficients, load_device
 from kvsim.sim.engine_overhead import EngineProfile
@@ -54,7 +55,7 @@ SPLITS = ("fit", "check")
 WORKLOADS = ("batch", "burst", "poisson", "concurrency", "memory")
 ENGINE_CORES = ("v0", "v1")  # vLLM's engine generation: V0 LLMEngine, V1 EngineCore
 METRICS = (
-    "ttft_mean", "ttft_median", "tpot_mean", "tpot_median", "itl_median", "e2e_mean", "batch_latency",
+    "ttft_mean", "ttft_median", "ttft_p99", "tpot_mean", "tpot_median", "itl_median", "e2e_mean", "batch_latency",
     "output_throughput", "total_throughput", "request_throughput", "num_blocks",
 )  # fmt: skip
 # Parameters a fit row may solve, and the range searched (log-spaced bisection).
@@ -70,6 +71,7 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "operators.host_seq.seq_s": (1e-7, 1e-2),
     "engine.admit_s": (1e-5, 0.2),
     "engine.v0_seq_s": (1e-7, 1e-2),
+    "engine.stream_s": (1e-7, 1e-2),
 }
 # Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
 # row is still reported as a fit row, never as accuracy.
@@ -315,10 +317,16 @@ def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
 
 @dataclass
 class Replay:
-    """A simulated row: per-request rows in the row's prompt order, and every inter-token gap."""
+    """A simulated row, requests in the row's prompt order: when each one's first and last token
+    reached its client (absolute seconds), every inter-token gap, and each engine step's end and
+    the tokens it sampled."""
 
     rows: list[dict]
+    first: np.ndarray
+    finish: np.ndarray
     gaps: np.ndarray
+    step_end: np.ndarray
+    step_tokens: np.ndarray  # every entry of a step samples a token (whole prompts; a chunk counts one)
 
 
 def _simulate(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, arrivals: np.ndarray) -> Replay:
@@ -329,46 +337,67 @@ def _simulate(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, a
     start = float(arrivals[order[0]])
     back = np.empty_like(order)
     back[order] = np.arange(order.size)
-    return Replay([{**rows[back[i]], "arrival_s": float(arrivals[i]), "start": start} for i in range(order.size)], run.times.all_gaps())
+    rows = [{**rows[back[i]], "arrival_s": float(arrivals[i]), "start": start} for i in range(order.size)]
+    steps = run.steps.columns
+    return Replay(
+        rows=rows,
+        first=np.array([r["first_token_s"] for r in rows]) + start,
+        finish=np.array([r["finish_s"] for r in rows]) + start,
+        gaps=run.times.all_gaps(),
+        step_end=np.add(steps["start_s"], steps["duration_s"]) + start,
+        step_tokens=np.asarray(steps["batch_size"], dtype=np.float64),
+    )
 
 
-def _front_end(sent: np.ndarray, engine: EngineProfile | None) -> np.ndarray:
-    """When the engine sees each request: the API server admits requests one at a time (a single
-    Python process), ``admit_s`` each, in the order they were sent; then ``request_s`` later."""
+def _serve(
+    resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray, engine: EngineProfile | None, stream_s: float
+) -> Replay:
+    """Requests sent at ``sent`` through the API server and the engine (``engine`` None: straight
+    into the engine, as offline tests run). Where the server also streams every token
+    (``stream_s`` > 0) it is one queue for both, solved as a fixed point: admissions from the
+    previous round's steps, the engine from those admissions; clients see a token when the server
+    has sent it. Inter-token gaps stay the engine's."""
     if engine is None:
-        return sent
-    order = np.argsort(sent, kind="stable")
-    seen = np.empty_like(sent)
-    free = -np.inf
-    for i in order:
-        free = max(free, sent[i]) + engine.admit_s
-        seen[i] = free + engine.request_s
-    return seen
+        return _simulate(resolved, prompts, outputs, sent)
+    admitted, _ = serve_queue(sent, np.empty(0), np.empty(0), engine.admit_s, 0.0)
+    for _ in range(FIXED_POINT_ROUNDS):
+        replay = _simulate(resolved, prompts, outputs, admitted + engine.request_s)
+        if stream_s <= 0:
+            return replay
+        again, visible = serve_queue(sent, replay.step_end, replay.step_tokens, engine.admit_s, stream_s)
+        settled = np.max(np.abs(again - admitted)) < 1e-3
+        admitted = again
+        if settled:
+            break
+    def sent_at(engine_time: np.ndarray) -> np.ndarray:  # a token leaves with its step's batch
+        return visible[np.minimum(np.searchsorted(replay.step_end, engine_time - 1e-9), visible.size - 1)]
+
+    return replace(replay, first=sent_at(replay.first), finish=sent_at(replay.finish))
 
 
 def _closed_loop(
-    resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, clients: int, engine: EngineProfile | None
+    resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, clients: int, engine: EngineProfile | None, stream_s: float
 ) -> tuple[np.ndarray, Replay]:
     """Send times of ``clients`` closed-loop clients and the simulated requests (module docstring).
 
-    Each round replays the clients with the previous round's per-request engine latencies
-    (first round: every request alone), then simulates those sends; latencies depend only weakly
-    on the arrival pattern, so a few rounds settle.
+    Each round replays the clients with the previous round's per-request latencies, send to
+    answer (first round: every request alone), then serves those sends; latencies depend only
+    weakly on the arrival pattern, so a few rounds settle.
     """
     n = prompts.size
-    solo = _simulate(resolved, prompts, outputs, np.arange(n) * 1e4)  # far apart: each request alone
-    front = 0.0 if engine is None else engine.admit_s + engine.request_s
-    latency = np.array([r["finish_s"] - r["arrival_s"] + r["start"] for r in solo.rows])
-    sent, replay, nxt = np.zeros(n), solo, np.zeros(n)
+    alone = np.arange(n) * 1e4  # far apart: each request alone
+    replay = _serve(resolved, prompts, outputs, alone, engine, stream_s)
+    latency = replay.finish - alone
+    sent, nxt = np.zeros(n), np.zeros(n)
     for _ in range(FIXED_POINT_ROUNDS):
         free = np.zeros(clients)
         nxt = np.zeros(n)
         for k in range(n):
             c = int(np.argmin(free))
             nxt[k] = free[c]
-            free[c] = nxt[k] + front + latency[k]
-        replay = _simulate(resolved, prompts, outputs, _front_end(nxt, engine))
-        latency = np.array([r["finish_s"] + r["start"] - r["arrival_s"] for r in replay.rows])
+            free[c] = nxt[k] + latency[k]
+        replay = _serve(resolved, prompts, outputs, nxt, engine, stream_s)
+        latency = replay.finish - nxt
         if np.max(np.abs(nxt - sent)) < 1e-4:
             break
         sent = nxt
@@ -383,26 +412,27 @@ def predict_row(row: Row, device: DeviceProfile) -> float:
     resolved = _resolved(row, device)
     prompts, outputs = row_lengths(row)
     front = device.engine if row.workload != "batch" else None  # offline tests have no API server
+    # V1's API server detokenises and streams every token (sim/api_server.py); V0 detokenises in
+    # the engine (its v0_seq_s), so its server's share is not modelled apart
+    stream_s = front.stream_s if front is not None and row.engine_core == "v1" else 0.0
     n = row.num_prompts
     if row.workload == "concurrency":
-        sent, replay = _closed_loop(resolved, prompts, outputs, row.concurrency, front)
+        sent, replay = _closed_loop(resolved, prompts, outputs, row.concurrency, front, stream_s)
     else:
         sent = poisson_arrivals(row.rate, n=n, rng=row.seed) if row.workload == "poisson" else np.zeros(n)
-        replay = _simulate(resolved, prompts, outputs, _front_end(sent, front))
+        replay = _serve(resolved, prompts, outputs, sent, front, stream_s)
     return _metric(row.metric, replay, prompts, outputs, sent)
 
 
 def _metric(metric: str, replay: Replay, prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray) -> float:
     """vLLM's benchmark definitions: latencies from the client's send, throughput over the benchmark's
     span, ITL the median of every request's gaps between successive tokens after its first."""
-    rows = replay.rows
-    first = np.array([r["first_token_s"] + r["start"] for r in rows])
-    finish = np.array([r["finish_s"] + r["start"] for r in rows])
+    rows, first, finish = replay.rows, replay.first, replay.finish
     ttft, e2e = first - sent, finish - sent
     tpot = (finish - first)[outputs > 1] / (outputs[outputs > 1] - 1)
     span = finish.max() - sent.min()
     values = {
-        "ttft_mean": lambda: ttft.mean(), "ttft_median": lambda: np.median(ttft),
+        "ttft_mean": lambda: ttft.mean(), "ttft_median": lambda: np.median(ttft), "ttft_p99": lambda: np.percentile(ttft, 99),
         "tpot_mean": lambda: tpot.mean(), "tpot_median": lambda: np.median(tpot), "itl_median": lambda: np.median(replay.gaps),
         "e2e_mean": lambda: e2e.mean(), "batch_latency": lambda: span,
         "output_throughput": lambda: outputs.sum() / span,

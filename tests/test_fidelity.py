@@ -12,11 +12,10 @@ from click.testing import CliRunner
 
 from kvsim.sim.cli import main
 from kvsim.sim.device import load_device
-from kvsim.sim.engine_overhead import EngineProfile
+from kvsim.sim.api_server import serve_queue
 from kvsim.sim.fidelity import (
     PUBLISHED,
     Row,
-    _front_end,
     fit_parameters,
     get_parameter,
     load_published,
@@ -111,9 +110,28 @@ def test_dataset_lengths_keep_the_published_totals_and_vllms_sharegpt_filter() -
 
 
 def test_the_api_server_admits_one_request_at_a_time() -> None:
-    engine = EngineProfile(mode="eager", dispatch_s=0.0, admit_s=0.01, request_s=0.05)
-    seen = _front_end(np.array([0.0, 0.0, 0.0, 1.0]), engine)
-    assert seen == pytest.approx([0.06, 0.07, 0.08, 1.06])  # a burst queues; a lone request only waits
+    none = np.empty(0)
+    admitted, _ = serve_queue(np.array([0.0, 0.0, 0.0, 1.0]), none, none, admit_s=0.01, stream_s=0.0)
+    assert admitted == pytest.approx([0.01, 0.02, 0.03, 1.01])  # a burst queues; a lone request only waits
+
+
+def test_streamed_tokens_hold_up_the_next_admissions() -> None:
+    """One server for both: a step of 100 tokens at t = 0.005 takes 0.1 s to stream, so the
+    request sent at 0.01 is admitted only after it, and those tokens reach clients at 0.105."""
+    admitted, visible = serve_queue(np.array([0.0, 0.01]), np.array([0.005]), np.array([100]), admit_s=0.001, stream_s=0.001)
+    assert admitted == pytest.approx([0.001, 0.106]) and visible == pytest.approx([0.105])
+
+
+def test_v1_rows_see_their_tokens_when_the_server_streams_them() -> None:
+    device = load_device("ascend-910b3")
+    quiet = replace(device, engine=replace(device.engine, stream_s=0.0))
+    busy = replace(device, engine=replace(device.engine, stream_s=2e-3))
+    row = _serving_row(workload="burst", num_prompts=32, output_len=64, engine_mode="eager", metric="ttft_p99")
+    assert predict_row(row, busy) > predict_row(row, quiet) + 2e-3  # later admissions wait for streaming
+    e2e = replace(row, metric="e2e_mean")
+    assert predict_row(e2e, busy) > predict_row(e2e, quiet)
+    v0 = replace(e2e, engine_core="v0")  # V0's server is not charged per token (engine_overhead.py)
+    assert predict_row(v0, busy) == predict_row(v0, quiet)
 
 
 def test_rows_replay_their_engines_scheduler(published) -> None:
