@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvsim.policies.block_manager import BlockManager, KVStats
 from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
-from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
+from kvsim.policies.plan import DecodeStretch, PlanEntry, PlanTotals, StepPlan
 from kvsim.policies.queue import RequestQueue
 from kvsim.policies.registry import resolve_block_manager, resolve_scheduler
 from kvsim.policies.request import Request, Status
@@ -345,9 +345,13 @@ class EngineCore:
         plan.rejected.append((request.request_id, "unschedulable"))
 
     def _fill_plan(self, plan: StepPlan) -> None:
+        """Entries, tables and slots of the scheduled requests, and their totals in the same pass."""
         bs = self.kv.block_size
         block_table = self.kv.block_table
         entries, tables, slot_mapping = plan.entries, plan.block_tables, plan.slot_mapping
+        totals = PlanTotals(bs)
+        # The decode path's sums stay in locals (the hot loop); PlanTotals.of is the reference (plan.check).
+        num_tokens = sampled = blocks_touched = decode_seqs = decode_ctx = decode_max_blocks = 0
         for request, num_new in self._scheduled.values():
             rid = request.request_id
             first = request.num_computed_tokens
@@ -355,15 +359,34 @@ class EngineCore:
             samples = end == request.prompt_tokens + request.num_output_tokens
             table = block_table(request)
             tables[rid] = table[:]
-            if num_new == 1:  # a decode (or a one-token chunk): its slot inline
-                entries.append(PlanEntry(rid, first, 1, not samples or request.num_output_tokens == 0, samples))
+            num_tokens += num_new
+            sampled += samples
+            if num_new == 1 and samples and request.num_output_tokens:  # a decode: its slot inline
+                entries.append(PlanEntry(rid, first, 1, False, True))
                 slot_mapping.append(table[first // bs] * bs + first % bs)  # blocks.slot, inlined
-            else:
+                blocks = first // bs + 1  # cdiv(end, bs) for end = first + 1
+                decode_seqs += 1
+                decode_ctx += end
+                if blocks > decode_max_blocks:
+                    decode_max_blocks = blocks
+            else:  # a prefill chunk (one token or more)
                 entries.append(PlanEntry(rid, first, num_new, True, samples))
                 slot_mapping.extend(slots_for(table, first, end, bs))
+                blocks = cdiv(end, bs)
+                totals.prefill_seqs += 1
+                totals.prefill_tokens += num_new
+                totals.attn_pairs += num_new * first + num_new * (num_new + 1) // 2
+                totals.prefill_ctx_tokens += end
+                totals.prefill_max_blocks = max(totals.prefill_max_blocks, blocks)
+                totals.prefill_max_tokens = max(totals.prefill_max_tokens, num_new)
+            blocks_touched += blocks
             request.num_computed_tokens = end
-            if samples and request.seats > 1:  # its samples fork now
+            if samples and request.n_samples > 1 and request.seats > 1:  # its samples fork now
                 plan.forks.append((rid, [f"{rid}#{k}" for k in range(1, request.n_samples)]))
+        totals.num_tokens, totals.num_sampled, totals.blocks_touched = num_tokens, sampled, blocks_touched
+        totals.decode_seqs = totals.decode_tokens = decode_seqs
+        totals.decode_ctx_tokens, totals.decode_max_blocks = decode_ctx, decode_max_blocks
+        plan.totals = totals
         plan.copies = self.kv.take_copies()
 
     def commit(self, plan: StepPlan, now: float) -> list[Request]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvsim.policies.blocks import slot
+from kvsim.policies.blocks import cdiv, slot
 
 
 @dataclass(slots=True)
@@ -29,6 +29,58 @@ class PlanEntry:
 
 
 @dataclass(slots=True)
+class PlanTotals:
+    """A plan's batch shape in integers: what the cost model and the step records read.
+
+    The engine accumulates these while it fills a plan (one pass it makes anyway), so readers
+    need not walk the entries again; :meth:`of` computes the same from any list of entries and
+    is the reference the engine's figures are tested against. Integers, so sums are exact.
+    """
+
+    block_size: int
+    num_tokens: int = 0
+    num_sampled: int = 0
+    blocks_touched: int = 0  # sum over entries of ceil(end_position / block_size)
+    prefill_seqs: int = 0
+    prefill_tokens: int = 0
+    attn_pairs: int = 0  # sum over prefill entries of n*first + n(n+1)/2 (causal)
+    prefill_ctx_tokens: int = 0  # sum over prefill entries of end_position
+    prefill_max_blocks: int = 0  # the longest prefill entry's blocks
+    prefill_max_tokens: int = 0  # the largest prefill query
+    decode_seqs: int = 0
+    decode_tokens: int = 0
+    decode_ctx_tokens: int = 0  # sum over decode entries of end_position
+    decode_max_blocks: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.prefill_seqs + self.decode_seqs
+
+    @classmethod
+    def of(cls, entries: list[PlanEntry], block_size: int) -> "PlanTotals":
+        t = cls(block_size)
+        for e in entries:
+            n, end = e.num_tokens, e.end_position
+            blocks = cdiv(end, block_size)
+            t.num_tokens += n
+            t.num_sampled += e.samples
+            t.blocks_touched += blocks
+            if e.is_prefill:
+                t.prefill_seqs += 1
+                t.prefill_tokens += n
+                t.attn_pairs += n * e.first_position + n * (n + 1) // 2
+                t.prefill_ctx_tokens += end
+                t.prefill_max_blocks = max(t.prefill_max_blocks, blocks)
+                t.prefill_max_tokens = max(t.prefill_max_tokens, n)
+            else:
+                t.decode_seqs += 1
+                t.decode_tokens += n
+                t.decode_ctx_tokens += end
+                t.decode_max_blocks = max(t.decode_max_blocks, blocks)
+        return t
+
+
+@dataclass(slots=True)
 class StepPlan:
     step: int
     entries: list[PlanEntry] = field(default_factory=list)
@@ -40,36 +92,51 @@ class StepPlan:
     preempted: list[tuple[str, str]] = field(default_factory=list)  # (request id, mode)
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
     forks: list[tuple[str, list[str]]] = field(default_factory=list)  # parent -> children at commit
+    # Filled by the engine with the entries (None: a plan built by hand; readers compute it).
+    # Derived from the entries, so not part of a plan's equality.
+    totals: PlanTotals | None = field(default=None, compare=False)
+
+    def totals_for(self, block_size: int) -> PlanTotals:
+        """The batch shape at ``block_size``: the engine's totals when they match, else computed."""
+        t = self.totals
+        return t if t is not None and t.block_size == block_size else PlanTotals.of(self.entries, block_size)
+
+    @property
+    def _shape(self) -> PlanTotals:
+        """Totals for counts that do not depend on the block size."""
+        return self.totals if self.totals is not None else PlanTotals.of(self.entries, 1)
 
     @property
     def num_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
+        return self._shape.num_tokens
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries if e.is_prefill)
+        return self._shape.prefill_tokens
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries if not e.is_prefill)
+        return self._shape.decode_tokens
 
     @property
     def kind(self) -> str:
         """``prefill``, ``decode``, ``mixed`` or ``idle`` (nothing to run, e.g. only rejections)."""
-        has_prefill = any(e.is_prefill for e in self.entries)
-        has_decode = any(not e.is_prefill for e in self.entries)
-        if has_prefill and has_decode:
+        t = self._shape
+        if t.prefill_seqs and t.decode_seqs:
             return "mixed"
-        if has_prefill:
+        if t.prefill_seqs:
             return "prefill"
-        return "decode" if has_decode else "idle"
+        return "decode" if t.decode_seqs else "idle"
 
     @property
     def is_empty(self) -> bool:
         return not (self.entries or self.swap_out or self.swap_in or self.copies)
 
     def check(self, block_size: int) -> None:
-        """Raise AssertionError unless every new token has its own slot inside its block table."""
+        """Raise AssertionError unless every new token has its own slot inside its block table (and the totals add up)."""
+        if self.totals is not None:
+            expected_totals = PlanTotals.of(self.entries, self.totals.block_size)
+            assert self.totals == expected_totals, f"step {self.step}: totals {self.totals} != {expected_totals}"
         slots = self.slot_mapping
         assert len(slots) == self.num_tokens, f"step {self.step}: {len(slots)} slots for {self.num_tokens} tokens"
         assert len(set(slots)) == len(slots), f"step {self.step}: two tokens write the same slot"

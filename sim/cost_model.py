@@ -143,34 +143,27 @@ _FEATURE_NAMES = tuple(f.name for f in fields(StepFeatures))
 
 
 def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
-    """The features of one plan (plain floats)."""
-    values = dict.fromkeys(_FEATURE_NAMES, 0.0)
-    for e in plan.entries:
-        n, end = e.num_tokens, e.end_position
-        values["num_tokens"] += n
-        values["num_seqs"] += 1
-        values["num_sampled"] += e.samples
-        values["blocks_touched"] += cdiv(end, block_size)
-        if e.is_prefill:
-            values["prefill_tokens"] += n
-            values["attn_pairs"] += n * e.first_position + n * (n + 1) // 2
-            values["prefill_ctx_tokens"] += end
-        else:
-            values["decode_seqs"] += 1
-            values["decode_ctx_tokens"] += end
-    values["copy_blocks"] = float(len(plan.copies))
-    values["swap_blocks"] = float(len(plan.swap_in) + len(plan.swap_out))
-    for is_prefill in (True, False):
-        group = [e for e in plan.entries if e.is_prefill == is_prefill]
-        if group:
-            blocks = max(cdiv(e.end_position, block_size) for e in group)
-            values["padded_blocks_touched"] += len(group) * blocks
-            if is_prefill:
-                values["padded_prefill_ctx_tokens"] = len(group) * blocks * block_size
-                values["padded_attn_pairs"] = len(group) * max(e.num_tokens for e in group) * blocks * block_size
-            else:
-                values["padded_decode_ctx_tokens"] = len(group) * blocks * block_size
-    return StepFeatures(**{k: float(v) for k, v in values.items()})
+    """The features of one plan (plain floats), from its integer totals (exact, so bit-stable)."""
+    t = plan.totals_for(block_size)
+    prefill_blocks = t.prefill_seqs * t.prefill_max_blocks  # each prefill entry at the longest's blocks
+    decode_blocks = t.decode_seqs * t.decode_max_blocks
+    return StepFeatures(
+        num_tokens=float(t.num_tokens),
+        num_seqs=float(t.num_seqs),
+        num_sampled=float(t.num_sampled),
+        prefill_tokens=float(t.prefill_tokens),
+        attn_pairs=float(t.attn_pairs),
+        decode_seqs=float(t.decode_seqs),
+        decode_ctx_tokens=float(t.decode_ctx_tokens),
+        prefill_ctx_tokens=float(t.prefill_ctx_tokens),
+        blocks_touched=float(t.blocks_touched),
+        copy_blocks=float(len(plan.copies)),
+        swap_blocks=float(len(plan.swap_in) + len(plan.swap_out)),
+        padded_attn_pairs=float(prefill_blocks * t.prefill_max_tokens * block_size),
+        padded_prefill_ctx_tokens=float(prefill_blocks * block_size),
+        padded_decode_ctx_tokens=float(decode_blocks * block_size),
+        padded_blocks_touched=float(prefill_blocks + decode_blocks),
+    )
 
 
 def _on(x: Num) -> Num:
@@ -202,6 +195,12 @@ class CostModel:
         self._kv_token_layer = m.kv_bytes_per_token(self.kv_dtype) / L  # c
         self._block_bytes = m.bytes_per_block(block_size, self.kv_dtype)
         self._rates = {op: self._unit_costs(op) for op in OPERATORS}
+        self._rate_rows = tuple(self._rates[op] for op in OPERATORS)
+        self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
+        self._half_tokens = device.operators["gemm"].shape
+        self._half_context = device.operators["attn_decode"].shape
+        self._score_bytes = device.operators["attn_prefill"].shape
+        self._padded_tokens: dict[float, float] = {}  # a graph engine's padding of one step's T, memoised
 
     def unit_costs(self, op: str) -> tuple[float, float, float]:
         """(seconds per flop, seconds per byte, seconds per call) of an operator; 0 for an unread roof."""
@@ -222,67 +221,83 @@ class CostModel:
     # --- work ------------------------------------------------------------------------------
     def operator_work(self, f: StepFeatures) -> dict[str, OperatorWork]:
         """FLOPs, bytes and calls of every operator (the table in the module docstring)."""
+        return {op: OperatorWork(*row) for op, row in zip(OPERATORS, self._work(f))}
+
+    def _padded(self, T: Num) -> Num:
+        """T padded to the engine's captured graph size (T without an engine); scalars memoised."""
+        engine = self.device.engine
+        if engine is None:
+            return T
+        if isinstance(T, np.ndarray):
+            return engine.padded_tokens(T)
+        padded = self._padded_tokens.get(T)
+        if padded is None:
+            padded = self._padded_tokens[T] = engine.padded_tokens(T)
+        return padded
+
+    def _work(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
+        """(flops, bytes, calls) of every operator in ``OPERATORS`` order: one step costs tuples, not a dict."""
         m, L, a, w, c = self.model, self._L, self._a, self._w, self._kv_token_layer
         q, kv, h, vocab = m.q_size, m.kv_size, m.hidden_size, m.vocab_size
         T, S = f.num_tokens, f.num_sampled
-        Tp = T if self.device.engine is None else self.device.engine.padded_tokens(T)
-        half_tokens = self.device.operators["gemm"].shape
-        half_context = self.device.operators["attn_decode"].shape
-        score_bytes = self.device.operators["attn_prefill"].shape
+        Tp = self._padded(T)
+        half_tokens, half_context, score_bytes = self._half_tokens, self._half_context, self._score_bytes
         if self.device.padded_attention:
             pairs, prefill_ctx, decode_ctx = f.padded_attn_pairs, f.padded_prefill_ctx_tokens, f.padded_decode_ctx_tokens
             blocks = f.padded_blocks_touched
         else:
             pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
-        return {
-            "gemm": OperatorWork(
-                flops=2 * (Tp + half_tokens * _on(T)) * L * self._layer_matmul_params,
-                bytes=_on(T) * L * self._layer_matmul_params * w + a * Tp * L * self._gemm_act_elems,
-                calls=4 * L * _on(T),
+        on_T, on_S = _on(T), _on(S)
+        P = self._layer_matmul_params
+        return (
+            # gemm
+            (2 * (Tp + half_tokens * on_T) * L * P, on_T * L * P * w + a * Tp * L * self._gemm_act_elems, 4 * L * on_T),
+            # elementwise
+            (Tp * self._elem_flops, a * Tp * self._elem_moved, self._elem_launches * on_T),
+            # kv_write
+            (0.0, Tp * L * (2 * kv * a + c), L * on_T),
+            # attn_prefill
+            (
+                4 * q * L * pairs,
+                L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens + score_bytes * m.num_heads * pairs),
+                L * _on(f.prefill_tokens),
             ),
-            "elementwise": OperatorWork(
-                flops=Tp * self._elem_flops, bytes=a * Tp * self._elem_moved, calls=self._elem_launches * _on(T)
+            # attn_decode
+            (
+                4 * q * L * decode_ctx,
+                L * ((decode_ctx + half_context * f.decode_seqs) * c + 2 * q * a * f.decode_seqs),
+                L * _on(f.decode_seqs),
             ),
-            "kv_write": OperatorWork(flops=0.0, bytes=Tp * L * (2 * kv * a + c), calls=L * _on(T)),
-            "attn_prefill": OperatorWork(
-                flops=4 * q * L * pairs,
-                bytes=L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens + score_bytes * m.num_heads * pairs),
-                calls=L * _on(f.prefill_tokens),
-            ),
-            "attn_decode": OperatorWork(
-                flops=4 * q * L * decode_ctx,
-                bytes=L * ((decode_ctx + half_context * f.decode_seqs) * c + 2 * q * a * f.decode_seqs),
-                calls=L * _on(f.decode_seqs),
-            ),
-            "paged_gather": OperatorWork(flops=0.0, bytes=0.0, calls=L * blocks),
-            "lm_head": OperatorWork(
-                flops=2 * S * h * vocab, bytes=_on(S) * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), calls=_on(S)
-            ),
-            "sampling": OperatorWork(
-                flops=SAMPLING_FLOPS_PER_LOGIT * S * vocab,
-                bytes=SAMPLING_PASSES * LOGIT_BYTES * S * vocab,
-                calls=SAMPLING_LAUNCHES * _on(S),
-            ),
-            "block_copy": OperatorWork(
-                flops=0.0, bytes=2 * f.copy_blocks * self._block_bytes, calls=2 * L * _on(f.copy_blocks)
-            ),
-            "swap": OperatorWork(flops=0.0, bytes=f.swap_blocks * self._block_bytes, calls=2 * L * _on(f.swap_blocks)),
-            "host_step": OperatorWork(flops=0.0, bytes=0.0, calls=_on(f.num_seqs)),
-            "host_seq": OperatorWork(flops=0.0, bytes=0.0, calls=f.num_seqs),
-            "host_token": OperatorWork(flops=0.0, bytes=0.0, calls=T),
-        }
+            # paged_gather
+            (0.0, 0.0, L * blocks),
+            # lm_head
+            (2 * S * h * vocab, on_S * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), on_S),
+            # sampling
+            (SAMPLING_FLOPS_PER_LOGIT * S * vocab, SAMPLING_PASSES * LOGIT_BYTES * S * vocab, SAMPLING_LAUNCHES * on_S),
+            # block_copy
+            (0.0, 2 * f.copy_blocks * self._block_bytes, 2 * L * _on(f.copy_blocks)),
+            # swap
+            (0.0, f.swap_blocks * self._block_bytes, 2 * L * _on(f.swap_blocks)),
+            # host_step, host_seq, host_token
+            (0.0, 0.0, _on(f.num_seqs)),
+            (0.0, 0.0, f.num_seqs),
+            (0.0, 0.0, T),
+        )
 
     # --- time ------------------------------------------------------------------------------
-    def operator_times(self, f: StepFeatures) -> dict[str, Num]:
-        """Seconds per operator (arrays in, arrays out)."""
+    def _times(self, rows: tuple[tuple[Num, Num, Num], ...]) -> dict[str, Num]:
+        """Seconds per operator from its work rows (arrays in, arrays out)."""
         times = {}
-        for op, (flops, nbytes, calls) in self.operator_work(f).items():
-            per_flop, per_byte, per_call = self._rates[op]
+        for op, (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(OPERATORS, rows, self._rate_rows):
             compute, memory = flops * per_flop, nbytes * per_byte
-            # np.maximum costs a microsecond on scalars; most operators of a decode stretch are scalar.
+            # np.maximum costs a microsecond on scalars; most steps and most operators of a stretch are scalar.
             vector = isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray)
             times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
         return times
+
+    def operator_times(self, f: StepFeatures) -> dict[str, Num]:
+        """Seconds per operator (arrays in, arrays out)."""
+        return self._times(self._work(f))
 
     def step_split(self, f: StepFeatures) -> dict[str, Num]:
         """Seconds of a step by operator, as they add up to the step's time under the device's engine.
@@ -291,18 +306,21 @@ class CostModel:
         eager dispatch) and scales the host terms to the part of them it does not hide behind the
         device (all of it unless scheduling is async). Without an engine: kernels + host terms.
         """
-        times = self.operator_times(f)
+        rows = self._work(f)
+        times = self._times(rows)
         split = {op: times[op] for op in STEP_OPERATORS}
         engine = self.device.engine
         if engine is None:
             return split
-        work = self.operator_work(f)
         device = sum(times[op] for op in KERNEL_OPERATORS)
         host = sum(times[op] for op in HOST_OPERATORS)
-        calls = sum(work[op].calls for op in DISPATCHED_OPERATORS)
+        calls = sum(rows[i][2] for i in self._dispatched)
         _, stall, exposed = engine.step_seconds(device, calls, host, f.num_tokens)
-        share = np.divide(exposed, host, out=np.zeros_like(np.asarray(host, dtype=np.float64)), where=np.asarray(host) > 0)
-        share = float(share) if np.ndim(share) == 0 else share
+        if isinstance(exposed, np.ndarray) or isinstance(host, np.ndarray):
+            share = np.divide(exposed, host, out=np.zeros_like(np.asarray(host, dtype=np.float64)), where=np.asarray(host) > 0)
+            share = float(share) if np.ndim(share) == 0 else share
+        else:  # one step: the same IEEE division as np.divide, without numpy's per-call cost
+            share = exposed / host if host > 0 else 0.0
         for op in HOST_OPERATORS:
             split[op] = times[op] * share
         split[DISPATCH_STALL] = stall

@@ -344,6 +344,10 @@ def test_fit_rejects_bad_input(llama_910b: CostModel) -> None:
 
 
 # --- the engine: eager dispatch, graph replay with padding, async scheduling, operator shapes ----
+# The bundled 910B3's fitted host terms set to 0: tests of one engine effect isolate it.
+NO_HOST = {op: OperatorCoefficients(call_s=0.0) for op in ("host_step", "host_seq", "host_token")}
+
+
 def _with_engine(cost: CostModel, **changes) -> CostModel:
     device = cost.device
     engine = dataclasses.replace(device.engine, **{k: v for k, v in changes.items() if k in ("mode", "dispatch_s", "capture_sizes", "async_scheduling")})
@@ -352,7 +356,7 @@ def _with_engine(cost: CostModel, **changes) -> CostModel:
 
 
 def test_eager_small_decode_is_bound_by_dispatch(llama_910b: CostModel) -> None:
-    eager = _with_engine(llama_910b, mode="eager", dispatch_s=1e-4)
+    eager = _with_engine(llama_910b, mode="eager", dispatch_s=1e-4, **NO_HOST)
     f = features_from_plan(decode_plan([500] * 4), 128)
     split = eager.step_split(f)
     calls = sum(w.calls for op, w in eager.operator_work(f).items() if op not in ("paged_gather", "swap", "host_step", "host_seq", "host_token"))
@@ -373,7 +377,7 @@ def test_graph_steps_pad_tokens_to_the_captured_size_and_skip_dispatch(llama_910
 
 
 def test_async_scheduling_hides_host_work_behind_the_device(llama_910b: CostModel) -> None:
-    host = {"host_step": OperatorCoefficients(call_s=2e-3)}
+    host = {**NO_HOST, "host_step": OperatorCoefficients(call_s=2e-3)}
     sync = _with_engine(llama_910b, mode="graph", capture_sizes=(1, 2, 4, 8), **host)
     overlap = _with_engine(llama_910b, mode="graph", capture_sizes=(1, 2, 4, 8), async_scheduling=True, **host)
     f = features_from_plan(decode_plan([500] * 4), 128)
@@ -397,3 +401,38 @@ def test_shape_terms_only_add_time_and_keep_the_roofline_floor(llama_910b: CostM
     assert work(small) == pytest.approx(1 + 64 / 512) and work(large) == pytest.approx(1 + 64 / 8192)
     ratio = lambda f: shaped.operator_times(f)["gemm"] / llama_910b.operator_times(f)["gemm"]  # noqa: E731
     assert ratio(small) > ratio(large) > 1
+
+
+def _random_plans(rng: np.random.Generator, count: int) -> list[StepPlan]:
+    plans = []
+    for k in range(count):
+        entries = [PlanEntry(f"d{i}", int(c), 1, False, True) for i, c in enumerate(rng.integers(0, 30_000, rng.integers(0, 300)))]
+        entries += [PlanEntry(f"p{i}", int(rng.integers(0, 8000)), int(rng.integers(1, 4000)), True, bool(rng.integers(0, 2)))
+                    for i in range(rng.integers(0, 4))]  # fmt: skip
+        plans.append(StepPlan(step=k, entries=entries, copies=[(1, 2)] * int(rng.integers(0, 2))))
+    return plans
+
+
+@pytest.mark.parametrize("engine", ["graph", "eager", "async", "none"])
+def test_one_step_predicts_bit_for_bit_what_the_array_path_does(llama_910b: CostModel, engine: str) -> None:
+    """A step's prediction skips numpy and the per-operator dict on scalars; it must still be the
+    very float the array path (the same formulas over many steps at once) gives for that step."""
+    host = {"host_step": OperatorCoefficients(call_s=3e-4), "host_seq": OperatorCoefficients(call_s=2e-6),
+            "host_token": OperatorCoefficients(call_s=1e-7)}  # fmt: skip
+    if engine == "none":
+        cost = CostModel(llama_910b.model, dataclasses.replace(llama_910b.device, engine=None).with_operators(host), 128)
+    else:
+        changes = {"mode": "eager", "dispatch_s": 2e-5} if engine == "eager" else {"async_scheduling": engine == "async"}
+        cost = _with_engine(llama_910b, **changes, **host)
+    timer = CostModelTimer(cost)
+    steps = [features_from_plan(p, 128) for p in _random_plans(np.random.default_rng(11), 300)]
+    stacked = StepFeatures(**{name: np.array([getattr(f, name) for f in steps]) for name in FEATURE_NAMES})
+    batched = cost.step_split(stacked)
+    totals = cost.predict(stacked)
+    for k, f in enumerate(steps):
+        split = cost.step_split(f)
+        assert list(split) == list(batched)
+        assert all(split[op] == np.broadcast_to(batched[op], totals.shape)[k] for op in split), k
+        assert cost.predict(f) == totals[k]
+    plan = _random_plans(np.random.default_rng(12), 1)[0]
+    assert timer.step(plan).duration_s == cost.step_time(plan) == cost.predict(features_from_plan(plan, 128))
