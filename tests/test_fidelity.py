@@ -139,6 +139,7 @@ def test_rows_replay_their_engines_scheduler(published) -> None:
     both are prefill-first, whole prompts; the vLLM V1 rows keep fcfs (mixed chunked steps)."""
     for r in published.rows:
         assert r.scheduler == ("vllm-v0" if r.engine.startswith("vllm-ascend") else "fcfs"), r.id
+        assert (r.engine_core == "v0") == ("V0" in r.engine), r.id  # V0 rows pay V0's host time per sequence
 
 
 def test_prefill_first_stalls_decodes_while_prompts_arrive() -> None:
