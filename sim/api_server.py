@@ -4,10 +4,10 @@ vLLM's OpenAI server runs in a single Python process. It admits each request (pa
 template, tokenisation: ``admit_s``) and, on vLLM's V1 engine, turns every token the engine
 samples into a streamed chunk (detokenisation in the ``OutputProcessor`` of
 ``vllm/v1/engine/output_processor.py``, then the server-sent event: ``stream_s`` per token). Both
-run on that one event loop, first come first served, so under a large burst the tokens of the
-requests already running delay the admission of the next ones, and the client sees each token
-when the server has sent it, not when the engine sampled it. The engine itself does not wait for
-the server (V1's engine core runs in its own process).
+run on that one event loop, first come first served: a request sent while tokens wait is admitted
+after them, and a client sees each token when the server has sent it, not when the engine sampled
+it (under a burst every admission is queued first, and the run's tokens then queue behind them).
+The engine itself does not wait for the server (V1's engine core runs in its own process).
 """
 
 from __future__ import annotations
