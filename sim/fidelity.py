@@ -22,8 +22,9 @@ server); ``burst`` = every prompt at t = 0 through the API server (``--request-r
 a fixed point (the arrivals of one simulation are the finishes of the previous one).
 Served requests (not ``batch``) pass the API server first, one at a time, ``admit_s`` each, and
 reach the engine ``request_s`` after that (both the engine profile's, sim/engine_overhead.py): at
-low load a fixed delay, at a burst of many prompts a queue. Where a
-source gives only totals of a dataset's lengths (ShareGPT), lengths are drawn lognormal (cv
+low load a fixed delay, at a burst of many prompts a queue. On V1 rows the same server also
+streams every token, ``stream_s`` each, in that queue (sim/api_server.py): clients see tokens
+when it has sent them. Where a source gives only totals of a dataset's lengths (ShareGPT), lengths are drawn lognormal (cv
 ``length_cv``), kept inside vLLM's ShareGPT filter (prompt 4..1024 tokens, prompt + output <=
 2048) and scaled so their sums equal the published totals: per-request lengths are an
 assumption, the totals are not.
