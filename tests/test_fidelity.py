@@ -198,6 +198,21 @@ def test_fit_rows_recover_the_parameter_that_made_the_figure() -> None:
     assert untouched["ascend-910b3"] == device
 
 
+@pytest.mark.parametrize(
+    "name, value, changes",
+    [
+        ("engine.v0_seq_s", 3e-4, dict(engine_core="v0", metric="itl_median", num_prompts=32)),
+        ("engine.stream_s", 1e-3, dict(workload="burst", metric="ttft_p99", num_prompts=32, output_len=64)),
+    ],
+)
+def test_the_third_pass_parameters_are_recovered_from_their_figure(name: str, value: float, changes: dict) -> None:
+    device = load_device("ascend-910b3")
+    row = _serving_row(engine_mode="eager", **changes)
+    measured = predict_row(row, set_parameter(device, name, value))
+    fitted = fit_parameters([replace(row, split="fit", fits=name, measured=measured)], {"ascend-910b3": device})
+    assert get_parameter(fitted["ascend-910b3"], name) == pytest.approx(value, rel=0.02)
+
+
 def test_memory_rows_match_vllms_logged_block_counts_within_3_percent(published) -> None:
     memory = [r for r in published.rows if r.workload == "memory"]
     assert memory
