@@ -15,6 +15,7 @@ from kvsim.sim.device import load_device
 from kvsim.sim.api_server import serve_queue
 from kvsim.sim.fidelity import (
     PUBLISHED,
+    Result,
     Row,
     fit_parameters,
     get_parameter,
@@ -22,6 +23,7 @@ from kvsim.sim.fidelity import (
     predict_row,
     row_lengths,
     set_parameter,
+    summarize_errors,
 )
 
 
@@ -229,4 +231,18 @@ def test_cli_writes_json_and_html(tmp_path: Path) -> None:
         assert {"source", "split", "metric", "measured", "predicted", "signed_error"} <= set(r)
         assert r["signed_error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
     assert "vllm10517-29k" in (tmp_path / "fidelity.html").read_text()
-    assert "check:" in result.output
+    assert "check:" in result.output and "independent check:" in result.output
+    same_run = {r["id"]: r["same_run_as_a_fit_row"] for r in data["rows"]}
+    assert same_run == {"vllm10517-20k": True, "vllm10517-29k": False}  # another KV size: another run
+
+
+def test_check_rows_of_a_run_a_fit_row_comes_from_are_not_independent(published) -> None:
+    by_id = {r.id: r for r in published.rows}
+    # one run, two figures: the fit row's TTFT and the check row's TPOT of vllm-ascend #776 at 1 req/s
+    assert by_id["va776-qps1-ttft"].run == by_id["va776-qps1-tpot"].run
+    assert by_id["va776-qps1-tpot"].run != by_id["va776-qps4-tpot"].run  # another rate: another run
+    fit, same_run, other_run = by_id["va776-qps1-ttft"], by_id["va776-qps1-tpot"], by_id["va776-qps4-tpot"]
+    results = [Result(fit, fit.measured), Result(same_run, same_run.measured * 1.5), Result(other_run, other_run.measured * 1.1)]
+    assert summarize_errors(results, "check")["rows"] == 2 and summarize_errors(results, "check")["max_abs_error"] == pytest.approx(0.5)
+    independent = summarize_errors(results, "independent check")
+    assert independent["rows"] == 1 and independent["max_abs_error"] == pytest.approx(0.1)
