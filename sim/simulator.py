@@ -146,16 +146,22 @@ class Simulation:
                     yield link
                     yield self.env.timeout(swap_s)
         yield from self._advance_to(start + duration)
-        for entry in plan.entries:
-            self.times.scheduled(entry.request_id, start)
-        ended = engine.commit(plan, self.clock)
+        times, now = self.times, self.clock
+        if plan.totals is None or plan.totals.prefill_seqs:
+            # A request is first scheduled in a prefill entry (a decode samples a request's next
+            # token, so it has run before; a fork's children are recorded below).
+            for entry in plan.entries:
+                if entry.is_prefill:
+                    times.scheduled(entry.request_id, start)
+        ended = engine.commit(plan, now)
+        token = times.token
         for entry in plan.entries:
             if entry.samples:
-                self.times.token(entry.request_id, self.clock)
+                token(entry.request_id, now)
         for parent_id, child_ids in plan.forks:
             for child_id in child_ids:
-                self.times.scheduled(child_id, start)
-                self.times.token(child_id, self.clock)
+                times.scheduled(child_id, start)
+                token(child_id, now)
         self.steps.add_step(plan, start, duration, engine.kv_counts(), timing)
         if self.options.decisions is not None:
             self.options.decisions.plan(plan)
