@@ -26,6 +26,10 @@ class Group:
 
 
 HOST_OPERATORS = ("host_step", "host_seq")
+MAX_GEMV_ROWS = 8  # token counts the gemv_rows choice looks at: a BLAS's matrix-vector path ends well below this
+# gemm half_tokens tried with each gemv_rows: a GEMM's small-M efficiency loss (cost_model.py) is part of
+# the same fact (which kernel a few rows run on), so the two are chosen together.
+HALF_TOKENS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 GROUPS = (
     Group("gemm", ("gemm",)),
     Group("elementwise", ("elementwise",), fixed=("gemm",)),  # measured: the forward pass without attention
@@ -91,8 +95,12 @@ def fit_groups(
     ``kv_dtype`` is the KV cache dtype the measurements ran with (None: the model's): the cost
     model then counts the bytes that cache moves, as the simulator will when it predicts it.
 
-    The attention group also decides ``padded_attention``: it is fitted both ways and the layout
-    that explains the measurements better is kept (ragged batches in the sweep tell them apart).
+    Two groups also decide a structural fact, by fitting every choice and keeping the one that
+    explains the measurements best: the attention group ``padded_attention`` (ragged batches in
+    the sweep tell the layouts apart), the gemm group ``gemv_rows`` (below how many rows the
+    BLAS runs one matrix-vector product per row) with ``half_tokens`` (its small-M efficiency
+    loss above that; the sweep's small token counts tell). The runner-up's error is reported
+    beside the choice.
     Returns the calibrated profile and the fit's error per group and per labelled subset.
     """
     device, errors = base, []
@@ -100,18 +108,35 @@ def fit_groups(
         if group.name not in data.median:
             continue
         features, seconds = stack(data.features[group.name]), np.array(data.median[group.name])
-        layouts = [replace(device, padded_attention=p) for p in (False, True)] if group.name == "attention" else [device]
-        fits = sorted((_fit_group(spec, layout, block_size, kv_dtype, group, features, seconds) for layout in layouts), key=lambda fit: fit[2])
-        (device, predicted, _), rejected = fits[0], fits[1:]
+        choices = structural_choices(group.name, device, features)
+        fits = sorted(((_fit_group(spec, layout, block_size, kv_dtype, group, features, seconds), name) for name, layout in choices),
+                      key=lambda fit: fit[0][2])
+        ((device, predicted, _), _), rejected = fits[0], fits[1:]
         labels = np.array(data.labels[group.name])
         for label in dict.fromkeys(labels.tolist()):
             rows = labels == label
             errors.append(FitError.of(label, predicted[rows], seconds[rows]))
         if len(set(labels)) > 1:
             errors.append(FitError.of(group.name, predicted, seconds))
-        for other, other_predicted, _ in rejected:
-            errors.append(FitError.of(f"{group.name} if {'' if other.padded_attention else 'not '}padded", other_predicted, seconds))
+        if rejected:
+            (_, runner_up, _), name = rejected[0]
+            errors.append(FitError.of(f"{group.name} if {name}", runner_up, seconds))
     return device, errors
+
+
+def structural_choices(group: str, device: DeviceProfile, features: StepFeatures) -> list[tuple[str, DeviceProfile]]:
+    """The profiles a group is fitted under, each with how the report names it (one: no choice)."""
+    if group == "attention":
+        return [(f"{'' if p else 'not '}padded", replace(device, padded_attention=p)) for p in (False, True)]
+    if group == "gemm":
+        small = sorted({int(t) for t in np.atleast_1d(features.num_tokens) if t <= MAX_GEMV_ROWS})
+        gemm = device.operators["gemm"]
+        return [
+            (f"gemv_rows = {g}, half_tokens = {h:g}", replace(device.with_operators({"gemm": replace(gemm, shape=h)}), gemv_rows=g))
+            for g in (0, *(t + 1 for t in small[:-1]))
+            for h in sorted({gemm.shape, *HALF_TOKENS})
+        ]
+    return [("", device)]
 
 
 def _fit_group(

@@ -101,7 +101,7 @@ def _pairs(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
 
 QUICK = Sweep(
     block_sizes=(16, 64),
-    token_counts=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+    token_counts=(1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512),
     prefill_tokens=(16, 64, 256, 512),
     prefix_tokens=(0, 128, 640),
     decode_batches=(1, 2, 4, 8, 16, 32),

@@ -194,6 +194,9 @@ def report_lines(result: Profile) -> list[str]:
     lines += [f"{e.name:<28}{e.samples:>8}{e.mape:>8.1%}{e.max_error:>8.1%}" for e in result.errors]
     layout = "padded to the batch's longest sequence" if result.device.padded_attention else "exact (no padding)"
     lines.append(f"attention work: {layout}")
+    gemv = result.device.gemv_rows
+    lines.append(f"matrix products: {f'fewer than {gemv} rows run one row at a time, ' if gemv else ''}"
+                 f"small-M efficiency half at {result.device.operators['gemm'].shape:g} tokens")
     lines.append(f"timing noise (mean |run / median - 1|): operators {result.operator_noise:.1%}, steps {result.step_noise:.1%}")
     lines.append(f"profiled in {result.seconds:.0f} s")
     return lines

@@ -19,7 +19,8 @@ a graph; sim/engine_overhead.py), ``S`` = num_sampled, other names as in :class:
 ``flops | bytes | calls``:
 
 - ``gemm`` (matrix, HBM; QKV, O, gate_up, down):
-  ``2 L P (T' + H_t [T]) | [T] L P w + a T' L (4h + 2q + 2kv + 3I) | 4 L [T]``
+  ``2 L P (T' + H_t [T]) | [T] L P w + a T' L (4h + 2q + 2kv + 3I) | 4 L [T]``; with ``T' < G``
+  (the device's ``gemv_rows``) ``2 L P T' | T' L P w + ...``: one matrix-vector product per row
 - ``elementwise`` (vector, HBM; fused add+RMSNorm x2, RoPE, q/k norms if the model has them,
   SiLU-and-mul, the embedding gather and the final norm), with ``g = q + kv`` and ``k`` = 1 under qk_norm:
   ``T' (L (8h + (3 + 4k) g + 5I) + 10h) | a T' (L (8h + (2 + 2k) g + 3I) + 6h) | (4L + 2 + k L) [T]``
@@ -29,7 +30,7 @@ a graph; sim/engine_overhead.py), ``S`` = num_sampled, other names as in :class:
 - ``attn_decode`` (matrix, HBM):
   ``4 q L decode_ctx_tokens | L ((decode_ctx_tokens + H_c decode_seqs) c + 2 q a decode_seqs) | L [decode_seqs]``
 - ``paged_gather`` (block-table walk; ``call_s`` = ``block_s``): ``- | - | L blocks_touched``
-- ``lm_head`` (matrix, HBM): ``2 S h V | [S] V h w + S (h a + 4 V) | [S]``
+- ``lm_head`` (matrix, HBM): ``2 S h V | [S] V h w + S (h a + 4 V) | [S]`` (``S V h w + ...`` with ``S < G``)
 - ``sampling`` (vector, HBM; fp32 softmax and draw): ``5 S V | 12 S V | 3 [S]``
 - ``block_copy`` (HBM; read + write): ``- | 2 copy_blocks block_bytes | 2 L [copy_blocks]``
 - ``swap`` (host): ``- | swap_blocks block_bytes | 2 L [swap_blocks]``
@@ -198,6 +199,7 @@ class CostModel:
         self._rate_rows = tuple(self._rates[op] for op in OPERATORS)
         self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
         self._half_tokens = device.operators["gemm"].shape
+        self._gemv_rows = device.gemv_rows
         self._half_context = device.operators["attn_decode"].shape
         self._score_bytes = device.operators["attn_prefill"].shape
         self._padded_tokens: dict[float, float] = {}  # a graph engine's padding of one step's T, memoised
@@ -249,9 +251,17 @@ class CostModel:
             pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
         on_T, on_S = _on(T), _on(S)
         P = self._layer_matmul_params
+        # Below gemv_rows a matrix product runs one matrix-vector product per row: the weights stream
+        # once per row and the small-M efficiency loss does not apply (a GEMV runs at bandwidth).
+        gemv_T, gemv_S = Tp < self._gemv_rows, S < self._gemv_rows
+        weight_reads_T, weight_reads_S = on_T + (Tp - 1) * gemv_T, on_S + (S - 1) * gemv_S
         return (
             # gemm
-            (2 * (Tp + half_tokens * on_T) * L * P, on_T * L * P * w + a * Tp * L * self._gemm_act_elems, 4 * L * on_T),
+            (
+                2 * (Tp + half_tokens * on_T * (1 - gemv_T)) * L * P,
+                weight_reads_T * L * P * w + a * Tp * L * self._gemm_act_elems,
+                4 * L * on_T,
+            ),
             # elementwise
             (Tp * self._elem_flops, a * Tp * self._elem_moved, self._elem_launches * on_T),
             # kv_write
@@ -271,7 +281,7 @@ class CostModel:
             # paged_gather
             (0.0, 0.0, L * blocks),
             # lm_head
-            (2 * S * h * vocab, on_S * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), on_S),
+            (2 * S * h * vocab, weight_reads_S * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), on_S),
             # sampling
             (SAMPLING_FLOPS_PER_LOGIT * S * vocab, SAMPLING_PASSES * LOGIT_BYTES * S * vocab, SAMPLING_LAUNCHES * on_S),
             # block_copy

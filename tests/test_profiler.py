@@ -80,6 +80,24 @@ def synthetic_measurements(truth, sweep: Sweep) -> Measurements:
     return data
 
 
+@pytest.mark.parametrize("gemv_rows, half_tokens", [(0, 0.0), (4, 8.0), (3, 16.0)])
+def test_fit_recovers_below_how_many_rows_matrix_products_run_row_by_row(gemv_rows: int, half_tokens: float, tmp_path: Path) -> None:
+    base = load_device("cpu")
+    gemm = dataclasses.replace(TRUTH["gemm"], shape=half_tokens)
+    truth = dataclasses.replace(base.with_operators({**TRUTH, "gemm": gemm}), gemv_rows=gemv_rows)
+    fitted, errors = fit_groups(TINY, base, 16, synthetic_measurements(truth, QUICK))
+    assert (fitted.gemv_rows, fitted.operators["gemm"].shape) == (gemv_rows, half_tokens)
+    assert load_device(save_device(fitted, tmp_path / "fitted.toml")) == fitted
+    assert next(e for e in errors if e.name == "gemm").mape < 1e-6
+    if gemv_rows:  # (without, gemv_rows = 2 and half_tokens = 0 is the same model: one row is one GEMV either way)
+        assert next(e for e in errors if e.name.startswith("gemm if ")).mape > 1e-3  # the runner-up is told apart
+    # the LM head shares the BLAS's row-by-row path: 3 rows stream its weights three times below 4
+    three_rows = shape_features(decode(3, 1), 16)
+    work = CostModel(TINY, fitted, 16).operator_work(three_rows)["lm_head"]
+    weights = TINY.vocab_size * TINY.hidden_size * 4
+    assert work.bytes - three_rows.num_sampled * (TINY.hidden_size * 4 + 4 * TINY.vocab_size) == pytest.approx(weights * (3 if gemv_rows > 3 else 1))
+
+
 @pytest.mark.parametrize("padded", [True, False])
 def test_fit_recovers_a_known_device_and_its_attention_layout(padded: bool, tmp_path: Path) -> None:
     base = load_device("cpu")
@@ -285,3 +303,10 @@ def test_an_int8_profile_is_measured_and_fitted_with_int8_and_says_so(tmp_path: 
     assert result.kv_dtype == "int8" and fitted_with == ["int8"]
     assert [ex.kv_dtype for ex in executors] == [torch.int8]  # every bench and whole step ran the quantised cache
     assert load_device(out).source.startswith("kvsim profile --backend cpu --model tiny --kv-cache-dtype int8 --seed 3 on ")
+
+
+def test_a_negative_gemv_rows_is_rejected_naming_the_field(tmp_path: Path) -> None:
+    path = save_device(load_device("cpu"), tmp_path / "d.toml")
+    path.write_text(path.read_text().replace("padded_attention", "gemv_rows = -1\npadded_attention"))
+    with pytest.raises(ValueError, match="field gemv_rows must be >= 0, got -1"):
+        load_device(path)
