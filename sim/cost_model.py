@@ -390,6 +390,7 @@ class CostModel:
         operators: Sequence[str],
         max_iterations: int = 100,
         fixed: Sequence[str] = (),
+        fixed_calls: Sequence[str] = (),
     ) -> dict[str, OperatorCoefficients]:
         """Coefficients of ``operators`` that minimise the mean absolute relative error of measured times.
 
@@ -409,7 +410,9 @@ class CostModel:
         compute rates on either side of the profile's, and the lowest MAPE wins (the profile's own
         start on ties). Unknowns the samples cannot identify (no calls, or a roof that binds no
         sample even at the profile's rate, e.g. compute in decode attention) keep the profile's
-        values. Returns coefficients for :meth:`DeviceProfile.with_operators`.
+        values. ``fixed_calls`` operators keep their cost per call and fit only their rates: whole
+        steps launch every kernel once per layer, so their per-call costs are not identifiable
+        apart from each other there. Returns coefficients for :meth:`DeviceProfile.with_operators`.
         """
         seconds = np.asarray(seconds, dtype=np.float64)
         if seconds.ndim != 1 or not np.all(seconds > 0):
@@ -431,7 +434,7 @@ class CostModel:
         fits = []
         for factor in REGIME_STARTS:  # the profile's own rates first: it wins ties
             start = {op: [self._rates[op][0] * factor, *self._rates[op][1:]] for op in operators}
-            rates = _refine(work, target, seconds, start, max_iterations)
+            rates = _refine(work, target, seconds, start, max_iterations, frozen_calls=set(fixed_calls))
             fits.append((_mape(work, rates, target, seconds), rates))
         best = min(error for error, _ in fits)
         error, rates = next((error, rates) for error, rates in fits if error <= best + 1e-9)
@@ -451,12 +454,17 @@ class CostModel:
 
 
 def _refine(
-    work: dict[str, list[np.ndarray]], target: np.ndarray, seconds: np.ndarray, rates: dict[str, list[float]], max_iterations: int
+    work: dict[str, list[np.ndarray]], target: np.ndarray, seconds: np.ndarray, rates: dict[str, list[float]], max_iterations: int,
+    frozen_calls: set[str] = frozenset(),
 ) -> dict[str, list[float]]:
-    """Alternate roof assignment and reweighted least squares from ``rates`` until both settle (see ``fit``)."""
+    """Alternate roof assignment and reweighted least squares from ``rates`` until both settle (see ``fit``).
+
+    The call costs of ``frozen_calls`` operators keep their values in ``rates``.
+    """
     rates = {op: list(r) for op, r in rates.items()}
     size = seconds.size
-    columns = [(op, j) for op in work for j in range(3) if np.any(work[op][j] > 0)]
+    target = target - sum((work[op][2] * rates[op][2] for op in frozen_calls if op in work), np.zeros(size))
+    columns = [(op, j) for op in work for j in range(3) if np.any(work[op][j] > 0) and not (j == 2 and op in frozen_calls)]
     scale = 1.0 / seconds  # rows in relative terms, times the square root of each sample's weight
     previous = None
     for _ in range(max_iterations):
