@@ -82,6 +82,9 @@ class EngineCore:
         self.view = EngineView(self)  # all a policy sees of the engine
         self._num_orders = 0
         self._pending_rejections: list[tuple[str, str]] = []
+        # Fill each plan's block tables and slot mapping: a copy of every scheduled request's
+        # table each step. A driver whose step timer and logs read neither turns it off.
+        self.plan_tables = True
         # Macro-stepping assumes an all-decode batch keeps its order; a policy that reorders
         # running requests must say it is safe (``macro_step_safe = True``) to get it.
         self._macro_step_safe = getattr(
@@ -345,10 +348,11 @@ class EngineCore:
         plan.rejected.append((request.request_id, "unschedulable"))
 
     def _fill_plan(self, plan: StepPlan) -> None:
-        """Entries, tables and slots of the scheduled requests, and their totals in the same pass."""
+        """Entries (tables and slots unless ``plan_tables`` is off) of the scheduled requests, and their totals in one pass."""
         bs = self.kv.block_size
         block_table = self.kv.block_table
         entries, tables, slot_mapping = plan.entries, plan.block_tables, plan.slot_mapping
+        with_tables = self.plan_tables
         totals = PlanTotals(bs)
         # The decode path's sums stay in locals (the hot loop); PlanTotals.of is the reference (plan.check).
         num_tokens = sampled = blocks_touched = decode_seqs = decode_ctx = decode_max_blocks = 0
@@ -357,13 +361,15 @@ class EngineCore:
             first = request.num_computed_tokens
             end = first + num_new
             samples = end == request.prompt_tokens + request.num_output_tokens
-            table = block_table(request)
-            tables[rid] = table[:]
+            if with_tables:
+                table = block_table(request)
+                tables[rid] = table[:]
             num_tokens += num_new
             sampled += samples
             if num_new == 1 and samples and request.num_output_tokens:  # a decode: its slot inline
                 entries.append(PlanEntry(rid, first, 1, False, True))
-                slot_mapping.append(table[first // bs] * bs + first % bs)  # blocks.slot, inlined
+                if with_tables:
+                    slot_mapping.append(table[first // bs] * bs + first % bs)  # blocks.slot, inlined
                 blocks = first // bs + 1  # cdiv(end, bs) for end = first + 1
                 decode_seqs += 1
                 decode_ctx += end
@@ -371,7 +377,8 @@ class EngineCore:
                     decode_max_blocks = blocks
             else:  # a prefill chunk (one token or more)
                 entries.append(PlanEntry(rid, first, num_new, True, samples))
-                slot_mapping.extend(slots_for(table, first, end, bs))
+                if with_tables:
+                    slot_mapping.extend(slots_for(table, first, end, bs))
                 blocks = cdiv(end, bs)
                 totals.prefill_seqs += 1
                 totals.prefill_tokens += num_new

@@ -526,6 +526,8 @@ def _stretch_blocks(ctx: np.ndarray, after: np.ndarray, block_size: int) -> np.n
 class CostModelTimer:
     """The simulator's step timer: every step's duration is the cost model's prediction."""
 
+    reads_block_tables = False  # a prediction reads a plan's entries and totals only
+
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
 

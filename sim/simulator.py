@@ -84,6 +84,11 @@ class Simulation:
         self.stretches = 0
         self._wake: simpy.Event | None = None
         self._arrivals = trace.arrival_s.tolist()
+        # Plans carry block tables and slots only for a reader: the decision log, --check, or a
+        # timer that runs them (one that does not read them says so: ``reads_block_tables = False``).
+        engine.plan_tables = (
+            self.options.decisions is not None or self.options.check or getattr(timer, "reads_block_tables", True)
+        )
         predict_stretch = getattr(timer, "decode_stretch_times", None)
         # --check verifies after every engine step, so it never stretches
         self._predict_stretch = None if self.options.exact or self.options.check else predict_stretch

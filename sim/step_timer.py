@@ -24,6 +24,9 @@ class StepTiming:
 
 
 class StepTimer(Protocol):
+    """A timer may set ``reads_block_tables = False`` (the cost model's does): the simulator then
+    lets the engine leave plans' block tables and slot mapping empty unless a log or --check reads them."""
+
     def add_request(self, request: Request) -> None:
         """A new request entered the engine (children of forks arrive through ``plan.forks``)."""
 

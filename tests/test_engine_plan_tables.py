@@ -1,0 +1,61 @@
+"""EngineCore.plan_tables: plans without block tables and slots decide exactly the same.
+
+A simulation whose timer is the cost model and that keeps no decision log reads neither a
+plan's block tables nor its slot mapping, so the engine skips copying them; everything else in
+the plan, and so every duration and latency, must stay the same. A reader turns them back on.
+"""
+
+from __future__ import annotations
+
+from kvsim import traces
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.run_config import RunConfig, resolve
+from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.step_timer import ReplayTimer
+
+
+def _step_all(engine, workload) -> list:
+    for i, (prompt, output, n) in enumerate(workload):
+        engine.add_request(f"r{i}", 0.0, prompt, output, n_samples=n)
+    plans, now = [], 0.0
+    while engine.has_unfinished():
+        plan = engine.schedule(now)
+        now += 1.0
+        engine.commit(plan, now)
+        plans.append(plan)
+    return plans
+
+
+def test_plans_without_tables_keep_every_decision(make_engine) -> None:
+    workload = [(30, 5, 1), (1, 4, 1), (9, 6, 2), (17, 8, 1), (5, 3, 3)]  # chunks, forks and preemption
+    geometry = dict(max_num_batched_tokens=16, long_prefill_token_threshold=6, num_blocks=12)
+    with_tables = _step_all(make_engine(**geometry), workload)
+    bare_engine = make_engine(**geometry)
+    bare_engine.plan_tables = False
+    bare = _step_all(bare_engine, workload)
+    assert any(p.preempted for p in with_tables) and any(p.forks for p in with_tables)
+    assert len(bare) == len(with_tables)
+    for a, b in zip(with_tables, bare):
+        assert (b.block_tables, b.slot_mapping) == ({}, [])
+        assert a.block_tables and len(a.slot_mapping) == a.num_tokens or not a.entries
+        assert (a.entries, a.copies, a.swap_out, a.swap_in, a.preempted, a.rejected, a.forks) == (
+            b.entries, b.copies, b.swap_out, b.swap_in, b.preempted, b.rejected, b.forks,
+        )  # fmt: skip
+        assert a.totals == b.totals
+
+
+def test_a_simulation_copies_tables_only_for_a_reader() -> None:
+    trace = traces.first(traces.load_named("demo"), 40)
+    resolved = resolve(RunConfig())
+
+    def run(timer, **options):
+        engine = resolved.new_engine()
+        return engine, simulate(trace, engine, timer, SimOptions(exact=True, **options))
+
+    bare_engine, bare = run(CostModelTimer(resolved.cost_model()))
+    checked_engine, checked = run(CostModelTimer(resolved.cost_model()), check=True)  # plan.check reads the slots
+    assert not bare_engine.plan_tables and checked_engine.plan_tables
+    assert bare.steps.columns == checked.steps.columns
+    assert bare.request_rows() == checked.request_rows()
+    replay_engine, _ = run(ReplayTimer([0.01] * 10_000))  # a timer that does not say it reads no tables
+    assert replay_engine.plan_tables
