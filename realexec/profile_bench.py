@@ -32,6 +32,13 @@ from kvsim.sim.simulator import SimOptions, simulate
 from kvsim.sim.step_timer import StepTiming
 from kvsim.traces.synth import Uniform, synthesize
 
+# Untimed runs before the timed one of a case that streams the model's weights on its own (GEMMs,
+# the forward pass without attention, the LM head). Right after another case, the tiny model's
+# decode-step GEMMs took 1.19 ms primed once, 0.90 ms primed three times and 0.55 ms primed five
+# times, against 0.45 ms back to back, as a served run's consecutive steps run them: a CPU's
+# last-level cache keeps lines touched repeatedly, not lines touched once. Whole steps and
+# attention came within 5 % of back to back after one priming run (docs/benchmarks.md).
+WEIGHT_PRIMING_RUNS = 5
 Run = Callable[[], float]  # runs once, returns the seconds to count
 Case = Callable[[], Run]  # one instance of a case (its block layout, its ids): run twice, primed then timed
 
@@ -44,21 +51,22 @@ class Measured:
     runs: np.ndarray  # [cases, repeats]
 
 
-def measure(cases: Sequence[Case], repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
+def measure(samples: Sequence["Sample"], repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
     """Time ``repeats`` rounds, each visiting the cases in a fresh shuffled order, every timed run primed.
 
-    Each round makes a fresh instance of every case (a new block layout) and runs it twice: the
-    untimed run leaves the caches holding that instance's weights and KV blocks, as the step
-    before it does in a serving run, where a decode step follows a decode step of the same
-    requests reading the same blocks. Timed right after some other case instead, a batch-1
+    Each round makes a fresh instance of every case (a new block layout), runs it untimed
+    (``Sample.primes`` times), then timed: the untimed runs leave the caches holding that
+    instance's weights and KV blocks, as the steps before it do in a serving run, where a decode
+    step follows a decode step of the same requests reading the same blocks. Timed right after some other case instead, a batch-1
     decode step measured 27 % slower on a CPU, and the profile overestimated every small step of
     a served trace (docs/benchmarks.md). ``tick`` is called after every timed run.
     """
-    runs = np.empty((len(cases), repeats))
+    runs = np.empty((len(samples), repeats))
     for r in range(repeats):
-        for i in rng.permutation(len(cases)):
-            run = cases[i]()
-            run()
+        for i in rng.permutation(len(samples)):
+            run = samples[i].case()
+            for _ in range(samples[i].primes):
+                run()
             runs[i, r] = run()
             if tick is not None:
                 tick()
@@ -139,6 +147,7 @@ class Sample:
     label: str
     features: StepFeatures
     case: Case
+    primes: int = 1  # untimed runs of an instance before its timed run
 
 
 class OperatorBenches:
@@ -181,7 +190,7 @@ class OperatorBenches:
                 x @ layer.gate_up_proj.T
                 act @ layer.down_proj.T
 
-        return Sample("gemm", "gemm", self._features(prefill(tokens)), self._same(run))
+        return Sample("gemm", "gemm", self._features(prefill(tokens)), self._same(run), WEIGHT_PRIMING_RUNS)
 
     def forward_without_attention(self, tokens: int) -> Sample:
         """The decoder's forward pass with attention replaced by the identity: GEMMs + elementwise."""
@@ -191,7 +200,7 @@ class OperatorBenches:
         def run() -> None:
             self.ex.model.forward(ids, positions, lambda layer, q, k, v: q)
 
-        return Sample("elementwise", "forward without attention", self._features(prefill(tokens)), self._same(run))
+        return Sample("elementwise", "forward without attention", self._features(prefill(tokens)), self._same(run), WEIGHT_PRIMING_RUNS)
 
     def kv_write(self, tokens: int) -> Sample:
         """KV writes into every layer's cache as the executor writes them (an int8 cache quantises with the layer's scales)."""
@@ -228,7 +237,8 @@ class OperatorBenches:
 
     def lm_head(self, rows: int) -> Sample:
         hidden = self._randn(rows, self.spec.hidden_size)
-        return Sample("lm_head", "lm_head", self._features(decode(rows, 1)), self._same(lambda: self.ex.model.logits(hidden)))
+        return Sample("lm_head", "lm_head", self._features(decode(rows, 1)), self._same(lambda: self.ex.model.logits(hidden)),
+                      WEIGHT_PRIMING_RUNS)
 
     def sampling(self, rows: int) -> Sample:
         """Greedy sampling, as the executor samples: an argmax over the fp32 logits."""

@@ -123,7 +123,7 @@ def profile(
         "each timed run after an untimed one")
     data = Measurements()
     with tqdm(total=len(samples) * sweep.repeats, desc="profiling", unit="run", disable=not progress, mininterval=0.5) as bar:
-        data.add(samples, measure([s.case for s in samples], sweep.repeats, rng, tick=bar.update))
+        data.add(samples, measure(samples, sweep.repeats, rng, tick=bar.update))
     del pools[1:]
     rates = ", ".join(f"{rate:g}" for rate in sweep.engine_rates)
     say(f"engine runs: traces of {sweep.engine_requests} requests arriving at {rates} requests/s fitted, one held out (a few seconds)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import types
 from pathlib import Path
 
@@ -128,8 +129,8 @@ def test_fit_recovers_a_known_device_and_its_attention_layout(padded: bool, tmp_
 
 def test_measure_interleaves_primed_rounds_and_takes_medians() -> None:
     order: list[tuple[int, int]] = []  # (case, instance) of every run
-    # Each round makes an instance of each case, runs it twice in a row and keeps the second (primed) time.
-    values = {0: iter([0.0, 5.0, 0.0, 1.0, 0.0, 3.0]), 1: iter([0.0, 2.0, 0.0, 2.0, 0.0, 9.0])}
+    # Each round makes an instance of each case, runs it `primes` times untimed, then keeps the next (primed) time.
+    values = {0: iter([0.0, 5.0, 0.0, 1.0, 0.0, 3.0]), 1: iter([0.0, 0.0, 0.0, 2.0] * 2 + [0.0, 0.0, 0.0, 9.0])}
     instances = {0: 0, 1: 0}
 
     def case(i: int):
@@ -145,14 +146,15 @@ def test_measure_interleaves_primed_rounds_and_takes_medians() -> None:
 
         return instance
 
-    measured = measure([case(0), case(1)], repeats=3, rng=np.random.default_rng(0))
+    samples = [Sample("g", "one priming run", None, case(0)), Sample("g", "three priming runs", None, case(1), primes=3)]
+    measured = measure(samples, repeats=3, rng=np.random.default_rng(0))
     assert measured.median.tolist() == [3.0, 2.0]
     assert measured.runs[1].tolist() == [2.0, 2.0, 9.0]  # each case's timed runs in its own row, whatever the order
-    pairs = [order[k : k + 2] for k in range(0, len(order), 2)]
-    assert all(a == b for a, b in pairs)  # every timed run right after an untimed run of the same instance
+    stretches = [list(group) for _, group in itertools.groupby(order)]
+    assert sorted(len(s) for s in stretches) == [2, 2, 2, 4, 4, 4]  # every timed run right after its instance's priming runs
     assert instances == {0: 3, 1: 3}  # a fresh instance (block layout) every round
-    pairs = [[case for case, _ in pair] for pair in pairs]
-    assert sorted(p[0] for p in pairs[:2]) == sorted(p[0] for p in pairs[2:4]) == sorted(p[0] for p in pairs[4:]) == [0, 1]
+    rounds = [sorted(s[0][0] for s in stretches[k : k + 2]) for k in range(0, 6, 2)]
+    assert rounds == [[0, 1]] * 3  # every round visits every case once
 
 
 def test_block_tables_are_runs_of_consecutive_blocks_in_a_compact_region() -> None:
