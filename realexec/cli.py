@@ -13,8 +13,6 @@ import click
 
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
 from kvsim.realexec.executor import Executor
-from kvsim.realexec.speed_check import ProbedTimer
-from kvsim.sim.cost_model import CostModel
 from kvsim.sim.cli_options import decisions_option, run_config_from, run_options
 from kvsim.sim.outputs import format_summary
 from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
@@ -55,11 +53,8 @@ def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
 
 
 def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None, *, weights: Path | None = None,
-                check: bool = False, progress: bool = False, decisions: str = "summary", probe_cost: CostModel | None = None):
+                check: bool = False, progress: bool = False, decisions: str = "summary"):
     """Run ``config`` on a real backend; returns (SimRun, summary). Shared by execute and validate.
-
-    With ``probe_cost`` the machine's speed is probed during the run against that cost model's
-    prediction (``speed_check.ProbedTimer``), reported as ``measured.speed_probes``.
 
     The summary's ``measured`` block names the clock step times were taken on, how many runs of
     each step's forward pass they are the median of (``timing_repeats``) and each step's first
@@ -81,7 +76,6 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
         kv_dtype=resolved.memory.kv_dtype,
         check=check,
     )
-    timer = executor if probe_cost is None else ProbedTimer(executor, backend, probe_cost, seed=config.seed)
 
     def measured(run) -> dict:
         memory = [m for m in run.steps.columns["memory_bytes"] if m is not None]
@@ -97,11 +91,10 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
                 "host_s": sum(h for h in run.steps.columns["host_s"] if h is not None),
                 "peak_memory_bytes": max(memory, default=None),
                 "kv_pool_bytes": sum(k.nbytes + v.nbytes for k, v in executor.kv_caches),
-                **({"speed_probes": timer.probes.to_dict()} if isinstance(timer, ProbedTimer) else {}),
             },
         }
 
-    return run_trace(resolved, trace, timer, out_dir, exact=True, check=check, progress=progress,
+    return run_trace(resolved, trace, executor, out_dir, exact=True, check=check, progress=progress,
                      label="execute", summary_extras=measured, decisions=decisions)
 
 

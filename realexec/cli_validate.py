@@ -92,8 +92,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
                    thresholds: Thresholds, progress: bool = False) -> dict:
     """The three runs (real, replay, free simulation) and their comparison; writes validation.json."""
     config = for_backend(config, backend)
-    probe_cost = resolve(config.updated(device=str(profile_path))).cost_model()
-    real, real_summary = execute_run(config, backend, out_dir / "real", progress=progress, decisions="full", probe_cost=probe_cost)
+    real, real_summary = execute_run(config, backend, out_dir / "real", progress=progress, decisions="full")
 
     sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))
     cost = sim_resolved.cost_model()
@@ -120,7 +119,6 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     validation["timing"]["per_step"]["timing_repeats"] = measured["timing_repeats"]
     validation["timing"]["per_step"]["single_run"] = step_errors(replay_timer.predicted, measured["single_run_s"], replay_timer.kinds)
     validation["timing"]["speed_check"] = speed.to_dict()
-    validation["timing"]["speed_during_run"] = real_summary["measured"]["speed_probes"]
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(
         backend=backend.name,
@@ -170,11 +168,6 @@ def format_checks(validation: dict) -> str:
     speed = validation["timing"]["speed_check"]
     hint = " (the machine's speed changed since it was profiled: --reprofile)" if stale(speed["ratio"], noise) else ""
     lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction{hint}")
-    during = validation["timing"]["speed_during_run"]
-    if during["ratios"]:
-        lines.append(f"during the real run the {during['label']} step took {min(during['ratios']):.2f}-{max(during['ratios']):.2f}x "
-                     f"its prediction ({len(during['ratios'])} probes, one every {during['every_steps']} steps; not a check: "
-                     "a spread well past the noise is the machine changing speed, not the model)")
     decisions = validation["decision_identity"]
     lines.append(f"decision logs: {'identical' if decisions['identical'] else 'DIVERGE at step ' + str(decisions['first_divergence']['step'])}"
                  f" over {decisions['steps_compared']} steps")
