@@ -14,9 +14,11 @@ import click
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
 from kvsim.realexec.executor import Executor
 from kvsim.sim.cli_options import decisions_option, run_config_from, run_options
+from kvsim.sim.errors import user_errors
 from kvsim.sim.outputs import format_summary
 from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
 from kvsim.sim.runner import run_trace
+from kvsim.traces.schema import Trace
 
 # What `kvsim execute` / `validate` run when not told otherwise: the tiny model on the CPU and
 # the demo trace at a rate the CPU serves with room to spare. Above its capacity (the demo at
@@ -52,9 +54,10 @@ def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
     return config.updated(batch_blocks_within_pool=True) if backend.needs_batch_blocks_within_pool else config
 
 
-def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None, *, weights: Path | None = None,
-                check: bool = False, progress: bool = False, decisions: str = "summary"):
-    """Run ``config`` on a real backend; returns (SimRun, summary). Shared by execute and validate.
+def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None, *, trace: Trace | None = None,
+                weights: Path | None = None, check: bool = False, progress: bool = False, decisions: str = "summary"):
+    """Run ``config`` (its ``trace``, when the caller loaded it) on a real backend; returns (SimRun, summary).
+    Shared by execute and validate.
 
     The summary's ``measured`` block names the clock step times were taken on, how many runs of
     each step's forward pass they are the median of (``timing_repeats``) and each step's first
@@ -63,7 +66,7 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
     """
     config = for_backend(config, backend)
     resolved = resolve(config)
-    trace = load_run_trace(config)
+    trace = load_run_trace(config) if trace is None else trace
     engine_config = resolved.engine_config
     executor = Executor(
         resolved.model,
@@ -109,11 +112,14 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
 def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quiet: bool, decisions: str,
             **options) -> None:
     """Run a trace on a real device; write the same files as simulate, with measured times."""
-    try:
+    with user_errors():  # what the user chose: config, trace, backend (exit 2)
         config = run_config_from(options, base=REAL_DEFAULTS)
-        _, summary = execute_run(config, get_backend(backend), out_dir, weights=weights, check=check, progress=not quiet,
+        trace = load_run_trace(config)
+        kernels = get_backend(backend)
+    try:
+        _, summary = execute_run(config, kernels, out_dir, trace=trace, weights=weights, check=check, progress=not quiet,
                                  decisions=decisions)
-    except (ValueError, KeyError, RuntimeError) as exc:
+    except (ValueError, KeyError, RuntimeError) as exc:  # the run itself failed on the device (exit 1)
         raise click.ClickException(str(exc).strip("'\"")) from None
     if not quiet:
         click.echo(format_summary(summary, title=f"kvsim execute ({backend})"))

@@ -8,6 +8,7 @@ import click
 
 from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable
 from kvsim.realexec.profiler import run_profile
+from kvsim.sim.errors import UserError
 from kvsim.sim.run_config import KV_DTYPES
 
 
@@ -27,10 +28,10 @@ def profile(backend: str, model: str, out_path: Path, base_device: str | None, t
             quick: bool, seed: int, quiet: bool) -> None:
     """Measure a backend running the paged decoder and fit the cost model's coefficients to it."""
     if not out_path.parent.is_dir():
-        raise click.ClickException(f"--out {out_path}: directory {out_path.parent} does not exist")
+        raise UserError(f"--out {out_path}: directory {out_path.parent} does not exist")
     try:
         run_profile(backend, model, out_path, quick=quick, seed=seed, base_device=base_device, torch_device=torch_device,
                     kv_dtype=None if kv_dtype == "auto" else kv_dtype, echo=None if quiet else click.echo, progress=not quiet)
-    except (ValueError, BackendUnavailable) as exc:
-        raise click.ClickException(str(exc)) from None
+    except (ValueError, BackendUnavailable) as exc:  # an unknown model or device, a backend this machine lacks
+        raise UserError(str(exc)) from None
     click.echo(f"wrote {out_path}")

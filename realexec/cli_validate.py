@@ -22,6 +22,7 @@ from kvsim.sim.device import load_device
 from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
 from kvsim.sim.runner import run_trace
 from kvsim.sim.decisions import DecisionLog, read_decisions
+from kvsim.sim.errors import user_errors
 from kvsim.sim.simulator import SimOptions, simulate
 from kvsim.sim.step_timer import ReplayTimer
 
@@ -42,15 +43,16 @@ Default workload: {WORKLOAD}""")
 def validate(backend: str, profile_path: Path | None, reprofile: bool, out_dir: Path, quiet: bool, **options) -> None:
     config_path = options.get("config_path")
     echo = None if quiet else click.echo
-    try:
+    with user_errors():  # what the user chose: thresholds, config, trace, backend (exit 2)
         thresholds = Thresholds.from_toml(config_path)
         config = run_config_from(options, base=REAL_DEFAULTS)
         trace = load_run_trace(config)
         kernels = get_backend(backend)
+    try:
         if profile_path is None:
             profile_path = machine_profile(kernels, config, reprofile, echo)
         validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet)
-    except (ValueError, KeyError, RuntimeError) as exc:
+    except (ValueError, KeyError, RuntimeError) as exc:  # profiling or a run failed on the device (exit 1)
         raise click.ClickException(str(exc).strip("'\"")) from None
 
     from kvsim.reports.validation import write_validation_report
@@ -92,7 +94,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
                    thresholds: Thresholds, progress: bool = False) -> dict:
     """The three runs (real, replay, free simulation) and their comparison; writes validation.json."""
     config = for_backend(config, backend)
-    real, real_summary = execute_run(config, backend, out_dir / "real", progress=progress, decisions="full")
+    real, real_summary = execute_run(config, backend, out_dir / "real", trace=trace, progress=progress, decisions="full")
 
     sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))
     cost = sim_resolved.cost_model()

@@ -9,6 +9,7 @@ import click
 from kvsim.reports.compare import Slo, write_compare_report
 from kvsim.reports.runs import ReportInputError, read_json
 from kvsim.reports.validation import RUN_NAMES, missing_keys, write_validation_report
+from kvsim.sim.errors import UserError
 
 
 @click.group("report")
@@ -30,7 +31,7 @@ def compare(run_dirs: tuple[Path, ...], labels: tuple[str, ...], out_dir: Path, 
     try:
         html_path, json_path = write_compare_report(list(run_dirs), out_dir, list(labels) or None, Slo(slo_ttft, slo_tpot))
     except ReportInputError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise UserError(str(exc)) from None
     click.echo(f"wrote {html_path} and {json_path}")
 
 
@@ -50,5 +51,5 @@ def validation(validation_json: Path, out_path: Path) -> None:
             run_dirs.setdefault(name, base / name)  # a missing one fails below, naming its path
         written = write_validation_report(data, run_dirs, out_path)
     except ReportInputError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise UserError(str(exc)) from None
     click.echo(f"wrote {written}")

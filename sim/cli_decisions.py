@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvsim.sim.decisions import read_decisions, read_digest
+from kvsim.sim.errors import UserError
 
 
 @click.group()
@@ -27,7 +28,7 @@ def show(run_dir: Path, per_step: bool) -> None:
         for line in lines:
             out.write(line + "\n")
     except (FileNotFoundError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise UserError(str(exc)) from None
 
 
 @decisions.command()
@@ -37,4 +38,4 @@ def digest(run_dir: Path) -> None:
     try:
         click.echo(json.dumps(read_digest(run_dir), indent=1))
     except FileNotFoundError:
-        raise click.ClickException(f"{run_dir}: no decision digest (run with --decisions summary or full)") from None
+        raise UserError(f"{run_dir}: no decision digest (run with --decisions summary or full)") from None

@@ -69,6 +69,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "request rate and rate scale": ([*sim, "--request-rate", "2", "--rate-scale", "3", *out], ["request_rate", "rate_scale"]),
         "chunked scheduler without chunking": ([*sim, "--scheduler", "chunked", "--no-enable-chunked-prefill", *out],
                                                ["chunked", "enable_chunked_prefill"]),
+        "execute: missing trace": (["execute", "--quiet", "--trace", str(tmp / "nope.jsonl"), *out], ["nope.jsonl", "no such file"]),
+        "validate: missing trace": (["validate", "--quiet", "--trace", str(tmp / "nope.jsonl"), *out], ["nope.jsonl", "no such file"]),
+        "profile: unknown model": (["profile", "--model", "llama-9", "--out", str(tmp / "p.toml")], ["unknown model 'llama-9'"]),
+        "profile: unknown base device": (["profile", "--model", "tiny", "--base-device", "npu-x", "--out", str(tmp / "p.toml")],
+                                         ["unknown device 'npu-x'"]),
+        "report compare: not a run directory": (["report", "compare", str(tmp / "a_dir"), *out], ["a_dir", "no summary.json"]),
+        "decisions: no digest": (["decisions", "digest", str(tmp / "a_dir")], ["a_dir", "no decision digest"]),
     }
 
 

@@ -273,7 +273,7 @@ def test_validation_cli_errors_name_the_path(validation_dir, tmp_path):
     lonely = tmp_path / "validation.json"
     lonely.write_text((validation_dir / "validation.json").read_text())
     result = cli.invoke(kvsim, ["report", "validation", str(lonely), "--out", str(tmp_path / "r.html")])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a user error
     assert f"Error: {tmp_path / 'real'}: not a directory" in result.output
     (tmp_path / "other.json").write_text('{"passed": true}')
     result = cli.invoke(kvsim, ["report", "validation", str(tmp_path / "other.json"), "--out", str(tmp_path / "r.html")])
@@ -367,7 +367,7 @@ def test_compare_bounds_large_runs(runs, tmp_path):
 )
 def test_compare_cli_bad_paths_are_one_line_errors(tmp_path, make, message):
     result = CliRunner().invoke(kvsim, ["report", "compare", str(make(tmp_path)), "--out", str(tmp_path / "o")])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a user error
     assert result.output.strip() == "Error: " + message.format(d=tmp_path)
 
 
