@@ -1,12 +1,18 @@
 """Simulator speed on whole real traces (run by hand; results go to docs/benchmarks.md).
 
     python benchmarks/sim_speed.py [--repeats 3] [--profile] [--decisions off|summary|full]
+    python benchmarks/sim_speed.py --steady 8 256 [--steady-steps 4000] [--exact]
 
 Azure conv (19,366 requests) and Mooncake conversation (12,031 requests, prompts up to 126k
 tokens) with Llama-2-7B-shaped and Qwen2.5-7B-shaped models on a 910B profile, fcfs + paged.
 Reports the median wall time of the simulation (trace loaded; with ``--decisions`` summary or
 full, the decision log is kept as ``kvsim simulate`` keeps it, in the simulation's time) and of
 writing requests.csv and steps.csv, over ``--repeats`` runs, in a single process.
+
+``--steady N ...`` instead runs, for each N, a batch that stays at N sequences (issue 14 asks
+for steps per second within 2x between 8 and 256): N requests arriving at 0 that decode
+together for ``--steady-steps`` tokens, ``max_num_seqs`` N and blocks enough that none is
+preempted; it reports steps per second (``--exact`` to time every step, not macro-stretches).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from kvsim import traces
 from kvsim.sim.cost_model import CostModelTimer
@@ -34,6 +42,34 @@ CASES = {
                       RunConfig(model="qwen2.5-7b", device="ascend-910b3", scheduler="fcfs", block_manager="paged",
                                 max_model_len=131072)),
 }
+
+
+STEADY_PROMPT = 32  # tokens: the prefill is over in a few steps and the rest is decode
+
+
+def steady_batch(n: int, steps: int) -> tuple[traces.Trace, RunConfig]:
+    """``n`` requests at time 0 that decode side by side for ``steps`` tokens each, never preempted."""
+    config = RunConfig(model="llama-2-7b", device="ascend-910b3", scheduler="fcfs", block_manager="paged",
+                       max_num_seqs=n)
+    blocks_each = -(-(STEADY_PROMPT + steps) // config.block_size)
+    trace = traces.Trace(arrival_s=np.zeros(n), prompt_tokens=np.full(n, STEADY_PROMPT, dtype=np.int64),
+                         output_tokens=np.full(n, steps, dtype=np.int64), source=f"steady batch of {n}")
+    return trace, config.updated(num_blocks=n * blocks_each)
+
+
+def run_steady(sizes: list[int], steps: int, repeats: int, exact: bool, decisions: str) -> None:
+    for n in sizes:
+        trace, config = steady_batch(n, steps)
+        results = [run_once(trace, config, exact, decisions) for _ in range(repeats)]
+        summary = results[0][0].summary()
+        if summary["preemptions"] or summary["requests_completed"] != n:
+            raise SystemExit(f"steady batch of {n} was not steady: {summary['preemptions']} preemptions, "
+                             f"{summary['requests_completed']} of {n} completed")
+        sims = [s for _, s, _ in results]
+        wall = statistics.median(sims)
+        print(f"steady batch {n}: {summary['steps']} steps in {summary['macro_stretches']} stretches, "
+              f"wall median {wall:.3f} s (runs: {', '.join(f'{s:.3f}' for s in sims)}), "
+              f"{summary['steps'] / wall:,.0f} steps/s, {n * steps / wall:,.0f} request-steps/s")
 
 
 def run_once(trace, config: RunConfig, exact: bool = False, decisions: str = "off"):
@@ -59,7 +95,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile one run of each case")
     parser.add_argument("--exact", action="store_true", help="step by step (no macro-stepping)")
     parser.add_argument("--decisions", choices=("off", "summary", "full"), default="off", help="decision log kept")
+    parser.add_argument("--steady", type=int, nargs="+", metavar="N", help="steady decode batches of N sequences")
+    parser.add_argument("--steady-steps", type=int, default=4000,
+                        help="tokens each sequence of a steady batch decodes (longer runs are less noisy)")
     args = parser.parse_args()
+    if args.steady:
+        run_steady(args.steady, args.steady_steps, args.repeats, args.exact, args.decisions)
+        return
     for name, (path, config) in CASES.items():
         if not path.exists():
             print(f"{name}: {path} not found, skipped")
