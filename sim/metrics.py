@@ -8,6 +8,7 @@ step-by-step run collects, so percentiles agree exactly.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,7 +102,9 @@ class TokenTimes:
     max_gap: dict[str, float] = field(default_factory=dict)
     gap_values: list[np.ndarray] = field(default_factory=list)
     gap_counts: list[np.ndarray] = field(default_factory=list)
-    _pending_gaps: list[float] = field(default_factory=list)
+    # Unboxed doubles: one gap per token of every request; a list of floats took 32 bytes a gap
+    # (4 x these 8), about 7 GB over a million Azure-like requests.
+    _pending_gaps: array = field(default_factory=lambda: array("d"))
 
     def scheduled(self, request_id: str, now: float) -> None:
         self.first_scheduled.setdefault(request_id, now)
@@ -132,7 +135,7 @@ class TokenTimes:
             self.gap_counts.append(np.full(len(inner), len(request_ids), dtype=np.int64))
 
     def all_gaps(self) -> np.ndarray:
-        values = self.gap_values + [np.asarray(self._pending_gaps, dtype=np.float64)]
+        values = self.gap_values + [np.frombuffer(self._pending_gaps, dtype=np.float64)]
         counts = self.gap_counts + [np.ones(len(self._pending_gaps), dtype=np.int64)]
         return np.repeat(np.concatenate(values), np.concatenate(counts))
 
