@@ -1,0 +1,76 @@
+"""Issue 13's acceptance procedure: `kvsim validate` N times, optionally beside busy loops, one table.
+
+    python benchmarks/validate_runs.py --runs 5 --out runs/accept [--busy-loops 2] [-- VALIDATE ARGS]
+
+Every run uses one profile cache (``--cache``, default ``<out>/cache``, as a user who runs the
+command again would have), writes ``<out>/<label>N`` and its log beside it, and the table gives
+each check's figure, the per-step error against first runs alone, the profile's single-run noise,
+the speed check after the run, how many profiles the run measured, the steps compared (all must
+be identical), the wall time and the load average before and after. ``--busy-loops K`` keeps K
+``while True: pass`` processes running for the whole set, the issue's "loaded" condition.
+Thresholds are validate's own; nothing here judges a run but its exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHECKS = ("step_mape", "ttft_p50_rel_error", "tpot_p50_rel_error", "e2e_p50_rel_error", "throughput_rel_error")
+HEADER = ("run", "exit", "step MAPE", "TTFT p50", "TPOT p50", "e2e p50", "throughput", "MAPE vs first runs",
+          "single-run noise", "speed check after", "profiles measured", "steps (identical)", "wall", "load before-after")
+
+
+def run_once(out: Path, label: str, cache: Path, extra: list[str]) -> str:
+    """One `kvsim validate`; its row of the table."""
+    run_dir, log = out / label, out / f"{label}.log"
+    load_before, started = os.getloadavg()[0], time.perf_counter()
+    with log.open("w") as sink:
+        status = subprocess.run(["kvsim", "validate", "--out", str(run_dir), *extra], stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "KVSIM_CACHE": str(cache)}).returncode
+    wall, load_after = time.perf_counter() - started, os.getloadavg()[0]
+    result_path = run_dir / "validation.json"
+    if not result_path.exists():
+        return f"| {label} | {status} | no validation.json: see {log} |"
+    result = json.loads(result_path.read_text())
+    checks = {c["name"]: c["value"] for c in result["checks"]}
+    per_step, identity = result["timing"]["per_step"], result["decision_identity"]
+    cells = [label, str(status), *(f"{checks[name]:.3f}" for name in CHECKS), f"{per_step['single_run']['mape']:.3f}",
+             "-" if per_step["noise_floor"] is None else f"{per_step['noise_floor']:.3f}",
+             f"{result['timing']['speed_check']['ratio']:.2f}x", str(log.read_text(errors="replace").count("profiling cpu (")),
+             f"{identity['steps_compared']} ({'yes' if identity['identical'] else 'NO'})", f"{wall:.0f} s",
+             f"{load_before:.2f}-{load_after:.2f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cache", type=Path, help="Profile cache shared by the runs (default: <out>/cache).")
+    parser.add_argument("--busy-loops", type=int, default=0, help="Busy Python loops kept running beside the runs.")
+    parser.add_argument("--label", default=None, help="Run name prefix (default: quiet or loaded).")
+    parser.add_argument("validate_args", nargs=argparse.REMAINDER, help="After --: passed to kvsim validate.")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cache = args.cache or args.out / "cache"
+    label = args.label or ("loaded" if args.busy_loops else "quiet")
+    extra = [a for a in args.validate_args if a != "--"]
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_loops)]
+    try:
+        rows = [run_once(args.out, f"{label}{i + 1}", cache, extra) for i in range(args.runs)]
+    finally:
+        for loop in loops:
+            loop.kill()
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
