@@ -380,12 +380,7 @@ class EngineCore:
                 if with_tables:
                     slot_mapping.extend(slots_for(table, first, end, bs))
                 blocks = cdiv(end, bs)
-                totals.prefill_seqs += 1
-                totals.prefill_tokens += num_new
-                totals.attn_pairs += num_new * first + num_new * (num_new + 1) // 2
-                totals.prefill_ctx_tokens += end
-                totals.prefill_max_blocks = max(totals.prefill_max_blocks, blocks)
-                totals.prefill_max_tokens = max(totals.prefill_max_tokens, num_new)
+                totals.add_prefill(first, num_new, blocks)
             blocks_touched += blocks
             request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.seats > 1:  # its samples fork now

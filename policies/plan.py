@@ -56,6 +56,15 @@ class PlanTotals:
     def num_seqs(self) -> int:
         return self.prefill_seqs + self.decode_seqs
 
+    def add_prefill(self, first: int, n: int, blocks: int) -> None:
+        """Count a prefill entry of ``n`` new tokens after ``first``, touching ``blocks`` blocks."""
+        self.prefill_seqs += 1
+        self.prefill_tokens += n
+        self.attn_pairs += n * first + n * (n + 1) // 2
+        self.prefill_ctx_tokens += first + n
+        self.prefill_max_blocks = max(self.prefill_max_blocks, blocks)
+        self.prefill_max_tokens = max(self.prefill_max_tokens, n)
+
     @classmethod
     def of(cls, entries: list[PlanEntry], block_size: int) -> "PlanTotals":
         t = cls(block_size)
@@ -66,12 +75,7 @@ class PlanTotals:
             t.num_sampled += e.samples
             t.blocks_touched += blocks
             if e.is_prefill:
-                t.prefill_seqs += 1
-                t.prefill_tokens += n
-                t.attn_pairs += n * e.first_position + n * (n + 1) // 2
-                t.prefill_ctx_tokens += end
-                t.prefill_max_blocks = max(t.prefill_max_blocks, blocks)
-                t.prefill_max_tokens = max(t.prefill_max_tokens, n)
+                t.add_prefill(e.first_position, n, blocks)
             else:
                 t.decode_seqs += 1
                 t.decode_tokens += n
