@@ -135,20 +135,17 @@ class Executor:
             if plan.copies:
                 operators["copy"] = self.backend.elapsed(lambda: self.backend.copy_blocks(self.kv_caches, plan.copies))[1]
             moves_s = sum(operators.values())
+            passes = [self._timed_pass(plan)] if plan.entries else []
+            wall_s = time.perf_counter() - wall_start  # the step as it ran once
+            self.single_run_s.append(moves_s + sum(p.host_s + p.forward_s for p in passes))
             host_s = 0.0
-            if plan.entries:
-                passes = [self._timed_pass(plan)]
-                wall_s = time.perf_counter() - wall_start
-                passes += [self._timed_pass(plan) for _ in range((repeats or self.timing_repeats) - 1)]
-                first = passes[0]
-                self.single_run_s.append(moves_s + first.host_s + first.forward_s)
+            if passes:
+                count = self.timing_repeats if repeats is None else repeats
+                passes += [self._timed_pass(plan) for _ in range(count - 1)]
                 median = sorted(passes, key=lambda p: p.host_s + p.forward_s)[len(passes) // 2]
                 host_s, operators["forward"] = median.host_s, median.forward_s
-                for request_id, token in zip(first.sampling_ids, first.sampled.tolist()):
+                for request_id, token in zip(passes[0].sampling_ids, passes[0].sampled.tolist()):
                     self._tokens[request_id].append(token)
-            else:
-                wall_s = time.perf_counter() - wall_start
-                self.single_run_s.append(moves_s)
         for parent, children in plan.forks:
             self._fork(parent, children)
         self.wall_s.append(wall_s)
@@ -185,7 +182,7 @@ class Executor:
             )
         return known[entry.first_position : entry.end_position]
 
-    def _timed_pass(self, plan: StepPlan) -> "TimedPass":
+    def _timed_pass(self, plan: StepPlan) -> TimedPass:
         """Build the inputs (host time) and run the forward pass and sampling (device time) once."""
         clock = self.backend.host_time
         start = clock()

@@ -40,7 +40,7 @@ from kvsim.traces.synth import Uniform, synthesize
 # attention came within 5 % of back to back after one priming run (docs/benchmarks.md).
 WEIGHT_PRIMING_RUNS = 5
 Run = Callable[[], float]  # runs once, returns the seconds to count
-Case = Callable[[], Run]  # one instance of a case (its block layout, its ids): run twice, primed then timed
+Case = Callable[[], Run]  # one instance of a case (its block layout, its ids): run primed, then timed
 
 
 @dataclass
@@ -57,9 +57,10 @@ def measure(samples: Sequence["Sample"], repeats: int, rng: np.random.Generator,
     Each round makes a fresh instance of every case (a new block layout), runs it untimed
     (``Sample.primes`` times), then timed: the untimed runs leave the caches holding that
     instance's weights and KV blocks, as the steps before it do in a serving run, where a decode
-    step follows a decode step of the same requests reading the same blocks. Timed right after some other case instead, a batch-1
-    decode step measured 27 % slower on a CPU, and the profile overestimated every small step of
-    a served trace (docs/benchmarks.md). ``tick`` is called after every timed run.
+    step follows a decode step of the same requests reading the same blocks. Timed right after
+    some other case instead, a batch-1 decode step measured 27 % slower on a CPU, and the profile
+    overestimated every small step of a served trace (docs/benchmarks.md). ``tick`` is called
+    after every timed run.
     """
     runs = np.empty((len(samples), repeats))
     for r in range(repeats):

@@ -33,8 +33,8 @@ HOST_OPERATORS = ("host_step", "host_seq")
 # runs its operator alone, right after other cases: on the development VM's CPU the GEMMs of a
 # decode step timed so took 1.2-1.3 ms where back-to-back decode steps spend 0.45 ms on them
 # (docs/benchmarks.md), so operator cases misplace time between operators and the host terms,
-# and whole steps of other batch sizes then miss (2-sequence decode steps 15 % long).
-# Refitted on whole steps, held-out steps' error fell from 6.4 % to 5.6 %.
+# and whole steps of other batch sizes then miss (2-sequence decode steps predicted 15 % short).
+# Refitted on whole steps, one profile's held-out steps' error fell from 6.4 % to 5.6 %.
 STEP_REFITTED = ("gemm", "elementwise", "lm_head", "attn_decode")
 MAX_GEMV_ROWS = 8  # token counts the gemv_rows choice looks at: a BLAS's matrix-vector path ends well below this
 # gemm half_tokens tried with each gemv_rows: a GEMM's small-M efficiency loss (cost_model.py) is part of

@@ -120,7 +120,7 @@ def profile(
             pools.append(KVPool(caches, block_size, blocks))
     samples = sweep_samples(OperatorBenches(executor, rng, seed), sweep, pools, fits)
     say(f"timing {len(samples)} cases (operators alone and whole steps) in {sweep.repeats} rounds on {backend.clock}, "
-        "each timed run after an untimed one")
+        "each timed run after untimed runs of the same case")
     data = Measurements()
     with tqdm(total=len(samples) * sweep.repeats, desc="profiling", unit="run", disable=not progress, mininterval=0.5) as bar:
         data.add(samples, measure(samples, sweep.repeats, rng, tick=bar.update))

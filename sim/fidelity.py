@@ -379,6 +379,7 @@ def _serve(
         admitted = again
         if settled:
             break
+
     def sent_at(engine_time: np.ndarray) -> np.ndarray:  # a token leaves with its step's batch
         return visible[np.minimum(np.searchsorted(replay.step_end, engine_time - 1e-9), visible.size - 1)]
 

@@ -102,8 +102,8 @@ class TokenTimes:
     max_gap: dict[str, float] = field(default_factory=dict)
     gap_values: list[np.ndarray] = field(default_factory=list)
     gap_counts: list[np.ndarray] = field(default_factory=list)
-    # Unboxed doubles: one gap per token of every request; a list of floats took 32 bytes a gap
-    # (4 x these 8), about 7 GB over a million Azure-like requests.
+    # Unboxed doubles, one gap per token of every request: a list of floats took 32 bytes a gap,
+    # this 8 (the Azure conv trace's peak RSS fell from 375 to 230 MiB; docs/benchmarks.md).
     _pending_gaps: array = field(default_factory=lambda: array("d"))
 
     def scheduled(self, request_id: str, now: float) -> None:
