@@ -2,6 +2,7 @@
 
     python benchmarks/decision_identity.py --write benchmarks/identity/<name>.json
     python benchmarks/decision_identity.py --compare benchmarks/identity/<name>.json
+    python benchmarks/decision_identity.py --decisions off ...   # requests, steps and summary of log-less runs
 
 A refactor or a speed-up must not change a single decision: this runs ``kvsim simulate
 --decisions full`` as a user would (a subprocess per case, so it fingerprints whatever version
@@ -66,7 +67,9 @@ def expanded_decisions(out: Path) -> bytes:
 
 
 def fingerprint(out: Path) -> dict[str, str]:
-    prints = {"decisions.jsonl": hashlib.sha256(expanded_decisions(out)).hexdigest()}
+    prints = {}
+    if DECISIONS_ARGS != ["--decisions", "off"]:
+        prints["decisions.jsonl"] = hashlib.sha256(expanded_decisions(out)).hexdigest()
     for name in ("requests.csv", "steps.csv"):
         prints[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
     summary = json.loads((out / "summary.json").read_text())
@@ -92,12 +95,16 @@ def main() -> int:
     parser.add_argument("--compare", type=Path, help="compare with fingerprints recorded earlier")
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
     parser.add_argument("--extra", default="", help="extra simulate flags, space-separated (e.g. '--exact')")
+    parser.add_argument("--decisions", choices=("full", "off"), default="full",
+                        help="off: fingerprint the outputs of a run without a decision log (the simulator's fastest path)")
     parser.add_argument("--legacy-log", action="store_true",
                         help="the installed version writes decisions.jsonl and has no --decisions option")
     options = parser.parse_args()
     EXTRA_ARGS.extend(options.extra.split())
     if options.legacy_log:
         DECISIONS_ARGS.clear()
+    elif options.decisions == "off":
+        DECISIONS_ARGS[1] = "off"
     expected = json.loads(options.compare.read_text()) if options.compare else {}
     results: dict[str, dict[str, str]] = {}
     moved = []
