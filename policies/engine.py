@@ -14,16 +14,26 @@ step with no separate prefill and decode phases:
 Running out of blocks is an outcome: requests queue, are preempted, or are rejected with a
 reason at arrival when they could never fit. Nothing in here reads a clock except the
 ``now`` it is given, so equal inputs give an identical decision log.
+
+Running requests that simply decode are kept in a persistent batch (``decode_batch``): when
+the step cannot preempt, cut the batch by the budget or reorder it, the batch's decisions are
+certain and the step costs what changes (new and finishing requests, manager events), not one
+pass per request; otherwise the batch is dissolved and the step is decided request by request.
+Both give the same decisions (``benchmarks/decision_identity.py``).
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import inspect
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvsim.policies.block_manager import BlockManager, KVStats
 from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
+from kvsim.policies.decode_batch import NEVER, DecodeBatch
 from kvsim.policies.plan import DecodeStretch, PlanEntry, PlanTotals, StepPlan
 from kvsim.policies.queue import RequestQueue
 from kvsim.policies.registry import resolve_block_manager, resolve_scheduler
@@ -32,6 +42,14 @@ from kvsim.policies.schedulers import SchedulerPolicy
 from kvsim.policies.view import EngineView
 
 KVCounts = tuple[int, int, int, int]  # (used, cached, free) blocks and internal-waste slots
+
+
+def _first(item: tuple) -> int:
+    return item[0]
+
+
+def _run_seq(request: Request) -> int:
+    return request.run_seq
 
 
 def _construct(cls: type, kind: str, name: str, params: dict, **given):
@@ -43,6 +61,19 @@ def _construct(cls: type, kind: str, name: str, params: dict, **given):
         raise ValueError(f"{kind} {name!r} does not take parameter(s) {unknown}; it takes {sorted(set(accepted) - {'self'})}")
     extra = {k: v for k, v in given.items() if k in accepted or takes_any}
     return cls(**extra, **params)
+
+
+class TokenSink(Protocol):
+    """Who hears of each request's scheduling and tokens as ``commit`` applies them (the simulator's metrics)."""
+
+    def scheduled(self, request_id: str, t: float) -> None:
+        """The request ran in a step that started at ``t`` (the first call counts)."""
+
+    def token(self, request_id: str, t: float) -> None:
+        """The request sampled a token at ``t``."""
+
+    def batch_tokens(self, request_id: str, first_step: int, last_step: int) -> None:
+        """The request sampled a token at the end of every step from ``first_step`` to ``last_step``."""
 
 
 @dataclass
@@ -76,6 +107,17 @@ class EngineCore:
         self.waiting = RequestQueue(self.policy.queue_key)
         self.running: list[Request] = []
         self._running_seats = 0  # sum of Request.seats over running, kept as requests join and leave
+        self._num_joins = 0  # Request.run_seq: the running order
+        self._batch = DecodeBatch(self.kv.block_size)
+        self._loose: list[Request] = []  # running requests outside the decode batch, in running order
+        # The batch's decisions equal the request-by-request pass only in the running list's order
+        # and without the kernel's per-batch block limit.
+        self._batching = (
+            type(self.policy).running_order is SchedulerPolicy.running_order and not config.batch_blocks_within_pool
+        )
+        self._due: list[Request] = []  # batch members whose manager acted this step
+        self._loose_entries: list[PlanEntry] = []  # this step's entries outside the batch
+        self.token_sink: TokenSink | None = None
         self.swapped = RequestQueue(self.policy.queue_key)
         self.counters = EngineCounters()
         self.now = 0.0  # the time of the step being (or last) scheduled
@@ -204,42 +246,124 @@ class EngineCore:
         return plan
 
     def _num_new_tokens(self, r: Request, num_hit: int = 0) -> int:
+        return self._tokens_within(r, self._budget, num_hit)
+
+    def _tokens_within(self, r: Request, budget: int, num_hit: int = 0) -> int:
         remaining = r.num_tokens - r.num_computed_tokens - num_hit
         n = remaining
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
-        n = min(n, self._budget)
+        n = min(n, budget)
         if n < remaining and not self.policy.chunked_prefill:
             return 0
         return n
 
     def _schedule_running(self, plan: StepPlan) -> bool:
+        """The running pass, request by request in the policy's order; True if it preempted anyone.
+
+        With the decode batch it visits only the requests that need a decision, in running
+        order: loose ones and members whose manager must act this step (due events). The plain
+        members between them take one token each from the budget, as the request-by-request
+        pass gives them, without a call each; members the pass does not reach (the budget ran
+        out, or it stopped at a self-preemption) leave the batch unscheduled.
+        """
+        batching, batch, running = self._batching, self._batch, self.running
+        if batching:
+            due = batch.pop_due(batch.events, self.counters.steps)
+            order = list(heapq.merge(self._loose, due, key=_run_seq)) if due else list(self._loose)
+        else:
+            due, order = [], list(self.policy.running_order(self.view))
+        self._due = due
         preempted_any = False
         allocate_slots = self.kv.allocate_slots
         kernel_limit = self.config.batch_blocks_within_pool
-        running = Status.RUNNING
-        for request in list(self.policy.running_order(self.view)):
-            if self._budget <= 0:
-                break
-            if request.status is not running:
+        status_running = Status.RUNNING
+        cursor = 0  # with the batch: running entries before this index are decided
+        for request in order:
+            if request.status is not status_running:
                 continue  # preempted earlier in this step
+            if batching:
+                at = running.index(request)
+                if at > cursor and not self._members_take_tokens(cursor, at):
+                    return preempted_any
+                cursor = at
+            if self._budget <= 0:
+                if batching:
+                    self._leave_batch_from(cursor)
+                return preempted_any
             # The steady state, a decode: one token, which any positive budget and cap admit.
             if request.prompt_tokens + request.num_output_tokens - request.num_computed_tokens == 1:
                 num_new = 1
             else:
                 num_new = self._num_new_tokens(request)
                 if num_new == 0:
+                    cursor += 1
                     continue
             if kernel_limit and not self._within_kernel_block_limit(request.num_computed_tokens + num_new):
                 continue
             while not allocate_slots(request, num_new):
                 victim = self.policy.pick_victim(self.view)
+                if batching and running.index(victim) < cursor:
+                    cursor -= 1
+                    if victim.batch_since >= 0:  # a member that had taken its token
+                        self._budget += 1
                 self._preempt(victim, plan)
                 preempted_any = True
                 if victim is request:
+                    if batching:
+                        self._leave_batch_from(cursor)
                     return True
-            self._schedule(request, num_new)
+            if request.batch_since >= 0:
+                self._budget -= 1
+            else:
+                self._schedule(request, num_new)
+            cursor += 1
+        if batching and cursor < len(running):
+            self._members_take_tokens(cursor, len(running))
         return preempted_any
+
+    def _members_take_tokens(self, start: int, stop: int) -> bool:
+        """Batch members ``running[start:stop]`` each take a token while the budget lasts; False if it ran out."""
+        count = stop - start
+        if self._budget >= count:
+            self._budget -= count
+            return True
+        taken = self._budget
+        self._budget = 0
+        self._leave_batch_from(start + taken)
+        return False
+
+    def _leave_batch_from(self, index: int) -> None:
+        """Members at ``running[index:]`` are not scheduled this step: they leave the batch."""
+        for request in self.running[index:]:
+            if request.batch_since >= 0:
+                self._leave_batch(request)
+                bisect.insort(self._loose, request, key=_run_seq)
+
+    def _leave_batch(self, request: Request, last_step: int | None = None) -> None:
+        """Take a member out of the batch, reporting its batch tokens up to ``last_step`` (default: the step before this one)."""
+        advanced = last_step is not None
+        last = last_step if advanced else self.counters.steps - 1
+        if self.token_sink is not None and request.batch_since <= last:
+            self.token_sink.batch_tokens(request.request_id, request.batch_since, last)
+        self._batch.remove(request, advanced)
+
+    def _dissolve_batch(self) -> None:
+        """Back to request-by-request state (a macro-stretch, an abort): every member turns loose."""
+        if not self._batch.members:
+            return
+        for request in list(self._batch.members):
+            self._leave_batch(request)
+        self._loose = list(self.running)
+        self._due = []
+
+    def _event_in(self, request: Request) -> int:
+        """Steps until the manager must act on the request's decodes (0: its next write copies a block first)."""
+        outlook = self.kv.decode_outlook(request, NEVER)
+        if outlook is None:
+            return 0
+        growth, bookkeeping = outlook.growth, outlook.bookkeeping
+        return min(growth.start if growth else NEVER, bookkeeping.start if bookkeeping else NEVER)
 
     def _schedule(self, request: Request, num_new: int) -> None:
         self._scheduled[request.request_id] = (request, num_new)
@@ -331,11 +455,19 @@ class EngineCore:
         self._schedule(request, num_new)
 
     def _join_running(self, request: Request) -> None:
+        self._num_joins += 1
+        request.run_seq = self._num_joins
         self.running.append(request)
+        self._loose.append(request)
         self._running_seats += request.seats
 
-    def _leave_running(self, request: Request) -> None:
+    def _leave_running(self, request: Request, last_step: int | None = None) -> None:
+        """``last_step``: the step whose commit this is (a member's last batch token); None: before any member advanced."""
         self.running.remove(request)
+        if request.batch_since >= 0:
+            self._leave_batch(request, last_step)
+        else:
+            self._loose.remove(request)
         self._running_seats -= request.seats
 
     def _reject_unschedulable(self, plan: StepPlan) -> None:
@@ -348,11 +480,19 @@ class EngineCore:
         plan.rejected.append((request.request_id, "unschedulable"))
 
     def _fill_plan(self, plan: StepPlan) -> None:
-        """Entries (tables and slots unless ``plan_tables`` is off) of the scheduled requests, and their totals in one pass."""
+        """Entries of the scheduled requests and their totals in one pass; the batch's from its running sums.
+
+        With ``plan_tables`` (a reader wants the whole plan) every entry, table and slot is
+        written, in running order; without, ``entries`` holds only the requests outside the
+        decode batch and ``plan.batch_decodes`` counts the members' one-token decodes.
+        """
         bs = self.kv.block_size
         block_table = self.kv.block_table
-        entries, tables, slot_mapping = plan.entries, plan.block_tables, plan.slot_mapping
         with_tables = self.plan_tables
+        batch = self._batch
+        members = len(batch)
+        loose_entries: list[PlanEntry] = []
+        loose_tables: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (table, slots), with tables
         totals = PlanTotals(bs)
         # The decode path's sums stay in locals (the hot loop); PlanTotals.of is the reference (plan.check).
         num_tokens = sampled = blocks_touched = decode_seqs = decode_ctx = decode_max_blocks = 0
@@ -361,41 +501,88 @@ class EngineCore:
             first = request.num_computed_tokens
             end = first + num_new
             samples = end == request.prompt_tokens + request.num_output_tokens
-            if with_tables:
-                table = block_table(request)
-                tables[rid] = table[:]
             num_tokens += num_new
             sampled += samples
-            if num_new == 1 and samples and request.num_output_tokens:  # a decode: its slot inline
-                entries.append(PlanEntry(rid, first, 1, False, True))
-                if with_tables:
-                    slot_mapping.append(table[first // bs] * bs + first % bs)  # blocks.slot, inlined
+            if num_new == 1 and samples and request.num_output_tokens:  # a decode
+                entry = PlanEntry(rid, first, 1, False, True)
                 blocks = first // bs + 1  # cdiv(end, bs) for end = first + 1
                 decode_seqs += 1
                 decode_ctx += end
                 if blocks > decode_max_blocks:
                     decode_max_blocks = blocks
             else:  # a prefill chunk (one token or more)
-                entries.append(PlanEntry(rid, first, num_new, True, samples))
-                if with_tables:
-                    slot_mapping.extend(slots_for(table, first, end, bs))
+                entry = PlanEntry(rid, first, num_new, True, samples)
                 blocks = cdiv(end, bs)
                 totals.add_prefill(first, num_new, blocks)
+            loose_entries.append(entry)
+            if with_tables:
+                table = block_table(request)
+                loose_tables[rid] = (table[:], slots_for(table, first, end, bs))
             blocks_touched += blocks
             request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.seats > 1:  # its samples fork now
                 plan.forks.append((rid, [f"{rid}#{k}" for k in range(1, request.n_samples)]))
+        if members:
+            num_tokens += members
+            sampled += members
+            decode_seqs += members
+            decode_ctx += batch.ctx_sum + members
+            blocks_touched += batch.blocks_sum
+            decode_max_blocks = max(decode_max_blocks, batch.longest_position(plan.step) // bs + 1)
         totals.num_tokens, totals.num_sampled, totals.blocks_touched = num_tokens, sampled, blocks_touched
         totals.decode_seqs = totals.decode_tokens = decode_seqs
         totals.decode_ctx_tokens, totals.decode_max_blocks = decode_ctx, decode_max_blocks
         plan.totals = totals
         plan.copies = self.kv.take_copies()
+        self._loose_entries = loose_entries
+        if not with_tables:
+            plan.entries = loose_entries
+            plan.batch_decodes = members
+        elif not members:
+            plan.entries = loose_entries
+            for rid, (table, slots) in loose_tables.items():
+                plan.block_tables[rid] = table
+                plan.slot_mapping.extend(slots)
+        else:
+            self._fill_in_running_order(plan, loose_tables)
+
+    def _fill_in_running_order(self, plan: StepPlan, loose_tables: dict[str, tuple[list[int], list[int]]]) -> None:
+        """A whole plan: members' decodes and loose entries in running order (the request-by-request pass's order)."""
+        bs = self.kv.block_size
+        block_table = self.kv.block_table
+        entries, tables, slot_mapping = plan.entries, plan.block_tables, plan.slot_mapping
+        loose = {e.request_id: e for e in self._loose_entries}
+        for request in self.running:
+            rid = request.request_id
+            if request.batch_since >= 0:
+                pos = request.num_computed_tokens
+                entries.append(PlanEntry(rid, pos, 1, False, True))
+                table = block_table(request)
+                tables[rid] = table[:]
+                slot_mapping.append(table[pos // bs] * bs + pos % bs)  # blocks.slot, inlined
+            elif rid in loose:
+                entries.append(loose[rid])
+                table, slots = loose_tables[rid]
+                tables[rid] = table
+                slot_mapping.extend(slots)
 
     def commit(self, plan: StepPlan, now: float) -> list[Request]:
-        """Apply a step's results at time ``now``; returns the requests that finished."""
+        """Apply a step's results at time ``now``; returns the requests that finished.
+
+        ``plan`` must be the one the last ``schedule`` returned.
+        """
+        step, batch, sink = plan.step, self._batch, self.token_sink
+        members = batch.members
+        if members:  # every member decoded one token
+            for request in members:
+                request.num_computed_tokens += 1
+                request.num_output_tokens += 1
+            batch.ctx_sum += len(members)
         sampled: list[Request] = []
         requests, running = self.requests, Status.RUNNING
-        for entry in plan.entries:
+        for entry in self._loose_entries:
+            if sink is not None and entry.is_prefill:
+                sink.scheduled(entry.request_id, self.now)
             if entry.samples:
                 request = requests[entry.request_id]
                 if request.status is running:
@@ -403,14 +590,46 @@ class EngineCore:
                     if request.first_token_s is None:
                         request.first_token_s = now
                     sampled.append(request)
+                    if sink is not None:
+                        sink.token(entry.request_id, now)
         for parent_id, child_ids in plan.forks:
             parent = self.requests[parent_id]
             if parent.status is Status.RUNNING:
                 sampled.extend(self._fork(parent, child_ids, now))
+            if sink is not None:
+                for child_id in child_ids:
+                    sink.scheduled(child_id, self.now)
+                    sink.token(child_id, now)
         finished = [r for r in sampled if r.num_output_tokens >= r.output_tokens and r.status is Status.RUNNING]
+        if members:
+            done = batch.pop_due(batch.finishes, step)
+            if done:
+                finished = sorted(finished + done, key=_run_seq) if finished else done
         for request in finished:
-            self._finish(request, now)
+            self._finish(request, now, step)
+        if self._batching:
+            self._advance_batch(step + 1)
         return finished
+
+    def _advance_batch(self, step: int) -> None:
+        """Between steps: members open their new blocks, due members get their next event, loose decodes join."""
+        batch = self._batch
+        if batch.members:
+            batch.start_step(step)
+            for request in self._due:
+                if request.batch_since >= 0:
+                    event_in = self._event_in(request)
+                    if event_in < NEVER:
+                        batch.schedule_event(request, step + event_in)
+        self._due = []
+        if self._loose:
+            still_loose = []
+            for request in self._loose:
+                if request.num_tokens - request.num_computed_tokens == 1 and request.num_output_tokens:
+                    batch.add(request, step, self._event_in(request))
+                else:
+                    still_loose.append(request)
+            self._loose = still_loose
 
     def _fork(self, parent: Request, child_ids: list[str], now: float) -> list[Request]:
         self._running_seats -= parent.seats  # a running parent: its seats become its children's
@@ -451,10 +670,11 @@ class EngineCore:
             children.append(child)
         return children
 
-    def _finish(self, request: Request, now: float) -> None:
+    def _finish(self, request: Request, now: float, step: int | None = None) -> None:
+        """``step``: the step whose commit this is, when called from ``commit``."""
         request.status = Status.FINISHED
         request.finish_s = now
-        self._leave_running(request)
+        self._leave_running(request, step)
         self.kv.free(request)
         self.counters.finished += 1
 
@@ -499,6 +719,7 @@ class EngineCore:
         the requests that finished at the last step; None (nothing done) when the pool cannot
         cover even the first step's growth.
         """
+        self._dissolve_batch()
         running = list(self.running)
         events: list[tuple[int, int, bool]] = []
         growth_uses_pool = False
@@ -581,6 +802,9 @@ class EngineCore:
         assert len(self.running) <= self.config.max_num_seqs
         assert self._running_seats == sum(r.seats for r in self.running), "running seats out of step"
         assert self.kv_counts()[3] == self.kv_stats().internal_waste_slots, "internal waste out of step"
+        assert [r for r in self.running if r.batch_since < 0] == self._loose, "loose requests out of step"
+        assert len(self._batch) + len(self._loose) == len(self.running), "decode batch out of step"
+        self._batch.check(self.counters.steps)
         if not self.has_unfinished():
             stats = self.kv_stats()
             assert stats.used == 0, f"engine drained but {stats.used} blocks are still used"

@@ -99,6 +99,9 @@ class StepPlan:
     # Filled by the engine with the entries (None: a plan built by hand; readers compute it).
     # Derived from the entries, so not part of a plan's equality.
     totals: PlanTotals | None = field(default=None, compare=False)
+    # One-token decodes of the engine's persistent batch that ``entries`` leaves out: only in a
+    # plan made without tables (``EngineCore.plan_tables`` off), whose readers need the totals alone.
+    batch_decodes: int = 0
 
     def totals_for(self, block_size: int) -> PlanTotals:
         """The batch shape at ``block_size``: the engine's totals when they match, else computed."""
@@ -109,6 +112,11 @@ class StepPlan:
     def _shape(self) -> PlanTotals:
         """Totals for counts that do not depend on the block size."""
         return self.totals if self.totals is not None else PlanTotals.of(self.entries, 1)
+
+    @property
+    def num_seqs(self) -> int:
+        """Requests in the step, the batch's left-out decodes included."""
+        return self._shape.num_seqs
 
     @property
     def num_tokens(self) -> int:
@@ -134,7 +142,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.entries or self.swap_out or self.swap_in or self.copies)
+        return not (self.entries or self.batch_decodes or self.swap_out or self.swap_in or self.copies)
 
     def check(self, block_size: int) -> None:
         """Raise AssertionError unless every new token has its own slot inside its block table (and the totals add up)."""

@@ -54,6 +54,10 @@ class Request:
     reject_reason: str | None = None
     children: list["Request"] = field(default_factory=list)
     forked: bool = False
+    # The engine's bookkeeping: the order in which the request joined the running list (the
+    # running order), and the first step of its current run in the decode batch (-1: not in it).
+    run_seq: int = 0
+    batch_since: int = -1
 
     def __post_init__(self) -> None:
         if self.content_id < 0:

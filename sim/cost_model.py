@@ -295,8 +295,11 @@ class CostModel:
         )
 
     # --- time ------------------------------------------------------------------------------
-    def _times(self, rows: tuple[tuple[Num, Num, Num], ...]) -> dict[str, Num]:
-        """Seconds per operator from its work rows (arrays in, arrays out)."""
+    def _times(self, rows: tuple[tuple[Num, Num, Num], ...], one_step: bool = False) -> dict[str, Num]:
+        """Seconds per operator from its work rows (arrays in, arrays out; ``one_step``: every row plain floats)."""
+        if one_step:
+            return dict(zip(OPERATORS, [max(flops * per_flop, nbytes * per_byte) + calls * per_call
+                                        for (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(rows, self._rate_rows)]))
         times = {}
         for op, (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(OPERATORS, rows, self._rate_rows):
             compute, memory = flops * per_flop, nbytes * per_byte
@@ -317,7 +320,7 @@ class CostModel:
         device (all of it unless scheduling is async). Without an engine: kernels + host terms.
         """
         rows = self._work(f)
-        times = self._times(rows)
+        times = self._times(rows, one_step=not any(isinstance(v, np.ndarray) for v in vars(f).values()))
         split = {op: times[op] for op in STEP_OPERATORS}
         engine = self.device.engine
         if engine is None:

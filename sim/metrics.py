@@ -53,7 +53,7 @@ class StepLog:
         c["duration_s"].append(duration_s)
         c["timed"].append(int(timing is not None))  # 0: nothing to run (only rejections)
         c["kind"].append(plan.kind)
-        c["batch_size"].append(len(plan.entries))
+        c["batch_size"].append(plan.num_seqs)
         c["prefill_tokens"].append(plan.num_prefill_tokens)
         c["decode_tokens"].append(plan.num_decode_tokens)
         c["kv_used"].append(counts[0])
@@ -95,16 +95,23 @@ class StepLog:
 
 @dataclass
 class TokenTimes:
-    """First-scheduled time, last token time and largest inter-token gap per sequence, plus all gaps."""
+    """First-scheduled time, last token time and largest inter-token gap per sequence, plus all gaps.
+
+    The engine reports tokens one by one (``token``) or, for its persistent decode batch, as
+    runs of consecutive steps (``batch_tokens``): a run's gaps are the steps' own, read from
+    every step's end time (``step_ended``) once, when the gaps are asked for, not a call a token.
+    """
 
     first_scheduled: dict[str, float] = field(default_factory=dict)
     last_token: dict[str, float] = field(default_factory=dict)
-    max_gap: dict[str, float] = field(default_factory=dict)
     gap_values: list[np.ndarray] = field(default_factory=list)
     gap_counts: list[np.ndarray] = field(default_factory=list)
+    _max_gap: dict[str, float] = field(default_factory=dict)
     # Unboxed doubles, one gap per token of every request: a list of floats took 32 bytes a gap,
     # this 8 (the Azure conv trace's peak RSS fell from 375 to 230 MiB; docs/benchmarks.md).
     _pending_gaps: array = field(default_factory=lambda: array("d"))
+    _step_ends: array = field(default_factory=lambda: array("d"))  # every step's end time, by step number
+    _runs: list[tuple[str, int, int]] = field(default_factory=list)  # batch runs whose inner gaps are not yet folded
 
     def scheduled(self, request_id: str, now: float) -> None:
         self.first_scheduled.setdefault(request_id, now)
@@ -114,9 +121,53 @@ class TokenTimes:
         if last is not None:
             gap = now - last
             self._pending_gaps.append(gap)
-            if gap > self.max_gap.get(request_id, 0.0):
-                self.max_gap[request_id] = gap
+            if gap > self._max_gap.get(request_id, 0.0):
+                self._max_gap[request_id] = gap
         self.last_token[request_id] = now
+
+    def step_ended(self, now: float) -> None:
+        self._step_ends.append(now)
+
+    def steps_ended(self, ends: np.ndarray) -> None:
+        self._step_ends.frombytes(np.ascontiguousarray(ends, dtype=np.float64).tobytes())
+
+    def batch_tokens(self, request_id: str, first_step: int, last_step: int) -> None:
+        """A token at the end of each step from ``first_step`` to ``last_step`` (their ends recorded already)."""
+        ends = self._step_ends
+        self.token(request_id, ends[first_step])
+        if last_step > first_step:
+            self.last_token[request_id] = ends[last_step]
+            self._runs.append((request_id, first_step, last_step))
+
+    @property
+    def max_gap(self) -> dict[str, float]:
+        """Each sequence's largest inter-token gap."""
+        self._fold_runs()
+        return self._max_gap
+
+    def _fold_runs(self) -> None:
+        """Batch runs' inner gaps (step i's end minus step i-1's, for i after a run's first step) into the stores."""
+        if not self._runs:
+            return
+        runs, self._runs = self._runs, []
+        ends = np.array(self._step_ends, dtype=np.float64)
+        step_gaps = np.append(np.diff(ends, prepend=ends[:1]), 0.0)  # [i] = end i - end i-1; a tail for reduceat
+        firsts = np.fromiter((f + 1 for _, f, _ in runs), dtype=np.int64, count=len(runs))
+        stops = np.fromiter((last + 1 for _, _, last in runs), dtype=np.int64, count=len(runs))
+        bounds = np.empty(2 * len(runs), dtype=np.int64)
+        bounds[0::2], bounds[1::2] = firsts, stops
+        maxima = np.maximum.reduceat(step_gaps, bounds)[0::2].tolist()
+        max_gap = self._max_gap
+        for (rid, _, _), worst in zip(runs, maxima):
+            if worst > max_gap.get(rid, 0.0):
+                max_gap[rid] = worst
+        cover = np.zeros(len(step_gaps) + 1, dtype=np.int64)
+        np.add.at(cover, firsts, 1)
+        np.add.at(cover, stops, -1)
+        cover = np.cumsum(cover)[: len(step_gaps)]
+        covered = cover > 0
+        self.gap_values.append(step_gaps[covered])
+        self.gap_counts.append(cover[covered])
 
     def stretch(self, request_ids: list[str], ends: np.ndarray) -> None:
         """Every request in ``request_ids`` got a token at each of ``ends``."""
@@ -127,14 +178,15 @@ class TokenTimes:
             gap = first_end - self.last_token[rid]
             self._pending_gaps.append(gap)
             worst = max(gap, inner_max)
-            if worst > self.max_gap.get(rid, 0.0):
-                self.max_gap[rid] = worst
+            if worst > self._max_gap.get(rid, 0.0):
+                self._max_gap[rid] = worst
             self.last_token[rid] = float(ends[-1])
         if len(inner):
             self.gap_values.append(inner)
             self.gap_counts.append(np.full(len(inner), len(request_ids), dtype=np.int64))
 
     def all_gaps(self) -> np.ndarray:
+        self._fold_runs()
         values = self.gap_values + [np.frombuffer(self._pending_gaps, dtype=np.float64)]
         counts = self.gap_counts + [np.ones(len(self._pending_gaps), dtype=np.int64)]
         return np.repeat(np.concatenate(values), np.concatenate(counts))

@@ -79,6 +79,7 @@ class Simulation:
         self.host_link = simpy.Resource(self.env, capacity=1)
         self.steps = StepLog()
         self.times = TokenTimes()
+        engine.token_sink = self.times  # the engine reports each request's scheduling and tokens as it commits
         self.clock = 0.0
         self.next_index = 0
         self.stretches = 0
@@ -151,22 +152,9 @@ class Simulation:
                     yield link
                     yield self.env.timeout(swap_s)
         yield from self._advance_to(start + duration)
-        times, now = self.times, self.clock
-        if plan.totals is None or plan.totals.prefill_seqs:
-            # A request is first scheduled in a prefill entry (a decode samples a request's next
-            # token, so it has run before; a fork's children are recorded below).
-            for entry in plan.entries:
-                if entry.is_prefill:
-                    times.scheduled(entry.request_id, start)
+        now = self.clock
+        self.times.step_ended(now)
         ended = engine.commit(plan, now)
-        token = times.token
-        for entry in plan.entries:
-            if entry.samples:
-                token(entry.request_id, now)
-        for parent_id, child_ids in plan.forks:
-            for child_id in child_ids:
-                times.scheduled(child_id, start)
-                token(child_id, now)
         self.steps.add_step(plan, start, duration, engine.kv_counts(), timing)
         if self.options.decisions is not None:
             self.options.decisions.plan(plan)
@@ -193,6 +181,7 @@ class Simulation:
         stretch, counts, finished = result
         k = stretch.num_steps
         starts = [self.clock] + ends[: k - 1].tolist()
+        self.times.steps_ended(ends[:k])
         self.times.stretch(stretch.request_ids, ends[:k])
         self.steps.add_stretch(stretch.first_step, starts, durations[:k].tolist(), len(stretch.request_ids), counts)
         if self.options.decisions is not None:

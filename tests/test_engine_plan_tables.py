@@ -1,8 +1,9 @@
 """EngineCore.plan_tables: plans without block tables and slots decide exactly the same.
 
 A simulation whose timer is the cost model and that keeps no decision log reads neither a
-plan's block tables nor its slot mapping, so the engine skips copying them; everything else in
-the plan, and so every duration and latency, must stay the same. A reader turns them back on.
+plan's block tables nor its slot mapping nor the entries of its persistent decode batch, so the
+engine skips them (``batch_decodes`` counts the left-out decodes); everything else in the plan,
+its totals, and so every duration and latency, must stay the same. A reader turns them back on.
 """
 
 from __future__ import annotations
@@ -38,10 +39,15 @@ def test_plans_without_tables_keep_every_decision(make_engine) -> None:
     for a, b in zip(with_tables, bare):
         assert (b.block_tables, b.slot_mapping) == ({}, [])
         assert a.block_tables and len(a.slot_mapping) == a.num_tokens or not a.entries
-        assert (a.entries, a.copies, a.swap_out, a.swap_in, a.preempted, a.rejected, a.forks) == (
-            b.entries, b.copies, b.swap_out, b.swap_in, b.preempted, b.rejected, b.forks,
+        assert (a.copies, a.swap_out, a.swap_in, a.preempted, a.rejected, a.forks) == (
+            b.copies, b.swap_out, b.swap_in, b.preempted, b.rejected, b.forks,
         )  # fmt: skip
-        assert a.totals == b.totals
+        # the bare plan's entries are the whole plan's, in order, less its batch's one-token decodes
+        left_out = [e for e in a.entries if e not in b.entries]
+        assert [e for e in a.entries if e in b.entries] == b.entries
+        assert len(left_out) == b.batch_decodes and all(e.num_tokens == 1 and not e.is_prefill for e in left_out)
+        assert a.batch_decodes == 0 and a.totals == b.totals and a.num_seqs == b.num_seqs == len(a.entries)
+    assert sum(p.batch_decodes for p in bare) > 0, "the workload must exercise the decode batch"
 
 
 def test_a_simulation_copies_tables_only_for_a_reader() -> None:
