@@ -180,8 +180,11 @@ class BlockManager(ABC):
         """(used, cached, free) blocks right now, in O(1)."""
 
     @abstractmethod
-    def internal_waste(self, live: list[Request]) -> int:
-        """Allocated token slots that hold no token yet (``live`` hold device blocks), asked between steps."""
+    def internal_waste(self, live: list[Request], computed_tokens: int | None = None) -> int:
+        """Allocated token slots that hold no token yet (``live`` hold device blocks), asked between steps.
+
+        ``computed_tokens``: the sum of ``live``'s ``num_computed_tokens`` when the caller keeps
+        it (the engine does), which a manager may use instead of a walk over ``live``."""
 
     @abstractmethod
     def stats(self, live: list[Request]) -> KVStats:

@@ -139,7 +139,7 @@ class ContiguousBlockManager(BlockManager):
         reserved = self.num_blocks - sum(length for _, length in self.extents)
         return reserved, 0, self.num_blocks - reserved
 
-    def internal_waste(self, live: list[Request]) -> int:
+    def internal_waste(self, live: list[Request], computed_tokens: int | None = None) -> int:
         reserved = self.num_blocks - sum(length for _, length in self.extents)
         return reserved * self.block_size - sum(r.num_computed_tokens for r in live if r.request_id in self.regions)
 

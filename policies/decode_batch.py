@@ -13,8 +13,10 @@ and a step over it costs what changes, not one call per request:
   touched, the longest context), so the cost model reads totals without a walk;
 - ``finishes``: the step at which each member samples its last token.
 
-Members' ``num_computed_tokens`` and ``num_output_tokens`` stay exact (one increment each a
-step, in ``EngineCore.commit``), so everything that reads a request sees what it always saw.
+Members' ``num_computed_tokens`` and ``num_output_tokens`` stay exact without a write a step:
+a member is a ``BatchMember``, whose two counters are what they were when it joined plus the
+steps the batch has committed since (``clock``), so everything that reads a request sees what
+it always saw; leaving writes the counters back and makes it a plain ``Request`` again.
 Heaps order by (step, running order) and carry the step the member's run began: an entry of
 a request no longer in the batch, or from an earlier run of it, is stale and skipped.
 """
@@ -28,10 +30,36 @@ from kvsim.policies.request import Request
 
 NEVER = 1 << 62  # a step no run reaches
 
+_COMPUTED, _OUTPUT = Request.num_computed_tokens, Request.num_output_tokens  # the slots themselves
+
+
+class BatchMember(Request):
+    """A request in the decode batch: one more token for each step the batch commits."""
+
+    __slots__ = ()
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return _COMPUTED.__get__(self) + self.batch.clock - self.batch_since
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        _COMPUTED.__set__(self, value - (self.batch.clock - self.batch_since))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return _OUTPUT.__get__(self) + self.batch.clock - self.batch_since
+
+    @num_output_tokens.setter
+    def num_output_tokens(self, value: int) -> None:
+        _OUTPUT.__set__(self, value - (self.batch.clock - self.batch_since))
+
+
 
 @dataclass
 class DecodeBatch:
     block_size: int
+    clock: int = 0  # steps committed: members' counters advance with it
     members: set[Request] = field(default_factory=set)
     ctx_sum: int = 0  # sum of members' num_computed_tokens
     blocks_sum: int = 0  # sum of members' blocks touched by their next token: pos // bs + 1
@@ -46,9 +74,11 @@ class DecodeBatch:
 
     def add(self, r: Request, step: int, event_in: int) -> None:
         """``r`` decodes from ``step`` on; its manager must act ``event_in`` steps later (NEVER: not before it ends)."""
+        assert step == self.clock, f"a request joins the batch at the step it will run next ({self.clock}), not {step}"
         bs, pos, seq = self.block_size, r.num_computed_tokens, r.run_seq
         self.members.add(r)
-        r.batch_since = step
+        r.batch_since, r.batch = step, self
+        r.__class__ = BatchMember
         self.ctx_sum += pos
         self.blocks_sum += pos // bs + 1
         if event_in < NEVER:
@@ -60,12 +90,20 @@ class DecodeBatch:
     def schedule_event(self, r: Request, step: int) -> None:
         heapq.heappush(self.events, (step, r.run_seq, r.batch_since, r))
 
+    def advance(self, step: int) -> None:
+        """Every member sampled a token at ``step``: their counters move on by one."""
+        self.clock = step + 1
+        self.ctx_sum += len(self.members)
+
     def remove(self, r: Request, advanced: bool) -> None:
-        """Take out a member: between steps, or (``advanced``) after its step's increment, before the next ``start_step``."""
+        """Take out a member (counters written back): between steps, or (``advanced``) after its step's commit, before the next ``start_step``."""
+        computed, output = r.num_computed_tokens, r.num_output_tokens
+        r.__class__ = Request
+        r.num_computed_tokens, r.num_output_tokens = computed, output
         self.members.discard(r)
-        r.batch_since = -1
-        self.ctx_sum -= r.num_computed_tokens
-        self.blocks_sum -= (r.num_computed_tokens - advanced) // self.block_size + 1
+        r.batch_since, r.batch = -1, None
+        self.ctx_sum -= computed
+        self.blocks_sum -= (computed - advanced) // self.block_size + 1
 
     def pop_due(self, heap: list, step: int) -> list[Request]:
         """Members whose entry in ``heap`` falls at ``step`` (or before), in running order."""

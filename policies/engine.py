@@ -573,11 +573,7 @@ class EngineCore:
         """
         step, batch, sink = plan.step, self._batch, self.token_sink
         members = batch.members
-        if members:  # every member decoded one token
-            for request in members:
-                request.num_computed_tokens += 1
-                request.num_output_tokens += 1
-            batch.ctx_sum += len(members)
+        batch.advance(step)  # every member decoded one token
         sampled: list[Request] = []
         requests, running = self.requests, Status.RUNNING
         for entry in self._loose_entries:
@@ -781,12 +777,14 @@ class EngineCore:
             self._finish(r, now)
         counts[num_steps - 1] = self.kv_counts()
         self.counters.steps += num_steps
+        self._batch.clock = self.counters.steps  # the (empty) batch's clock follows the steps it did not run
         return stretch, counts, finished
 
     # --- observation -------------------------------------------------------------------
     def kv_counts(self) -> KVCounts:
         """(used, cached, free, internal-waste slots): what every step records."""
-        return (*self.kv.pool_counts(), self.kv.internal_waste(self.running))
+        computed = self._batch.ctx_sum + sum(r.num_computed_tokens for r in self._loose)
+        return (*self.kv.pool_counts(), self.kv.internal_waste(self.running, computed))
 
     def kv_stats(self) -> KVStats:
         return self.kv.stats(self.running)

@@ -176,13 +176,15 @@ class PagedBlockManager(BlockManager):
     def pool_counts(self) -> tuple[int, int, int]:
         return self.pool.counts()
 
-    def internal_waste(self, live: list[Request]) -> int:
+    def internal_waste(self, live: list[Request], computed_tokens: int | None = None) -> int:
         """Between steps every live table ends in the block of its last computed token, so
         without forks (a shared last block counts once) the waste is slots held minus tokens
         computed: one C-level sum instead of a walk over the tables."""
         if self.forked:
             return self._waste_by_last_block(live)
-        return self.num_table_blocks * self.block_size - sum(map(_num_computed, live))
+        if computed_tokens is None:
+            computed_tokens = sum(map(_num_computed, live))
+        return self.num_table_blocks * self.block_size - computed_tokens
 
     def _waste_by_last_block(self, live: list[Request]) -> int:
         """Internal waste at any moment, also mid-step (tables grown, tokens not yet computed)."""

@@ -55,9 +55,11 @@ class Request:
     children: list["Request"] = field(default_factory=list)
     forked: bool = False
     # The engine's bookkeeping: the order in which the request joined the running list (the
-    # running order), and the first step of its current run in the decode batch (-1: not in it).
+    # running order), and the first step of its current run in the decode batch (-1: not in it)
+    # with that batch (policies.decode_batch), whose clock advances the request's counters.
     run_seq: int = 0
     batch_since: int = -1
+    batch: "object | None" = None
 
     def __post_init__(self) -> None:
         if self.content_id < 0:

@@ -76,6 +76,7 @@ traffic crosses the host link and the simulator accounts for it separately throu
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from operator import itemgetter
 from typing import NamedTuple, Sequence, Union
 
 import numpy as np
@@ -96,6 +97,15 @@ HOST_OPERATORS: tuple[str, ...] = ("host_step", "host_seq", "host_token")
 KERNEL_OPERATORS: tuple[str, ...] = tuple(op for op in STEP_OPERATORS if op not in HOST_OPERATORS)
 # Kernels the host dispatches one by one outside a graph (paged_gather's calls are blocks, not kernels).
 DISPATCHED_OPERATORS: tuple[str, ...] = tuple(op for op in KERNEL_OPERATORS if op != "paged_gather")
+_KERNEL_TIMES, _HOST_TIMES = itemgetter(*KERNEL_OPERATORS), itemgetter(*HOST_OPERATORS)
+# The order of _token_rows and _context_rows; the memo of one step's token-shaped times is bounded.
+_TOKEN_OPERATORS = ("gemm", "elementwise", "kv_write", "lm_head", "sampling", "host_token")
+_CONTEXT_OPERATORS = ("attn_prefill", "attn_decode", "paged_gather", "block_copy", "swap", "host_step", "host_seq")
+_SPLIT_OPERATORS = _TOKEN_OPERATORS + _CONTEXT_OPERATORS
+assert sorted(_SPLIT_OPERATORS) == sorted(OPERATORS), "every operator is token- or batch-shaped"
+_TOKEN_DISPATCHED = tuple(i for i, op in enumerate(_TOKEN_OPERATORS) if op in DISPATCHED_OPERATORS)
+_CONTEXT_DISPATCHED = tuple(i for i, op in enumerate(_CONTEXT_OPERATORS) if op in DISPATCHED_OPERATORS)
+_MEMO_LIMIT = 1 << 16
 DISPATCH_STALL = "dispatch_stall"  # step split: time the device waits for eager dispatch
 
 LOGIT_BYTES = 4  # logits and probabilities are fp32
@@ -203,6 +213,9 @@ class CostModel:
         self._half_context = device.operators["attn_decode"].shape
         self._score_bytes = device.operators["attn_prefill"].shape
         self._padded_tokens: dict[float, float] = {}  # a graph engine's padding of one step's T, memoised
+        self._token_rates = tuple(self._rates[op] for op in _TOKEN_OPERATORS)
+        self._context_rates = tuple(self._rates[op] for op in _CONTEXT_OPERATORS)
+        self._token_memo: dict[tuple[float, float], tuple[list[float], int]] = {}
 
     def unit_costs(self, op: str) -> tuple[float, float, float]:
         """(seconds per flop, seconds per byte, seconds per call) of an operator; 0 for an unread roof."""
@@ -239,16 +252,18 @@ class CostModel:
 
     def _work(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
         """(flops, bytes, calls) of every operator in ``OPERATORS`` order: one step costs tuples, not a dict."""
+        gemm, elementwise, kv_write, lm_head, sampling, host_token = self._token_rows(f.num_tokens, f.num_sampled)
+        attn_prefill, attn_decode, paged_gather, block_copy, swap, host_step, host_seq = self._context_rows(f)
+        return (gemm, elementwise, kv_write, attn_prefill, attn_decode, paged_gather, lm_head, sampling, block_copy,
+                swap, host_step, host_seq, host_token)
+
+    def _token_rows(self, T: Num, S: Num) -> tuple[tuple[Num, Num, Num], ...]:
+        """The rows that depend on the step's tokens ``T`` and sampled rows ``S`` alone:
+        gemm, elementwise, kv_write, lm_head, sampling, host_token."""
         m, L, a, w, c = self.model, self._L, self._a, self._w, self._kv_token_layer
-        q, kv, h, vocab = m.q_size, m.kv_size, m.hidden_size, m.vocab_size
-        T, S = f.num_tokens, f.num_sampled
+        kv, h, vocab = m.kv_size, m.hidden_size, m.vocab_size
         Tp = self._padded(T)
-        half_tokens, half_context, score_bytes = self._half_tokens, self._half_context, self._score_bytes
-        if self.device.padded_attention:
-            pairs, prefill_ctx, decode_ctx = f.padded_attn_pairs, f.padded_prefill_ctx_tokens, f.padded_decode_ctx_tokens
-            blocks = f.padded_blocks_touched
-        else:
-            pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
+        half_tokens = self._half_tokens
         on_T, on_S = _on(T), _on(S)
         P = self._layer_matmul_params
         # Below gemv_rows a matrix product runs one matrix-vector product per row: the weights stream
@@ -266,6 +281,26 @@ class CostModel:
             (Tp * self._elem_flops, a * Tp * self._elem_moved, self._elem_launches * on_T),
             # kv_write
             (0.0, Tp * L * (2 * kv * a + c), L * on_T),
+            # lm_head
+            (2 * S * h * vocab, weight_reads_S * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), on_S),
+            # sampling
+            (SAMPLING_FLOPS_PER_LOGIT * S * vocab, SAMPLING_PASSES * LOGIT_BYTES * S * vocab, SAMPLING_LAUNCHES * on_S),
+            # host_token
+            (0.0, 0.0, T),
+        )
+
+    def _context_rows(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
+        """The rows that depend on the batch's shape: attn_prefill, attn_decode, paged_gather,
+        block_copy, swap, host_step, host_seq."""
+        m, L, a, c = self.model, self._L, self._a, self._kv_token_layer
+        q = m.q_size
+        half_context, score_bytes = self._half_context, self._score_bytes
+        if self.device.padded_attention:
+            pairs, prefill_ctx, decode_ctx = f.padded_attn_pairs, f.padded_prefill_ctx_tokens, f.padded_decode_ctx_tokens
+            blocks = f.padded_blocks_touched
+        else:
+            pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
+        return (
             # attn_prefill
             (
                 4 * q * L * pairs,
@@ -280,26 +315,18 @@ class CostModel:
             ),
             # paged_gather
             (0.0, 0.0, L * blocks),
-            # lm_head
-            (2 * S * h * vocab, weight_reads_S * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), on_S),
-            # sampling
-            (SAMPLING_FLOPS_PER_LOGIT * S * vocab, SAMPLING_PASSES * LOGIT_BYTES * S * vocab, SAMPLING_LAUNCHES * on_S),
             # block_copy
             (0.0, 2 * f.copy_blocks * self._block_bytes, 2 * L * _on(f.copy_blocks)),
             # swap
             (0.0, f.swap_blocks * self._block_bytes, 2 * L * _on(f.swap_blocks)),
-            # host_step, host_seq, host_token
+            # host_step, host_seq
             (0.0, 0.0, _on(f.num_seqs)),
             (0.0, 0.0, f.num_seqs),
-            (0.0, 0.0, T),
         )
 
     # --- time ------------------------------------------------------------------------------
-    def _times(self, rows: tuple[tuple[Num, Num, Num], ...], one_step: bool = False) -> dict[str, Num]:
-        """Seconds per operator from its work rows (arrays in, arrays out; ``one_step``: every row plain floats)."""
-        if one_step:
-            return dict(zip(OPERATORS, [max(flops * per_flop, nbytes * per_byte) + calls * per_call
-                                        for (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(rows, self._rate_rows)]))
+    def _times(self, rows: tuple[tuple[Num, Num, Num], ...]) -> dict[str, Num]:
+        """Seconds per operator from its work rows (arrays in, arrays out)."""
         times = {}
         for op, (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(OPERATORS, rows, self._rate_rows):
             compute, memory = flops * per_flop, nbytes * per_byte
@@ -308,26 +335,54 @@ class CostModel:
             times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
         return times
 
+    def _one_step_times(self, f: StepFeatures) -> tuple[dict[str, float], int]:
+        """One step's seconds per operator and dispatched kernel count, in plain floats.
+
+        The token-shaped operators' times are memoised by (tokens, sampled rows), which repeat
+        from step to step; the batch-shaped ones are computed. Same operations as ``_times``.
+        """
+        key = (f.num_tokens, f.num_sampled)
+        token = self._token_memo.get(key)
+        if token is None:
+            if len(self._token_memo) >= _MEMO_LIMIT:
+                self._token_memo.clear()
+            rows = self._token_rows(*key)
+            token = self._token_memo[key] = (
+                [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._token_rates)],
+                sum(rows[i][2] for i in _TOKEN_DISPATCHED),
+            )
+        token_times, token_calls = token
+        rows = self._context_rows(f)
+        context_times = [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._context_rates)]
+        # calls are integers, so their sum does not depend on the order
+        return dict(zip(_SPLIT_OPERATORS, token_times + context_times)), token_calls + sum(rows[i][2] for i in _CONTEXT_DISPATCHED)
+
     def operator_times(self, f: StepFeatures) -> dict[str, Num]:
         """Seconds per operator (arrays in, arrays out)."""
         return self._times(self._work(f))
 
-    def step_split(self, f: StepFeatures) -> dict[str, Num]:
+    def step_split(self, f: StepFeatures, one_step: bool | None = None) -> dict[str, Num]:
         """Seconds of a step by operator, as they add up to the step's time under the device's engine.
 
         Kernels keep their times; the engine adds a ``dispatch_stall`` (the device waiting for
         eager dispatch) and scales the host terms to the part of them it does not hide behind the
         device (all of it unless scheduling is async). Without an engine: kernels + host terms.
+        ``one_step``: every feature is a plain float (None: look).
         """
-        rows = self._work(f)
-        times = self._times(rows, one_step=not any(isinstance(v, np.ndarray) for v in vars(f).values()))
+        if one_step is None:
+            one_step = not any(isinstance(v, np.ndarray) for v in vars(f).values())
+        if one_step:
+            times, calls = self._one_step_times(f)
+        else:
+            rows = self._work(f)
+            times = self._times(rows)
+            calls = sum(rows[i][2] for i in self._dispatched)
         split = {op: times[op] for op in STEP_OPERATORS}
         engine = self.device.engine
         if engine is None:
             return split
-        device = sum(times[op] for op in KERNEL_OPERATORS)
-        host = sum(times[op] for op in HOST_OPERATORS)
-        calls = sum(rows[i][2] for i in self._dispatched)
+        device = sum(_KERNEL_TIMES(times))  # the operators' order, as a generator over them would add them
+        host = sum(_HOST_TIMES(times))
         _, stall, exposed = engine.step_seconds(device, calls, host, f.num_tokens)
         if isinstance(exposed, np.ndarray) or isinstance(host, np.ndarray):
             share = np.divide(exposed, host, out=np.zeros_like(np.asarray(host, dtype=np.float64)), where=np.asarray(host) > 0)
@@ -338,6 +393,19 @@ class CostModel:
             split[op] = times[op] * share
         split[DISPATCH_STALL] = stall
         return split
+
+    def step_total(self, f: StepFeatures) -> float:
+        """One step's time (plain-float features): the sum of :meth:`step_split`, in its order, without building it."""
+        times, calls = self._one_step_times(f)
+        device = sum(_KERNEL_TIMES(times))
+        host_step, host_seq, host_token = _HOST_TIMES(times)
+        engine = self.device.engine
+        if engine is None:
+            return device + host_step + host_seq + host_token
+        host = sum((host_step, host_seq, host_token))
+        _, stall, exposed = engine.step_seconds(device, calls, host, f.num_tokens)
+        share = exposed / host if host > 0 else 0.0
+        return device + host_step * share + host_seq * share + host_token * share + stall
 
     def predict(self, f: StepFeatures) -> Num:
         """Step time: the sum of :meth:`step_split` (every operator but swap; module docstring)."""
@@ -538,15 +606,17 @@ class CostModelTimer:
         """Predictions need no per-request state."""
 
     def step(self, plan: StepPlan) -> StepTiming:
-        """The step's predicted time, plus its swap traffic, which holds the host link first."""
-        split = self.cost_model.step_split(features_from_plan(plan, self.cost_model.block_size))
-        operators = {op: float(t) for op, t in split.items()}
-        duration = sum(operators.values())
+        """The step's predicted time, plus its swap traffic, which holds the host link first.
+
+        ``operators`` holds the swap alone (what the simulator reads); the per-operator split of
+        a plan is ``cost_model.step_split(features_from_plan(plan, block_size))``.
+        """
+        duration = self.cost_model.step_total(features_from_plan(plan, self.cost_model.block_size))
         swapped = len(plan.swap_out) + len(plan.swap_in)
         if swapped:
-            operators["swap"] = self.cost_model.swap_time(swapped)
-            duration += operators["swap"]
-        return StepTiming(duration_s=duration, operators=operators)
+            swap_s = self.cost_model.swap_time(swapped)
+            return StepTiming(duration_s=duration + swap_s, operators={"swap": swap_s})
+        return StepTiming(duration_s=duration)
 
     def decode_stretch_times(self, context_lens: np.ndarray, num_steps: int) -> np.ndarray:
         """Macro-stepping hook for the simulator: see :meth:`CostModel.decode_stretch_times`."""

@@ -164,13 +164,16 @@ def test_copies_count_swaps_do_not(llama_910b: CostModel) -> None:
     assert llama_910b.step_time(StepPlan(step=0)) == 0.0
 
 
-def test_timer_reports_the_step_time_and_its_split(llama_910b: CostModel) -> None:
+def test_timer_reports_the_step_time_and_its_swap(llama_910b: CostModel) -> None:
     timer = CostModelTimer(llama_910b)
     plan = StepPlan(step=0, entries=[PlanEntry("p", 0, 300, True, True), PlanEntry("d", 40, 1, False, True)], copies=[(3, 4)])
     timing = timer.step(plan)
-    assert timing.duration_s == llama_910b.step_time(plan)
-    assert timing.duration_s == pytest.approx(sum(timing.operators.values()), rel=1e-15)
-    assert "swap" not in timing.operators and timing.operators["block_copy"] > 0
+    split = llama_910b.step_split(features_from_plan(plan, llama_910b.block_size))
+    assert timing.duration_s == llama_910b.step_time(plan) == sum(split.values())  # the split's own order, bit for bit
+    assert timing.operators == {} and split["block_copy"] > 0
+    swapping = timer.step(dataclasses.replace(plan, swap_out=[(1, 2), (5, 6)]))
+    assert swapping.operators == {"swap": llama_910b.swap_time(2)}
+    assert swapping.duration_s == timing.duration_s + llama_910b.swap_time(2)
 
 
 def test_operator_times_work_on_arrays(llama_910b: CostModel) -> None:
@@ -433,6 +436,6 @@ def test_one_step_predicts_bit_for_bit_what_the_array_path_does(llama_910b: Cost
         split = cost.step_split(f)
         assert list(split) == list(batched)
         assert all(split[op] == np.broadcast_to(batched[op], totals.shape)[k] for op in split), k
-        assert cost.predict(f) == totals[k]
+        assert cost.predict(f) == totals[k] == cost.step_total(f)
     plan = _random_plans(np.random.default_rng(12), 1)[0]
     assert timer.step(plan).duration_s == cost.step_time(plan) == cost.predict(features_from_plan(plan, 128))
