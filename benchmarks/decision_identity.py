@@ -27,10 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvsim.policies.plan import expand_decision_log
+
 SHARED_AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 SCHEDULERS = ("fcfs", "chunked", "priority", "sjf", "static")
 MANAGERS = ("paged", "prefix", "contiguous")
-VOLATILE_SUMMARY_KEYS = ("wall_s",)
+VOLATILE_SUMMARY_KEYS = ("wall_s", "macro_stretches")  # macro_stretches: gone since macro-stepping was removed
 
 
 def workloads() -> dict[str, list[str]]:
@@ -59,11 +61,12 @@ def cases() -> dict[str, list[str]]:
 
 
 def expanded_decisions(out: Path) -> bytes:
-    """The reference decision log: decisions.jsonl if the version wrote one, else the expanded full log."""
+    """The per-step decision log: decisions.jsonl if the version wrote one (decode stretches
+    expanded), else the expanded full log, one line a step."""
     legacy = out / "decisions.jsonl"
     if legacy.exists():
-        return legacy.read_bytes()
-    return subprocess.run(["kvsim", "decisions", "show", str(out)], check=True, capture_output=True).stdout
+        return "".join(line + "\n" for line in expand_decision_log(legacy.read_text().splitlines())).encode()
+    return subprocess.run(["kvsim", "decisions", "show", "--per-step", str(out)], check=True, capture_output=True).stdout
 
 
 def fingerprint(out: Path) -> dict[str, str]:

@@ -43,15 +43,15 @@ class KVStats:
 
 @dataclass(frozen=True)
 class DecodeOutlook:
-    """What ``allocate_slots`` will do for one request over a stretch of one-token decode steps.
+    """What ``allocate_slots`` will do for one request over its next one-token decode steps.
 
-    The engine's macro-stepping decides a whole stretch at once from this: it replays exactly
-    the steps listed here (0-based within the stretch) and skips the others, where nothing changes.
+    The engine's decode batch calls ``allocate_slots`` for a member only at the steps listed
+    here (0-based from the next step): at every other step the call would change nothing and
+    answer True, which is the contract a manager's ``decode_outlook`` must keep.
     """
 
     growth: range  # steps at which the request's block table grows by one block
     bookkeeping: range  # other steps at which the manager's state changes (a prefix registers)
-    growth_uses_pool: bool  # each growth block comes out of the shared free pool
 
 
 class BlockManager(ABC):
@@ -61,7 +61,7 @@ class BlockManager(ABC):
     Per request: ``lookup``, ``allocate_slots``, ``free``, ``fork``, ``block_table``.
     Copies this step: ``take_copies``, ``has_pending_copies``, ``cancel_copies``.
     Swap: ``swap_out``, ``swap_in``, ``swap_in_blocks_needed``.
-    Macro-stepping: ``decode_outlook``.
+    The decode batch: ``decode_outlook``.
     Observation: ``pool_counts``, ``internal_waste``, ``stats``, ``check_invariants``.
     """
 
@@ -168,11 +168,11 @@ class BlockManager(ABC):
     def _take_blocks_for_swap_in(self, request: Request, n: int) -> list[int] | None:
         """Allocate ``n`` device blocks as the request's whole table, or None."""
 
-    # --- macro-stepping ----------------------------------------------------------------
+    # --- the decode batch --------------------------------------------------------------
     def decode_outlook(self, request: Request, num_steps: int) -> DecodeOutlook | None:
         """The request's next ``num_steps`` one-token decodes, or None when the first must copy a shared block."""
         first = -request.num_computed_tokens % self.block_size
-        return DecodeOutlook(range(first, num_steps, self.block_size), range(0), growth_uses_pool=True)
+        return DecodeOutlook(range(first, num_steps, self.block_size), range(0))
 
     # --- observation -----------------------------------------------------------------
     @abstractmethod

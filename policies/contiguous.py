@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 
-from kvsim.policies.block_manager import BlockManager, DecodeOutlook, KVStats
+from kvsim.policies.block_manager import BlockManager, KVStats
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.registry import register_block_manager
 from kvsim.policies.request import Request
@@ -129,11 +129,6 @@ class ContiguousBlockManager(BlockManager):
         self.regions[request.request_id] = (start, size)
         self.used_blocks[request.request_id] = n
         return list(range(start, start + n))
-
-    def decode_outlook(self, request: Request, num_steps: int) -> DecodeOutlook:
-        outlook = super().decode_outlook(request, num_steps)
-        # A region is reserved whole at admission: its table lengthens without taking from the pool.
-        return DecodeOutlook(outlook.growth, outlook.bookkeeping, growth_uses_pool=False)
 
     def pool_counts(self) -> tuple[int, int, int]:
         reserved = self.num_blocks - sum(length for _, length in self.extents)

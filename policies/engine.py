@@ -34,7 +34,7 @@ from kvsim.policies.block_manager import BlockManager, KVStats
 from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.decode_batch import NEVER, DecodeBatch
-from kvsim.policies.plan import DecodeStretch, PlanEntry, PlanTotals, StepPlan
+from kvsim.policies.plan import PlanEntry, PlanTotals, StepPlan
 from kvsim.policies.queue import RequestQueue
 from kvsim.policies.registry import resolve_block_manager, resolve_scheduler
 from kvsim.policies.request import Request, Status
@@ -127,11 +127,6 @@ class EngineCore:
         # Fill each plan's block tables and slot mapping: a copy of every scheduled request's
         # table each step. A driver whose step timer and logs read neither turns it off.
         self.plan_tables = True
-        # Macro-stepping assumes an all-decode batch keeps its order; a policy that reorders
-        # running requests must say it is safe (``macro_step_safe = True``) to get it.
-        self._macro_step_safe = getattr(
-            self.policy, "macro_step_safe", type(self.policy).running_order is SchedulerPolicy.running_order
-        )
 
     # --- requests in and out -----------------------------------------------------------
     def add_request(
@@ -347,15 +342,6 @@ class EngineCore:
         if self.token_sink is not None and request.batch_since <= last:
             self.token_sink.batch_tokens(request.request_id, request.batch_since, last)
         self._batch.remove(request, advanced)
-
-    def _dissolve_batch(self) -> None:
-        """Back to request-by-request state (a macro-stretch, an abort): every member turns loose."""
-        if not self._batch.members:
-            return
-        for request in list(self._batch.members):
-            self._leave_batch(request)
-        self._loose = list(self.running)
-        self._due = []
 
     def _event_in(self, request: Request) -> int:
         """Steps until the manager must act on the request's decodes (0: its next write copies a block first)."""
@@ -673,112 +659,6 @@ class EngineCore:
         self._leave_running(request, step)
         self.kv.free(request)
         self.counters.finished += 1
-
-    # --- macro-stepping ----------------------------------------------------------------
-    def decode_stretch_limit(self) -> int:
-        """How many next steps are certain to be one unchanged pure-decode batch (0: none).
-
-        Certain means: every running request decodes one token, the budget covers them all,
-        nothing is pending (rejections, swapped requests, a copy-on-write), and admission is
-        closed or has nobody to admit. The batch can then only change when a request finishes
-        (the limit stops there) or a request arrives (the caller stops there), and block
-        growth is certain when the pool covers it (``run_decode_stretch`` checks).
-        """
-        if not self._macro_step_safe or not self.running or self.swapped or self._pending_rejections:
-            return 0
-        if self.config.batch_blocks_within_pool:  # growth could cross the kernel's limit mid-stretch
-            return 0
-        if self.kv.has_pending_copies():  # e.g. a contiguous fork's copies go out with the next plan
-            return 0
-        if len(self.running) > self.config.max_num_batched_tokens:
-            return 0
-        if self.waiting and self.policy.admission_open(self.view):
-            if self._running_seats < self.policy.admission_limit(self.view):
-                return 0
-        limit = None
-        for r in self.running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.num_output_tokens == 0:
-                return 0
-            if self.kv.decode_outlook(r, 0) is None:  # its next write copies a shared block first
-                return 0
-            limit = r.remaining_output if limit is None else min(limit, r.remaining_output)
-        return limit or 0
-
-    def run_decode_stretch(
-        self, num_steps: int, end_times: list[float]
-    ) -> tuple[DecodeStretch, list[KVCounts], list[Request]] | None:
-        """Decide and commit ``num_steps`` decode steps at once (``num_steps <= decode_stretch_limit()``).
-
-        Block allocation and prefix-cache registration happen in the same order, with the
-        same calls, as step by step; the pool must cover the growth (``num_steps`` is cut
-        to what it covers). Returns the stretch record, ``kv_counts()`` after each step, and
-        the requests that finished at the last step; None (nothing done) when the pool cannot
-        cover even the first step's growth.
-        """
-        self._dissolve_batch()
-        running = list(self.running)
-        events: list[tuple[int, int, bool]] = []
-        growth_uses_pool = False
-        for idx, r in enumerate(running):
-            outlook = self.kv.decode_outlook(r, num_steps)
-            assert outlook is not None, f"decode stretch: {r.request_id} must copy a block first"
-            events.extend((i, idx, True) for i in outlook.growth)
-            events.extend((i, idx, False) for i in outlook.bookkeeping)
-            growth_uses_pool = outlook.growth_uses_pool
-        events.sort()
-        if growth_uses_pool:
-            growth_steps = [i for i, _, grows in events if grows]
-            available = self.kv.num_available_blocks()
-            if len(growth_steps) > available:
-                num_steps = growth_steps[available]  # the first step the pool cannot cover
-                events = [e for e in events if e[0] < num_steps]
-        if num_steps < 1:
-            return None
-        stretch = DecodeStretch(
-            first_step=self.counters.steps,
-            num_steps=num_steps,
-            block_size=self.kv.block_size,
-            request_ids=[r.request_id for r in running],
-            start_positions=[r.num_computed_tokens for r in running],
-            start_tables={r.request_id: list(self.kv.block_table(r)) for r in running},
-            growth=[],
-        )
-        stretch_start_counts = self.kv.pool_counts()
-        # Each step fills one slot per request; a block a table grows by adds block_size - 1 empty ones.
-        waste = self.kv.internal_waste(running)
-        waste_per_growth = self.kv.block_size if growth_uses_pool else 0
-        computed0 = [r.num_computed_tokens for r in running]
-        output0 = [r.num_output_tokens for r in running]
-        pools: list[tuple[int, int, int] | None] = [None] * num_steps
-        growth_at = [0] * num_steps
-        for i, idx, grows in events:
-            r = running[idx]
-            r.num_computed_tokens, r.num_output_tokens = computed0[idx] + i, output0[idx] + i
-            if not self.kv.allocate_slots(r, 1):
-                raise AssertionError(f"decode stretch: {r.request_id} could not grow at step {i}")
-            if grows:
-                stretch.growth.append((i, r.request_id, self.kv.block_table(r)[-1]))
-                growth_at[i] += 1
-            pools[i] = self.kv.pool_counts()
-        counts: list[KVCounts] = []
-        previous = stretch_start_counts
-        for i in range(num_steps):
-            previous = pools[i] or previous
-            waste += waste_per_growth * growth_at[i] - len(running)
-            counts.append((*previous, waste))
-        now = end_times[num_steps - 1]
-        finished = []
-        for idx, r in enumerate(running):
-            r.num_computed_tokens = computed0[idx] + num_steps
-            r.num_output_tokens = output0[idx] + num_steps
-            if r.num_output_tokens >= r.output_tokens:
-                finished.append(r)
-        for r in finished:
-            self._finish(r, now)
-        counts[num_steps - 1] = self.kv_counts()
-        self.counters.steps += num_steps
-        self._batch.clock = self.counters.steps  # the (empty) batch's clock follows the steps it did not run
-        return stretch, counts, finished
 
     # --- observation -------------------------------------------------------------------
     def kv_counts(self) -> KVCounts:

@@ -170,7 +170,7 @@ class PagedBlockManager(BlockManager):
         bs = self.block_size
         # A prefix cache registers a block the step that fills it (the one before it grows).
         bookkeeping = range((-request.num_computed_tokens - 1) % bs, num_steps, bs) if self.enable_caching else range(0)
-        return DecodeOutlook(range(-request.num_computed_tokens % bs, num_steps, bs), bookkeeping, growth_uses_pool=True)
+        return DecodeOutlook(range(-request.num_computed_tokens % bs, num_steps, bs), bookkeeping)
 
     # --- observation ---------------------------------------------------------------------
     def pool_counts(self) -> tuple[int, int, int]:

@@ -202,10 +202,10 @@ class StepPlan:
 
 @dataclass(slots=True)
 class DecodeStretch:
-    """Several consecutive pure-decode steps of one unchanged batch, decided at once.
+    """Several consecutive pure-decode steps of one unchanged batch, as one decision-log record.
 
-    Written to the decision log as one compact record; ``plans()`` expands it into exactly
-    the StepPlans the engine would have produced one step at a time.
+    Versions of kvsim that macro-stepped wrote these; the log readers still expand them
+    (``plans()``) into exactly the StepPlans of those steps, so old run directories stay readable.
     """
 
     first_step: int

@@ -56,8 +56,6 @@ class FCFSPolicy(SchedulerPolicy):
 class ChunkedPrefillPolicy(SchedulerPolicy):
     """Sarathi-style: every decode first, then prefill chunks fill what is left of the budget."""
 
-    macro_step_safe = True  # an all-decode batch keeps list order
-
     def __init__(self) -> None:
         super().__init__(chunked_prefill=True)
 

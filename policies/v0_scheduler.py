@@ -30,8 +30,6 @@ from kvsim.policies.view import EngineView
 class PrefillFirstPolicy(SchedulerPolicy):
     """Whole prompts first, in steps of their own; decode steps only when no prompt fits."""
 
-    macro_step_safe = True  # a decode step keeps the running list's order
-
     def __init__(self, chunked_prefill: bool = False) -> None:
         if chunked_prefill:
             raise ValueError("scheduler 'vllm-v0' runs whole prompts: enable_chunked_prefill = true needs fcfs")

@@ -2,7 +2,7 @@
 
 The same engine and driver as ``kvsim simulate``; the real executor fills the step-timer
 slot, so a real run differs from a simulated one only in where step durations come from.
-Real runs go step by step (no macro-stepping) and skip idle gaps between arrivals.
+Real runs skip idle gaps between arrivals.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
             },
         }
 
-    return run_trace(resolved, trace, executor, out_dir, exact=True, check=check, progress=progress,
+    return run_trace(resolved, trace, executor, out_dir, check=check, progress=progress,
                      label="execute", summary_extras=measured, decisions=decisions)
 
 

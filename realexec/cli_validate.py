@@ -104,13 +104,13 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     (out_dir / "replay").mkdir(parents=True, exist_ok=True)
     replay_log = DecisionLog("full", sim_resolved.engine_config.block_size, out_dir / "replay")
     try:
-        simulate(trace, sim_resolved.new_engine(), replay_timer, SimOptions(exact=True, decisions=replay_log))
+        simulate(trace, sim_resolved.new_engine(), replay_timer, SimOptions(decisions=replay_log))
     finally:
         replay_log.close()
     decisions = compare_decisions(list(read_decisions(out_dir / "real")), list(read_decisions(out_dir / "replay")))
 
     speed = speed_check(backend, cost, seed=config.seed)  # right after the real run: the machine as it ran
-    _, sim_summary = run_trace(sim_resolved, trace, CostModelTimer(cost), out_dir / "sim", exact=True, progress=progress)
+    _, sim_summary = run_trace(sim_resolved, trace, CostModelTimer(cost), out_dir / "sim", progress=progress)
 
     memory = resolve(config).memory  # what the memory model says the real run's device holds
     kv_pool = real.engine.config.num_blocks * memory.bytes_per_block

@@ -28,7 +28,7 @@ from kvsim.realexec.backends.base import AttentionMetadata
 from kvsim.realexec.executor import Executor
 from kvsim.realexec.profile_shapes import StepShape, Sweep, decode, prefill, shape_features, step_kind
 from kvsim.sim.cost_model import StepFeatures, features_from_plan
-from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.simulator import simulate
 from kvsim.sim.step_timer import StepTiming
 from kvsim.traces.synth import Uniform, synthesize
 
@@ -364,5 +364,5 @@ def engine_run(executor: Executor, sweep: Sweep, seed: int, rate: float) -> Step
         max_num_seqs=batch, max_num_batched_tokens=longest,
     )
     timer = RecordingTimer(executor, prefix=f"engine-{seed}-{rate:g}-")
-    simulate(trace, EngineCore(config), timer, SimOptions(exact=True))
+    simulate(trace, EngineCore(config), timer)
     return timer.records

@@ -30,7 +30,7 @@ import numpy as np
 from kvsim.policies.request import Request, Status
 from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
-from kvsim.sim.simulator import SimOptions, SimRun, simulate
+from kvsim.sim.simulator import SimRun, simulate
 from kvsim.traces.schema import Trace
 
 LOAD_REJECTIONS = frozenset({"queue_full", "unschedulable"})  # a lighter load would have served them
@@ -129,8 +129,7 @@ class SloWatch:
         self.misses = dict.fromkeys(self.deadlines, 0)
         self.latest_arrival = 0.0
         self.busy_s = 0.0
-        if hasattr(inner, "decode_stretch_times"):
-            self.decode_stretch_times = inner.decode_stretch_times
+        self.reads_block_tables = inner.reads_block_tables  # it reads what the cost model reads, and requests
 
     def add_request(self, request: Request) -> None:
         self.inner.add_request(request)
@@ -212,7 +211,7 @@ def probe(config: RunConfig, rate: float, slo: Slo) -> Probe:
     trace = load_run_trace(at_rate)
     watch = SloWatch(CostModelTimer(resolved.cost_model()), slo, len(trace))
     try:
-        run = simulate(trace, resolved.new_engine(), watch, SimOptions(exact=at_rate.exact))
+        run = simulate(trace, resolved.new_engine(), watch)
     except SloMissed as missed:
         return Probe(rate=rate, met=False, stopped_early=True, latencies={str(missed): None})
     result = evaluate(run, slo)

@@ -19,9 +19,9 @@ def decisions() -> None:
 
 @decisions.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--per-step", is_flag=True, help="Expand decode stretches into one line per step too.")
+@click.option("--per-step", is_flag=True, help="Expand the decode-stretch records of older logs into one line per step too.")
 def show(run_dir: Path, per_step: bool) -> None:
-    """Print RUN_DIR's decision log as JSON lines, one per step (or decode stretch)."""
+    """Print RUN_DIR's decision log as JSON lines, one per step (older logs: or decode stretch)."""
     try:
         lines = read_decisions(run_dir, per_step=per_step)
         out = sys.stdout

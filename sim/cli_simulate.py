@@ -28,19 +28,18 @@ def prepare(config: RunConfig):
 
 @click.command()
 @run_options
-@click.option("--exact", is_flag=True, default=None, help="Step one engine step at a time (no macro-stepping).")
-@click.option("--check", is_flag=True, help="Verify the engine's invariants after every step (slow; implies --exact).")
+@click.option("--check", is_flag=True, help="Verify the engine's invariants and every plan after every step (slow).")
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Run directory.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists and is not empty.")
 @click.option("--quiet", is_flag=True, help="No progress bar or summary table.")
 @decisions_option("summary")
-def simulate(out_dir: Path, exact: bool | None, check: bool, overwrite: bool, quiet: bool, decisions: str,
+def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions: str,
              **options) -> None:
     """Replay a trace through the simulator; write summary.json, requests.csv, steps.csv and the decision log.
 
     The run directory appears only when complete (it holds a COMPLETE marker).
     """
-    config = run_config_from(options).updated(exact=exact)
+    config = run_config_from(options)
     with user_errors():
         check_out_dir(out_dir, overwrite)
     resolved, trace, timer = prepare(config)

@@ -81,7 +81,6 @@ from typing import NamedTuple, Sequence, Union
 
 import numpy as np
 
-from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
 from kvsim.sim.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
@@ -330,7 +329,7 @@ class CostModel:
         times = {}
         for op, (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(OPERATORS, rows, self._rate_rows):
             compute, memory = flops * per_flop, nbytes * per_byte
-            # np.maximum costs a microsecond on scalars; most steps and most operators of a stretch are scalar.
+            # np.maximum costs a microsecond on scalars; some features of a batch of steps are scalars.
             vector = isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray)
             times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
         return times
@@ -420,38 +419,6 @@ class CostModel:
         """Host-link transfer of ``num_blocks`` blocks (all layers' K and V), either direction."""
         only_swap = StepFeatures(**{**dict.fromkeys(_FEATURE_NAMES, 0.0), "swap_blocks": float(num_blocks)})
         return float(self.operator_times(only_swap)["swap"])
-
-    def decode_stretch_times(self, context_lens: np.ndarray, num_steps: int) -> np.ndarray:
-        """Times of ``num_steps`` pure-decode steps of one unchanged batch.
-
-        Step ``i`` (0-based) writes each sequence's token at position ``context_lens + i`` and reads
-        ``context_lens + i + 1`` tokens; the features are arrays over steps, fed to the same
-        operator code as :meth:`step_time`.
-        """
-        ctx = np.asarray(context_lens, dtype=np.int64)
-        if ctx.size == 0:
-            return np.zeros(num_steps)
-        n = float(ctx.size)
-        after = np.arange(1, num_steps + 1, dtype=np.int64)  # step i reads context_lens + after[i]
-        longest = cdiv(int(ctx.max()) + after, self.block_size)  # blocks of the longest context
-        f = StepFeatures(
-            num_tokens=n,
-            num_seqs=n,
-            num_sampled=n,
-            prefill_tokens=0.0,
-            attn_pairs=0.0,
-            decode_seqs=n,
-            decode_ctx_tokens=(float(ctx.sum()) + n * after).astype(np.float64),
-            prefill_ctx_tokens=0.0,
-            blocks_touched=_stretch_blocks(ctx, after, self.block_size),
-            copy_blocks=0.0,
-            swap_blocks=0.0,
-            padded_attn_pairs=0.0,
-            padded_prefill_ctx_tokens=0.0,
-            padded_decode_ctx_tokens=(n * longest * self.block_size).astype(np.float64),
-            padded_blocks_touched=(n * longest).astype(np.float64),
-        )
-        return self.predict(f)
 
     # --- calibration -----------------------------------------------------------------------
     def fit(
@@ -580,20 +547,6 @@ def _settled(previous: tuple[list[np.ndarray], np.ndarray], current: tuple[list[
     return same_roofs and np.allclose(previous[1], current[1], rtol=1e-6, atol=0.0)
 
 
-def _stretch_blocks(ctx: np.ndarray, after: np.ndarray, block_size: int) -> np.ndarray:
-    """sum_j ceil((ctx_j + s) / block_size) for every s in ``after`` (s >= 1), in O(n + block_size + steps).
-
-    With ctx_j = q_j B + r_j and s - 1 = m B + t: ceil((ctx_j + s) / B) = q_j + 1 + m + [r_j >= B - t],
-    so a step's total needs only sum(q), and how many r_j reach B - t (a suffix count of r's histogram).
-    Equal to summing per-entry ceilings as :func:`features_from_plan` does (tested).
-    """
-    q, r = np.divmod(ctx, block_size)
-    m, t = np.divmod(after - 1, block_size)
-    at_least = np.zeros(block_size + 1, dtype=np.int64)
-    at_least[:block_size] = np.cumsum(np.bincount(r, minlength=block_size)[::-1])[::-1]
-    return (float(q.sum()) + ctx.size * (1 + m) + at_least[block_size - t]).astype(np.float64)
-
-
 class CostModelTimer:
     """The simulator's step timer: every step's duration is the cost model's prediction."""
 
@@ -618,6 +571,3 @@ class CostModelTimer:
             return StepTiming(duration_s=duration + swap_s, operators={"swap": swap_s})
         return StepTiming(duration_s=duration)
 
-    def decode_stretch_times(self, context_lens: np.ndarray, num_steps: int) -> np.ndarray:
-        """Macro-stepping hook for the simulator: see :meth:`CostModel.decode_stretch_times`."""
-        return self.cost_model.decode_stretch_times(context_lens, num_steps)

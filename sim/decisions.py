@@ -1,7 +1,8 @@
 """The decision log: off, a digest (summary), or every step, diff-encoded and compressed (full).
 
-The reference format is one JSON line per ``StepPlan`` or ``DecodeStretch`` (their
-``to_json``); two runs decided the same exactly when those lines are equal. Written as is,
+The reference format is one JSON line per ``StepPlan`` (its ``to_json``); two runs decided
+the same exactly when those lines are equal. (Logs of versions that macro-stepped also hold
+``DecodeStretch`` records, several decode steps in one; the reader still expands them.) Written as is,
 they cost a fifth of a whole-trace run and hundreds of MB, because every line repeats the
 whole batch: each request's entry, its full block table and every slot.
 
@@ -58,11 +59,9 @@ def derive_slots(positions: list[int], counts: list[int], tables: list[list[int]
 
 
 class DecisionSink(Protocol):
-    """Where the simulator hands each step's plan and each decode stretch, in order."""
+    """Where the simulator hands each step's plan, in order."""
 
     def plan(self, plan: StepPlan) -> None: ...
-
-    def stretch(self, stretch: DecodeStretch) -> None: ...
 
 
 @dataclass
@@ -76,6 +75,7 @@ class _Batch:
     next_step: int = 0
 
     def after_stretch(self, stretch: DecodeStretch) -> None:
+        """A stretch record of an older log, as the decoder replays it."""
         tables = {rid: list(t) for rid, t in stretch.start_tables.items()}
         for _, rid, block in stretch.growth:
             tables[rid].append(block)
@@ -90,7 +90,7 @@ def _dumps(value) -> str:
 
 
 class DiffEncoder:
-    """Plans and stretches in, one compact JSON record each out (see the module docstring)."""
+    """Plans in, one compact JSON record each out (see the module docstring)."""
 
     def __init__(self, block_size: int) -> None:
         self.batch = _Batch(block_size)
@@ -144,11 +144,6 @@ class DiffEncoder:
         b.rids, b.tables, b.next_step = rids, tables, plan.step + 1
         b.next_pos = list(map(add, pos, ns))
         return _dumps(rec)
-
-    def stretch(self, stretch: DecodeStretch) -> str:
-        line = stretch.to_json()
-        self.batch.after_stretch(stretch)
-        return '{"S":' + line + "}"
 
     @staticmethod
     def _order(rec: dict, src: list[int | None], previous: int) -> None:
@@ -310,10 +305,6 @@ class DecisionLog:
     def plan(self, plan: StepPlan) -> None:
         self._add(self._encoder.plan(plan))
         self.steps += 1
-
-    def stretch(self, stretch: DecodeStretch) -> None:
-        self._add(self._encoder.stretch(stretch))
-        self.steps += stretch.num_steps
 
     def _add(self, record: str) -> None:
         data = (record + "\n").encode()

@@ -1,9 +1,8 @@
 """What a run measures: per-step records, per-request latencies, and the run's summary.
 
-Both step-by-step and macro-stepped runs feed the same collectors; a decode stretch adds
-its steps as arrays. Inter-token gaps are kept as (value, count) pairs because a stretch
-gives every request in the batch the same gaps; expanding them gives the very multiset a
-step-by-step run collects, so percentiles agree exactly.
+Inter-token gaps are kept as (value, count) pairs because the engine's decode batch gives
+every member the same gaps, those of the steps it ran in; expanding them gives the very
+multiset a token-by-token record would, so percentiles agree exactly.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ STEP_COLUMNS = (
 
 @dataclass
 class StepLog:
-    """Columnar per-step records (one entry per engine step in both stepping modes)."""
+    """Columnar per-step records (one entry per engine step)."""
 
     columns: dict[str, list] = field(default_factory=lambda: {c: [] for c in STEP_COLUMNS})
 
@@ -68,24 +67,6 @@ class StepLog:
         c["host_s"].append(None if timing is None else timing.host_s)
         c["memory_bytes"].append(None if timing is None else timing.memory_bytes)
 
-    def add_stretch(self, first_step: int, starts: list[float], durations: list[float], batch: int, counts: list) -> None:
-        c = self.columns
-        k = len(durations)
-        c["step"].extend(range(first_step, first_step + k))
-        c["start_s"].extend(starts)
-        c["duration_s"].extend(durations)
-        c["timed"].extend([1] * k)
-        c["kind"].extend(["decode"] * k)
-        c["batch_size"].extend([batch] * k)
-        c["prefill_tokens"].extend([0] * k)
-        c["decode_tokens"].extend([batch] * k)
-        for i, name in enumerate(("kv_used", "kv_cached", "kv_free", "kv_waste_slots")):
-            c[name].extend(entry[i] for entry in counts)
-        for name in ("preempted", "swap_blocks", "copy_blocks"):
-            c[name].extend([0] * k)
-        for name in ("device_s", "host_s", "memory_bytes"):
-            c[name].extend([None] * k)
-
     def __len__(self) -> int:
         return len(self.columns["step"])
 
@@ -107,8 +88,8 @@ class TokenTimes:
     gap_values: list[np.ndarray] = field(default_factory=list)
     gap_counts: list[np.ndarray] = field(default_factory=list)
     _max_gap: dict[str, float] = field(default_factory=dict)
-    # Unboxed doubles, one gap per token of every request: a list of floats took 32 bytes a gap,
-    # this 8 (the Azure conv trace's peak RSS fell from 375 to 230 MiB; docs/benchmarks.md).
+    # Gaps recorded one by one (tokens outside the batch, each batch run's first gap), unboxed:
+    # a list of floats took 32 bytes a gap, this 8.
     _pending_gaps: array = field(default_factory=lambda: array("d"))
     _step_ends: array = field(default_factory=lambda: array("d"))  # every step's end time, by step number
     _runs: list[tuple[str, int, int]] = field(default_factory=list)  # batch runs whose inner gaps are not yet folded
@@ -127,9 +108,6 @@ class TokenTimes:
 
     def step_ended(self, now: float) -> None:
         self._step_ends.append(now)
-
-    def steps_ended(self, ends: np.ndarray) -> None:
-        self._step_ends.frombytes(np.ascontiguousarray(ends, dtype=np.float64).tobytes())
 
     def batch_tokens(self, request_id: str, first_step: int, last_step: int) -> None:
         """A token at the end of each step from ``first_step`` to ``last_step`` (their ends recorded already)."""
@@ -168,22 +146,6 @@ class TokenTimes:
         covered = cover > 0
         self.gap_values.append(step_gaps[covered])
         self.gap_counts.append(cover[covered])
-
-    def stretch(self, request_ids: list[str], ends: np.ndarray) -> None:
-        """Every request in ``request_ids`` got a token at each of ``ends``."""
-        inner = np.diff(ends)
-        inner_max = float(inner.max()) if len(inner) else 0.0
-        first_end = float(ends[0])
-        for rid in request_ids:
-            gap = first_end - self.last_token[rid]
-            self._pending_gaps.append(gap)
-            worst = max(gap, inner_max)
-            if worst > self._max_gap.get(rid, 0.0):
-                self._max_gap[rid] = worst
-            self.last_token[rid] = float(ends[-1])
-        if len(inner):
-            self.gap_values.append(inner)
-            self.gap_counts.append(np.full(len(inner), len(request_ids), dtype=np.int64))
 
     def all_gaps(self) -> np.ndarray:
         self._fold_runs()

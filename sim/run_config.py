@@ -60,7 +60,6 @@ class RunConfig:
     long_prefill_token_threshold: int = 0
     batch_blocks_within_pool: bool = False  # Ascend FIA's limit (policies.config); execute/validate set it for npu
     seed: int = 0
-    exact: bool = False
     enable_prefix_caching: bool | None = None  # vLLM's switch: True = block manager prefix, False = paged
     enable_chunked_prefill: bool | None = None  # vLLM's switch: the scheduler's chunked_prefill parameter
 

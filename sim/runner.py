@@ -26,7 +26,6 @@ def run_trace(
     timer: StepTimer,
     out_dir: Path | None,
     *,
-    exact: bool | None = None,
     check: bool = False,
     progress: bool = False,
     label: str = "simulate",
@@ -46,12 +45,7 @@ def run_trace(
             log = DecisionLog(decisions, resolved.engine_config.block_size, out_dir)
     bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, leave=False, mininterval=0.5)
     try:
-        options = SimOptions(
-            exact=resolved.config.exact if exact is None else exact,
-            check=check,
-            decisions=log,
-            on_progress=bar.update,
-        )
+        options = SimOptions(check=check, decisions=log, on_progress=bar.update)
         run = simulate(trace, engine, timer, options)
     finally:
         bar.close()

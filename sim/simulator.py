@@ -8,12 +8,10 @@ model here, the real executor in ``realexec``, or recorded durations for a repla
 Time is kept twice on purpose: SimPy's clock orders the processes, while the engine's
 clock is the exact running sum of step durations. Arrivals become visible to a step by
 comparing trace times with that sum, so a run does not depend on how SimPy orders events
-that fall on the same instant, and step-by-step and macro-stepped runs see identical times.
+that fall on the same instant.
 
-Macro-stepping: when ``EngineCore.decode_stretch_limit`` says the next steps are one
-unchanged all-decode batch, the timer predicts all of them at once (``decode_stretch_times``)
-and the stretch runs as one event, cut short before the next arrival. ``exact=True`` turns
-this off; both give the same per-request metrics and, once expanded, the same decision log.
+Every engine step is one SimPy event; what keeps a step cheap is the engine's persistent
+decode batch (a step costs what changed) and the cost model's running totals.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import simpy
 
 from kvsim.policies.engine import EngineCore
@@ -37,9 +34,8 @@ from kvsim.traces.schema import Trace
 
 @dataclass
 class SimOptions:
-    exact: bool = False  # no macro-stepping
     check: bool = False  # verify engine invariants and each plan after every step
-    decisions: DecisionSink | None = None  # takes every plan and stretch (sim.decisions.DecisionLog); None: no log
+    decisions: DecisionSink | None = None  # takes every plan (sim.decisions.DecisionLog); None: no log
     on_progress: Callable[[int], None] | None = None  # called with newly ended requests
     max_steps: int = 0  # safety cap; 0 = none
 
@@ -52,7 +48,6 @@ class SimRun:
     steps: StepLog
     times: TokenTimes
     wall_s: float
-    stretches: int = 0
     plans: list[StepPlan] = field(default_factory=list)
 
     @property
@@ -62,7 +57,6 @@ class SimRun:
     def summary(self) -> dict:
         out = summarize(self.requests, self.times, self.steps, self.engine.config.num_blocks, self.engine.kv_stats())
         out["wall_s"] = self.wall_s
-        out["macro_stretches"] = self.stretches
         return out
 
     def request_rows(self) -> list[dict]:
@@ -82,7 +76,6 @@ class Simulation:
         engine.token_sink = self.times  # the engine reports each request's scheduling and tokens as it commits
         self.clock = 0.0
         self.next_index = 0
-        self.stretches = 0
         self._wake: simpy.Event | None = None
         self._arrivals = trace.arrival_s.tolist()
         # Plans carry block tables and slots only for a reader: the decision log, --check, or a
@@ -90,9 +83,6 @@ class Simulation:
         engine.plan_tables = (
             self.options.decisions is not None or self.options.check or getattr(timer, "reads_block_tables", True)
         )
-        predict_stretch = getattr(timer, "decode_stretch_times", None)
-        # --check verifies after every engine step, so it never stretches
-        self._predict_stretch = None if self.options.exact or self.options.check else predict_stretch
 
     # --- SimPy processes ---------------------------------------------------------------
     def _arrival_process(self):
@@ -117,10 +107,6 @@ class Simulation:
                     self._wake = None
                 self.clock = max(self.clock, upcoming)
                 continue
-            if self._predict_stretch is not None:
-                stretched = yield from self._try_stretch()
-                if stretched:
-                    continue
             yield from self._step()
             if self.options.max_steps and len(self.steps) > self.options.max_steps:
                 raise RuntimeError(f"simulation exceeded {self.options.max_steps} steps")
@@ -163,36 +149,6 @@ class Simulation:
             plan.check(engine.config.block_size)
         self._progress(len(ended) + len(plan.rejected))
 
-    def _try_stretch(self):
-        engine = self.engine
-        limit = engine.decode_stretch_limit()
-        if limit < 2:
-            return False
-        running = engine.running
-        context = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))
-        durations = self._predict_stretch(context, limit)
-        ends = np.cumsum(np.concatenate(([self.clock], durations)))[1:]
-        if self.next_index < len(self._arrivals):
-            # step i starts at ends[i-1] and must not see a new arrival
-            limit = 1 + int(np.searchsorted(ends[:-1], self._arrivals[self.next_index], side="left"))
-        result = engine.run_decode_stretch(limit, ends)
-        if result is None:
-            return False
-        stretch, counts, finished = result
-        k = stretch.num_steps
-        starts = [self.clock] + ends[: k - 1].tolist()
-        self.times.steps_ended(ends[:k])
-        self.times.stretch(stretch.request_ids, ends[:k])
-        self.steps.add_stretch(stretch.first_step, starts, durations[:k].tolist(), len(stretch.request_ids), counts)
-        if self.options.decisions is not None:
-            self.options.decisions.stretch(stretch)
-        self.stretches += 1
-        yield from self._advance_to(float(ends[k - 1]))
-        if self.options.check:
-            engine.check_invariants()
-        self._progress(len(finished))
-        return True
-
     def _progress(self, ended: int) -> None:
         if ended and self.options.on_progress is not None:
             self.options.on_progress(ended)
@@ -202,7 +158,7 @@ class Simulation:
         self.env.process(self._arrival_process())
         done = self.env.process(self._engine_process())
         self.env.run(until=done)
-        return SimRun(self.engine, self.steps, self.times, time.perf_counter() - started, self.stretches)
+        return SimRun(self.engine, self.steps, self.times, time.perf_counter() - started)
 
 
 def simulate(trace: Trace, engine: EngineCore, timer: StepTimer, options: SimOptions | None = None) -> SimRun:

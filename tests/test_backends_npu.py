@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 
 from kvsim.realexec.backends import BackendUnavailable, get_backend  # noqa: E402
 from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
-from kvsim.realexec.backends.kv_quant import KVScales  # noqa: E402
 from kvsim.realexec.backends.npu import NpuBackend, import_torch_npu  # noqa: E402
 from kvsim.realexec.backends.npu_preflight import PreflightWarning  # noqa: E402
 from kvsim.realexec.backends.paged_cases import load_case, random_case  # noqa: E402

@@ -28,18 +28,14 @@ class Tee:
         self.lines.append(plan.to_json())
         self.log.plan(plan)
 
-    def stretch(self, stretch) -> None:
-        self.lines.append(stretch.to_json())
-        self.log.stretch(stretch)
 
-
-def logged_run(trace, out, mode="full", exact=False, **overrides) -> tuple[list[str], dict]:
+def logged_run(trace, out, mode="full", **overrides) -> tuple[list[str], dict]:
     resolved = resolve(RunConfig(**overrides))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     tee = Tee(DecisionLog(mode, resolved.engine_config.block_size, out))
     timer = CostModelTimer(resolved.cost_model())
-    run = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact, decisions=tee))
+    run = simulate(trace, resolved.new_engine(), timer, SimOptions(decisions=tee))
     digest = tee.log.close()
     assert digest["steps"] == len(run.steps)
     return tee.lines, digest
@@ -53,7 +49,7 @@ TINY = dict(model="tiny", device="cpu", block_size=16, max_model_len=1024)
 @pytest.mark.parametrize(
     "trace, overrides",
     [
-        # forks and copy-on-write, swap preemption, decode stretches
+        # forks and copy-on-write, swap preemption
         (FORKS, dict(TINY, block_manager="prefix", num_blocks=120, preemption_mode="swap", swap_space_gb=0.001)),
         # recompute preemption: tables replaced, requests leaving and coming back
         (FORKS, dict(TINY, block_manager="paged", num_blocks=90, preemption_mode="recompute")),
@@ -75,12 +71,10 @@ def test_full_log_expands_to_the_reference_lines(tmp_path, trace, overrides):
 
 
 def test_the_log_covers_what_it_claims_to(tmp_path):
-    """The cases above exercise what they are there for: forks, copies, swaps, stretches, preemptions."""
+    """The cases above exercise what they are there for: forks, copies, swaps, preemptions."""
     reference, _ = logged_run(FORKS, tmp_path, **dict(TINY, block_manager="prefix", num_blocks=120,
                                                       preemption_mode="swap", swap_space_gb=0.001))
-    steps = [json.loads(line) for line in reference]
-    assert any("stretch" in s for s in steps)
-    plans = [s for s in steps if "stretch" not in s]
+    plans = [json.loads(line) for line in reference]
     for key in ("forks", "copies", "swap_out", "swap_in", "preempted"):
         assert any(s[key] for s in plans), key
 
@@ -102,7 +96,8 @@ def _plan(step, entries, tables, slots, **rest) -> StepPlan:
 
 def test_plans_outside_the_expected_shape_round_trip():
     """Reordered batches, tables not in entry order, slots the tables do not imply, skipped steps:
-    stored literally where the diff cannot express them, and expanded exactly."""
+    stored literally where the diff cannot express them, and expanded exactly; a decode-stretch
+    record (as versions that macro-stepped wrote them) is expanded too."""
     plans = [
         _plan(0, [("a", 0, 4, True, True), ("b", 0, 2, True, False)], {"a": [5], "b": [7]}, [20, 21, 22, 23, 28, 29]),
         _plan(1, [("b", 2, 1, True, True), ("a", 4, 1, False, True)], {"b": [7], "a": [5, 9]}, [30, 36]),
@@ -116,7 +111,9 @@ def test_plans_outside_the_expected_shape_round_trip():
                             start_tables={"b": [1]}, growth=[(2, "b", 6)])
     after = _plan(12, [("b", 4, 1, False, True)], {"b": [1, 6]}, [24])
     encoder = DiffEncoder(block_size=4)
-    records = [encoder.header(), *(encoder.plan(p) for p in plans), encoder.stretch(stretch), encoder.plan(after)]
+    records = [encoder.header(), *(encoder.plan(p) for p in plans), '{"S":' + stretch.to_json() + "}"]
+    encoder.batch.after_stretch(stretch)  # what the encoder of those versions did after writing a stretch
+    records.append(encoder.plan(after))
     expected = [p.to_json() for p in plans] + [stretch.to_json(), after.to_json()]
     assert list(decode_records(records)) == expected
     assert records[-1] == "{}"  # the step after a stretch is exactly what the stretch implies

@@ -1,5 +1,5 @@
 """EngineCore: the step loop's contract, rejections, aborts, configuration errors, the
-invariant checks themselves, decode stretches, and random workloads that must always drain."""
+invariant checks themselves, and random workloads that must always drain."""
 
 from __future__ import annotations
 
@@ -253,48 +253,6 @@ def test_same_inputs_give_a_byte_identical_decision_log(scheduler):
     for (manager, mode), log in logs.items():
         assert _workload_log(scheduler, manager, mode) == log
     assert len(set(logs.values())) > 1  # the log records decisions: different pools decide differently
-
-
-@pytest.mark.parametrize("manager", MANAGERS)
-def test_a_decode_stretch_decides_exactly_what_single_steps_would(manager):
-    """Requests arriving over time, a pool that runs out mid-stretch: stepping one step at a time
-    and macro-stepping whenever the engine allows give the same expanded log and end state."""
-
-    def run(macro: bool) -> tuple[list[str], dict, int]:
-        engine = EngineCore(EngineConfig(num_blocks=14, block_size=4, max_model_len=40, max_num_batched_tokens=32,
-                                         block_manager=manager, scheduler="fcfs"))  # fmt: skip
-        arrivals = [(0.0, "a", 9, 30), (0.0, "b", 5, 22), (3.0, "c", 12, 25), (40.0, "d", 9, 6)]
-        now, log, stretches = 0.0, [], 0
-        while arrivals or engine.has_unfinished():
-            while arrivals and arrivals[0][0] <= now:
-                t, rid, prompt, output = arrivals.pop(0)
-                engine.add_request(rid, t, prompt, output, token_ids=tuple(range(prompt)))
-            if not engine.has_unfinished():
-                now = arrivals[0][0]
-                continue
-            limit = engine.decode_stretch_limit() if macro else 0
-            if arrivals:
-                limit = min(limit, int(arrivals[0][0] - now))
-            result = engine.run_decode_stretch(limit, [now + i + 1 for i in range(limit)]) if limit >= 2 else None
-            if result is not None:
-                stretch, counts, _ = result
-                log += [p.to_json() for p in stretch.plans()]
-                now += stretch.num_steps
-                stretches += 1
-            else:
-                plan = engine.schedule(now)
-                now += 1.0
-                engine.commit(plan, now)
-                log.append(plan.to_json())
-            engine.check_invariants()
-        state = {r.request_id: (r.first_token_s, r.finish_s, r.num_preemptions) for r in engine.requests.values()}
-        return log, {**state, "stats": engine.kv_stats().to_dict()}, stretches
-
-    single_log, single_state, _ = run(macro=False)
-    macro_log, macro_state, stretches = run(macro=True)
-    assert stretches >= 1
-    assert macro_log == single_log
-    assert macro_state == single_state
 
 
 def test_drain_replays_a_trace_with_a_fixed_step_time(make_engine):

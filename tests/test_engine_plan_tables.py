@@ -56,7 +56,7 @@ def test_a_simulation_copies_tables_only_for_a_reader() -> None:
 
     def run(timer, **options):
         engine = resolved.new_engine()
-        return engine, simulate(trace, engine, timer, SimOptions(exact=True, **options))
+        return engine, simulate(trace, engine, timer, SimOptions(**options))
 
     bare_engine, bare = run(CostModelTimer(resolved.cost_model()))
     checked_engine, checked = run(CostModelTimer(resolved.cost_model()), check=True)  # plan.check reads the slots

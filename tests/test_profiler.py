@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import types
 from pathlib import Path
 
 import numpy as np

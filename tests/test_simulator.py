@@ -1,16 +1,17 @@
-"""The simulator: macro-stepping changes nothing, runs are deterministic, and the classic
-results of paged KV management come out of it on real traces."""
+"""The simulator: the engine's decode batch changes no decision, runs are deterministic, and the
+classic results of paged KV management come out of it on real traces."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
-from kvsim.policies.plan import expand_decision_log
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.schedulers import FCFSPolicy, PriorityPolicy
 from kvsim.sim.cli import main
 from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.run_config import RunConfig, resolve
@@ -18,7 +19,7 @@ from kvsim.sim.simulator import SimOptions, simulate
 
 
 class ReferenceLog:
-    """The decision log as plain lines (``to_json`` of every plan and stretch), as the reader expands it."""
+    """The decision log as plain lines (``to_json`` of every plan), as the reader expands it."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []
@@ -26,23 +27,36 @@ class ReferenceLog:
     def plan(self, plan) -> None:
         self.lines.append(plan.to_json())
 
-    def stretch(self, stretch) -> None:
-        self.lines.append(stretch.to_json())
-
     def getvalue(self) -> str:
         return "".join(line + "\n" for line in self.lines)
 
 
-def run(trace, exact: bool, check: bool = False, **overrides):
+# The same policies with their running order restated: the engine keeps no decode batch for a
+# policy that orders running requests itself, so these decide request by request.
+class UnbatchedFCFS(FCFSPolicy):
+    def running_order(self, view):
+        return view.running
+
+
+class UnbatchedPriority(PriorityPolicy):
+    def running_order(self, view):
+        return view.running
+
+
+def run(trace, check: bool = False, unbatched: bool = False, log: bool = True, **overrides):
     resolved = resolve(RunConfig(**overrides))
     timer = CostModelTimer(resolved.cost_model())
-    log = ReferenceLog()
-    result = simulate(trace, resolved.new_engine(), timer, SimOptions(exact=exact, check=check, decisions=log))
-    return result, log.getvalue()
+    engine_config = resolved.engine_config
+    if unbatched:
+        name = {"fcfs": "UnbatchedFCFS", "priority": "UnbatchedPriority"}[engine_config.scheduler]
+        engine_config = dataclasses.replace(engine_config, scheduler=f"{__name__}:{name}")
+    reference = ReferenceLog()
+    result = simulate(trace, EngineCore(engine_config), timer, SimOptions(check=check, decisions=reference if log else None))
+    return result, reference.getvalue()
 
 
 def comparable(summary: dict) -> dict:
-    return {k: v for k, v in summary.items() if k not in ("wall_s", "macro_stretches")}
+    return {k: v for k, v in summary.items() if k != "wall_s"}
 
 
 @pytest.mark.parametrize(
@@ -51,20 +65,24 @@ def comparable(summary: dict) -> dict:
         ("azure_conv_10min", 400, dict(block_manager="paged", num_blocks=900, block_size=16)),
         ("mooncake_500", 120, dict(block_manager="prefix", num_blocks=2000, max_model_len=131072, model="qwen2.5-7b")),
         ("azure_conv_10min", 300, dict(block_manager="contiguous", num_blocks=3000, block_size=16, max_model_len=4096)),
-        ("azure_conv_10min", 300, dict(block_manager="prefix", scheduler="chunked", num_blocks=300, block_size=16,
-                                       preemption_mode="swap", max_num_batched_tokens=512)),
+        ("azure_conv_10min", 300, dict(block_manager="prefix", num_blocks=300, block_size=16, preemption_mode="swap",
+                                       max_num_batched_tokens=512)),
+        ("azure_conv_10min", 300, dict(block_manager="paged", scheduler="priority", num_blocks=250, block_size=16,
+                                       max_num_batched_tokens=256)),
     ],
 )
-def test_macro_stepping_is_exact(sample, rows, overrides):
+def test_the_decode_batch_decides_as_request_by_request(sample, rows, overrides):
+    """Same plans step for step (whole plans, with tables), same metrics with and without a log."""
     trace = traces.first(traces.load_named(sample), rows)
-    exact, exact_log = run(trace, exact=True, **overrides)
-    macro, macro_log = run(trace, exact=False, **overrides)
-    assert macro.stretches > 0, "the case must exercise macro-stepping"
-    assert macro.request_rows() == exact.request_rows()
-    assert comparable(macro.summary()) == comparable(exact.summary())
-    assert list(expand_decision_log(macro_log.splitlines())) == exact_log.splitlines()
-    assert macro.steps.columns == exact.steps.columns
-    assert len(macro_log.splitlines()) < len(exact_log.splitlines())
+    batched, batched_log = run(trace, **overrides)
+    reference, reference_log = run(trace, unbatched=True, **overrides)
+    assert batched.engine._batching and not reference.engine._batching
+    assert batched_log == reference_log
+    assert batched.request_rows() == reference.request_rows()
+    assert comparable(batched.summary()) == comparable(reference.summary())
+    assert batched.steps.columns == reference.steps.columns
+    bare, _ = run(trace, log=False, **overrides)  # plans without tables: the members' entries left out
+    assert bare.request_rows() == reference.request_rows() and bare.steps.columns == reference.steps.columns
 
 
 def test_forks_and_preemption_under_check():
@@ -73,7 +91,7 @@ def test_forks_and_preemption_under_check():
         n_requests=60, rate=40.0, prompt=traces.Uniform(50, 400), output=traces.Uniform(5, 120),
         n_samples=3, seed=3,
     )
-    result, _ = run(trace, exact=False, check=True, model="tiny", device="cpu", block_manager="prefix",
+    result, _ = run(trace, check=True, model="tiny", device="cpu", block_manager="prefix",
                     block_size=16, num_blocks=120, max_model_len=1024, preemption_mode="swap", swap_space_gb=0.001)
     summary = result.summary()
     assert summary["requests_completed"] == 60
@@ -124,8 +142,8 @@ def test_paged_beats_contiguous_at_equal_memory():
     """Worst-case reservations waste most of the pool: paging runs more requests at once."""
     trace = traces.first(traces.load_named("azure_conv_10min"), 600)
     common = dict(num_blocks=2000, block_size=16, max_model_len=4096)
-    paged, _ = run(trace, exact=False, block_manager="paged", **common)
-    contiguous, _ = run(trace, exact=False, block_manager="contiguous", **common)
+    paged, _ = run(trace, block_manager="paged", **common)
+    contiguous, _ = run(trace, block_manager="contiguous", **common)
     batch_paged = paged.steps.array("batch_size").max()
     batch_contiguous = contiguous.steps.array("batch_size").max()
     assert batch_contiguous <= 2000 * 16 // 4096
@@ -152,8 +170,8 @@ def test_prefix_caching_cuts_prefill_and_ttft_on_mooncake():
     more, lets preempted requests resume from their own cached blocks."""
     trace = traces.first(traces.load_named("mooncake_500"), 250)
     common = dict(model="qwen2.5-7b", max_model_len=131072, num_blocks=6000)
-    cached, _ = run(trace, exact=False, block_manager="prefix", **common)
-    plain, _ = run(trace, exact=False, block_manager="paged", **common)
+    cached, _ = run(trace, block_manager="prefix", **common)
+    plain, _ = run(trace, block_manager="paged", **common)
     assert cached.summary()["prefix_hit_rate"] > 0.02
     assert cached.steps.array("prefill_tokens").sum() < 0.9 * plain.steps.array("prefill_tokens").sum()
     assert cached.summary()["ttft_s"]["p50"] < plain.summary()["ttft_s"]["p50"]
@@ -162,7 +180,7 @@ def test_prefix_caching_cuts_prefill_and_ttft_on_mooncake():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_pool_too_small_survives_with_preemptions(mode):
     trace = traces.first(traces.load_named("azure_conv_10min"), 300)
-    result, _ = run(trace, exact=False, block_manager="paged", num_blocks=400, block_size=16, max_model_len=4096,
+    result, _ = run(trace, block_manager="paged", num_blocks=400, block_size=16, max_model_len=4096,
                     preemption_mode=mode, swap_space_gb=1.0)
     summary = result.summary()
     assert summary["preemptions"] > 0

@@ -191,7 +191,7 @@ def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(t
 
 
 def test_an_int8_run_is_profiled_with_int8_and_its_cache_kept_apart(tmp_path, monkeypatch):
-    from kvsim.realexec import calibration, cli_validate
+    from kvsim.realexec import cli_validate
     from kvsim.realexec.speed_check import SpeedCheck
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
