@@ -36,3 +36,20 @@ def dense_generate(model: DecoderModel, prompt_ids: list[int], num_tokens: int, 
             hidden = model.forward(ids, positions, causal_attend(model, len(tokens), kv_dtype))
             tokens.append(int(model.logits(hidden[-1:]).argmax(dim=-1)))
     return tokens[len(prompt_ids) :]
+
+
+def greedy_gaps(model: DecoderModel, prompt_ids: list[int], generated: list[int], kv_dtype: torch.dtype | None = None) -> list[float]:
+    """For each generated token, how far its logit lies below the best one, the text before it given.
+
+    Teacher-forced: one causal pass over prompt and generated tokens. All zeros means ``generated``
+    is what greedy decoding would produce; a small positive gap is a near-tie decided the other way
+    by rounding (a reduced-precision cache), a large one is a wrong context.
+    """
+    tokens = list(prompt_ids) + list(generated)
+    with torch.inference_mode():
+        ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
+        positions = torch.arange(len(tokens), device=model.device)
+        hidden = model.forward(ids, positions, causal_attend(model, len(tokens), kv_dtype))
+        logits = model.logits(hidden[len(prompt_ids) - 1 : -1])
+        chosen = logits.gather(-1, torch.tensor(generated, device=model.device).unsqueeze(-1)).squeeze(-1)
+        return (logits.max(dim=-1).values - chosen).tolist()

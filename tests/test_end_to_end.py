@@ -24,7 +24,7 @@ from torch_npu_standin import make_torch_npu_standin  # noqa: E402
 from kvsim.realexec.cli import REAL_DEFAULTS  # noqa: E402
 from kvsim.realexec.executor import Executor  # noqa: E402
 from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
-from kvsim.realexec.reference import dense_generate  # noqa: E402
+from kvsim.realexec.reference import greedy_gaps  # noqa: E402
 from kvsim.sim.model_spec import load_model  # noqa: E402
 from kvsim.sim.run_config import load_run_trace, resolve  # noqa: E402
 from kvsim.sim.runner import run_trace  # noqa: E402
@@ -53,13 +53,24 @@ def run_paged(backend, mode: str, block_size: int, kv_dtype: str | None = None):
     return trace, engine, executor
 
 
-def assert_matches_dense(engine, executor):
+# A bf16 cache rounds q, k and v; the paged run and the dense one compute the same fp32 projections
+# over different batches, so a rounding can land differently and decide a near-tie the other way.
+# Measured on the npu stand-in test below (tiny model, logit std about 1): the one flipped token lay
+# 0.0039 below the best logit; faults planted in the same run (copy-on-write skipped, a swap-in
+# dropped) put tokens 1.6-4.2 below it. fp32 caches get no slack.
+BF16_LOGIT_SLACK = 0.05
+
+
+def assert_matches_dense(engine, executor, logit_slack: float = 0.0):
+    """Every request finished, each generated token greedy (within ``logit_slack``) under a dense, cache-free pass."""
     for request in engine.requests.values():
         assert request.status is Status.FINISHED, request.request_id
         root = request.parent or request
         prompt = prompt_tokens(root, SPEC.vocab_size, seed=5)
-        expected = dense_generate(executor.model, prompt, request.output_tokens, executor.kv_dtype)
-        assert executor.tokens(request.request_id) == expected, request.request_id
+        generated = executor.tokens(request.request_id)
+        assert len(generated) == request.output_tokens, request.request_id
+        gaps = greedy_gaps(executor.model, prompt, generated, executor.kv_dtype)
+        assert max(gaps) <= logit_slack, (request.request_id, gaps)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -81,7 +92,7 @@ def test_npu_backend_through_the_standin_equals_dense_run(mode):
     backend = NpuBackend("cpu", torch_npu_module=make_torch_npu_standin())
     _, engine, executor = run_paged(backend, mode, block_size=128, kv_dtype="bf16")
     assert engine.counters.preemptions > 0
-    assert_matches_dense(engine, executor)
+    assert_matches_dense(engine, executor, BF16_LOGIT_SLACK)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 from kvsim.policies.request import Request  # noqa: E402
 from kvsim.realexec.model import DecoderModel  # noqa: E402
 from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
-from kvsim.realexec.reference import causal_attend, dense_generate  # noqa: E402
+from kvsim.realexec.reference import causal_attend, dense_generate, greedy_gaps  # noqa: E402
 from kvsim.realexec.weights import load_weights, random_weights, save_weights, weight_shapes  # noqa: E402
 from kvsim.sim.model_spec import load_model  # noqa: E402
 
@@ -134,6 +134,15 @@ def test_dense_generate_is_greedy_over_full_recompute(model: DecoderModel) -> No
     for i, token in enumerate(generated):
         assert token == int(dense_logits(model, prompt + generated[:i])[-1].argmax())
     assert len(set(generated)) > 1
+
+
+def test_greedy_gaps_are_zero_on_greedy_text_and_name_a_wrong_token(model: DecoderModel) -> None:
+    prompt = list(range(300, 340))
+    generated = dense_generate(model, prompt, 6)
+    assert greedy_gaps(model, prompt, generated) == [0.0] * 6
+    wrong = generated[:3] + [(generated[3] + 1) % model.spec.vocab_size] + generated[4:]
+    gaps = greedy_gaps(model, prompt, wrong)
+    assert gaps[:3] == [0.0] * 3 and gaps[3] > 0
 
 
 def _request(rid: str, seq_id: int, n: int, hashes=None, block=None, content_id=-1, token_ids=None) -> Request:
