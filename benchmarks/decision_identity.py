@@ -33,6 +33,7 @@ SHARED_AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azur
 SCHEDULERS = ("fcfs", "chunked", "priority", "sjf", "static")
 MANAGERS = ("paged", "prefix", "contiguous")
 VOLATILE_SUMMARY_KEYS = ("wall_s", "macro_stretches")  # macro_stretches: gone since macro-stepping was removed
+REMOVED_CONFIG_KEYS = ("exact",)  # RunConfig.exact (macro-stepping off): gone with it; older summaries still carry it
 
 
 def workloads() -> dict[str, list[str]]:
@@ -78,6 +79,8 @@ def fingerprint(out: Path) -> dict[str, str]:
     summary = json.loads((out / "summary.json").read_text())
     for key in VOLATILE_SUMMARY_KEYS:
         summary.pop(key, None)
+    for key in REMOVED_CONFIG_KEYS:
+        summary.get("config", {}).pop(key, None)
     prints["summary.json"] = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()
     return prints
 
@@ -97,7 +100,7 @@ def main() -> int:
     parser.add_argument("--write", type=Path, help="record the fingerprints here")
     parser.add_argument("--compare", type=Path, help="compare with fingerprints recorded earlier")
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
-    parser.add_argument("--extra", default="", help="extra simulate flags, space-separated (e.g. '--exact')")
+    parser.add_argument("--extra", default="", help="extra simulate flags, space-separated (e.g. '--seed 3')")
     parser.add_argument("--decisions", choices=("full", "off"), default="full",
                         help="off: fingerprint the outputs of a run without a decision log (the simulator's fastest path)")
     parser.add_argument("--legacy-log", action="store_true",

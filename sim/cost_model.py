@@ -102,6 +102,9 @@ _TOKEN_OPERATORS = ("gemm", "elementwise", "kv_write", "lm_head", "sampling", "h
 _CONTEXT_OPERATORS = ("attn_prefill", "attn_decode", "paged_gather", "block_copy", "swap", "host_step", "host_seq")
 _SPLIT_OPERATORS = _TOKEN_OPERATORS + _CONTEXT_OPERATORS
 assert sorted(_SPLIT_OPERATORS) == sorted(OPERATORS), "every operator is token- or batch-shaped"
+# One step's times come as a list in _SPLIT_OPERATORS order; these pick the kernels' and host terms' in theirs.
+_SPLIT_KERNEL_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in KERNEL_OPERATORS))
+_SPLIT_HOST_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in HOST_OPERATORS))
 _TOKEN_DISPATCHED = tuple(i for i, op in enumerate(_TOKEN_OPERATORS) if op in DISPATCHED_OPERATORS)
 _CONTEXT_DISPATCHED = tuple(i for i, op in enumerate(_CONTEXT_OPERATORS) if op in DISPATCHED_OPERATORS)
 _MEMO_LIMIT = 1 << 16
@@ -334,8 +337,8 @@ class CostModel:
             times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
         return times
 
-    def _one_step_times(self, f: StepFeatures) -> tuple[dict[str, float], int]:
-        """One step's seconds per operator and dispatched kernel count, in plain floats.
+    def _one_step_times(self, f: StepFeatures) -> tuple[list[float], int]:
+        """One step's seconds per operator (in ``_SPLIT_OPERATORS`` order) and dispatched kernel count, in plain floats.
 
         The token-shaped operators' times are memoised by (tokens, sampled rows), which repeat
         from step to step; the batch-shaped ones are computed. Same operations as ``_times``.
@@ -354,7 +357,7 @@ class CostModel:
         rows = self._context_rows(f)
         context_times = [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._context_rates)]
         # calls are integers, so their sum does not depend on the order
-        return dict(zip(_SPLIT_OPERATORS, token_times + context_times)), token_calls + sum(rows[i][2] for i in _CONTEXT_DISPATCHED)
+        return token_times + context_times, token_calls + sum(rows[i][2] for i in _CONTEXT_DISPATCHED)
 
     def operator_times(self, f: StepFeatures) -> dict[str, Num]:
         """Seconds per operator (arrays in, arrays out)."""
@@ -371,7 +374,8 @@ class CostModel:
         if one_step is None:
             one_step = not any(isinstance(v, np.ndarray) for v in vars(f).values())
         if one_step:
-            times, calls = self._one_step_times(f)
+            one_step_times, calls = self._one_step_times(f)
+            times = dict(zip(_SPLIT_OPERATORS, one_step_times))
         else:
             rows = self._work(f)
             times = self._times(rows)
@@ -396,13 +400,13 @@ class CostModel:
     def step_total(self, f: StepFeatures) -> float:
         """One step's time (plain-float features): the sum of :meth:`step_split`, in its order, without building it."""
         times, calls = self._one_step_times(f)
-        device = sum(_KERNEL_TIMES(times))
-        host_step, host_seq, host_token = _HOST_TIMES(times)
+        device = sum(_SPLIT_KERNEL_TIMES(times))
+        host_step, host_seq, host_token = _SPLIT_HOST_TIMES(times)
         engine = self.device.engine
         if engine is None:
             return device + host_step + host_seq + host_token
         host = sum((host_step, host_seq, host_token))
-        _, stall, exposed = engine.step_seconds(device, calls, host, f.num_tokens)
+        _, stall, exposed = engine.one_step_seconds(device, calls, host, f.num_tokens)
         share = exposed / host if host > 0 else 0.0
         return device + host_step * share + host_seq * share + host_token * share + stall
 

@@ -90,15 +90,18 @@ class EngineProfile:
         """(total, dispatch stall, exposed host time) of a step from its kernels' device time, the
         kernels it dispatches and its host work. total = device + stall + exposed host."""
         if not any(isinstance(x, np.ndarray) for x in (device, dispatch_calls, host, num_tokens)):
-            # One step: the same IEEE operations in plain floats, without numpy's per-call cost.
-            graph = self.mode == "graph" and 0 < num_tokens <= self.capture_sizes[-1]
-            execution = max(device, 0.0 if graph else dispatch_calls * self.dispatch_s)
-            exposed = max(host - execution, 0.0) if self.async_scheduling else host
-            return float(execution + exposed), float(execution - device), float(exposed)
+            return self.one_step_seconds(device, dispatch_calls, host, num_tokens)
         dispatch = np.where(self.in_graph(num_tokens), 0.0, dispatch_calls * self.dispatch_s)
         execution = np.maximum(device, dispatch)
         exposed = np.maximum(host - execution, 0.0) if self.async_scheduling else host
         return execution + exposed, execution - device, exposed
+
+    def one_step_seconds(self, device: float, dispatch_calls: float, host: float, num_tokens: float) -> tuple[float, float, float]:
+        """:meth:`step_seconds` of one step: the same IEEE operations in plain floats, without numpy's per-call cost."""
+        graph = self.mode == "graph" and 0 < num_tokens <= self.capture_sizes[-1]
+        execution = max(device, 0.0 if graph else dispatch_calls * self.dispatch_s)
+        exposed = max(host - execution, 0.0) if self.async_scheduling else host
+        return float(execution + exposed), float(execution - device), float(exposed)
 
 
 def parse_engine(table: dict, path: Path) -> EngineProfile:
