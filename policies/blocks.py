@@ -30,6 +30,16 @@ def decode_slots(positions: Sequence[int], tables: Sequence[Sequence[int]], bloc
     return [table[p // bs] * bs + p % bs for p, table in zip(positions, tables)]
 
 
+def batch_slots(positions: Sequence[int], counts: Sequence[int], tables: Sequence[Sequence[int]], block_size: int) -> list[int]:
+    """The flat slot mapping of a step's entries (first positions, token counts, block tables), in entry order."""
+    if counts.count(1) == len(counts):  # one token each (decodes): the common step
+        return decode_slots(positions, tables, block_size)
+    out: list[int] = []
+    for first, n, table in zip(positions, counts, tables):
+        out += slots_for(table, first, first + n, block_size)
+    return out
+
+
 def slots_for(table: Sequence[int], first: int, end: int, block_size: int) -> list[int]:
     """Slots of positions ``[first, end)`` of a sequence with block table ``table``."""
     if end - first == 1:

@@ -125,8 +125,10 @@ class EngineCore:
         self._num_orders = 0
         self._pending_rejections: list[tuple[str, str]] = []
         # Fill each plan's block tables and slot mapping: a copy of every scheduled request's
-        # table each step. A driver whose step timer and logs read neither turns it off.
+        # table each step. A driver whose step timer and logs read neither turns it off; one whose
+        # readers want the tables but not the slots (a decision log) turns ``plan_slots`` off.
         self.plan_tables = True
+        self.plan_slots = True
 
     # --- requests in and out -----------------------------------------------------------
     def add_request(
@@ -474,7 +476,7 @@ class EngineCore:
         """
         bs = self.kv.block_size
         block_table = self.kv.block_table
-        with_tables = self.plan_tables
+        with_tables, with_slots = self.plan_tables, self.plan_slots
         batch = self._batch
         members = len(batch)
         loose_entries: list[PlanEntry] = []
@@ -503,7 +505,7 @@ class EngineCore:
             loose_entries.append(entry)
             if with_tables:
                 table = block_table(request)
-                loose_tables[rid] = (table[:], slots_for(table, first, end, bs))
+                loose_tables[rid] = (table[:], slots_for(table, first, end, bs) if with_slots else ())
             blocks_touched += blocks
             request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.seats > 1:  # its samples fork now
@@ -530,9 +532,11 @@ class EngineCore:
                 plan.block_tables[rid] = table
                 plan.slot_mapping.extend(slots)
         else:
-            self._fill_in_running_order(plan, loose_tables)
+            self._fill_in_running_order(plan, loose_tables, with_slots)
+        plan.slots_omitted = with_tables and not with_slots
 
-    def _fill_in_running_order(self, plan: StepPlan, loose_tables: dict[str, tuple[list[int], list[int]]]) -> None:
+    def _fill_in_running_order(self, plan: StepPlan, loose_tables: dict[str, tuple[list[int], list[int]]],
+                               with_slots: bool) -> None:
         """A whole plan: members' decodes and loose entries in running order (the request-by-request pass's order)."""
         bs = self.kv.block_size
         block_table = self.kv.block_table
@@ -545,7 +549,8 @@ class EngineCore:
                 entries.append(PlanEntry(rid, pos, 1, False, True))
                 table = block_table(request)
                 tables[rid] = table[:]
-                slot_mapping.append(table[pos // bs] * bs + pos % bs)  # blocks.slot, inlined
+                if with_slots:
+                    slot_mapping.append(table[pos // bs] * bs + pos % bs)  # blocks.slot, inlined
             elif rid in loose:
                 entries.append(loose[rid])
                 table, slots = loose_tables[rid]

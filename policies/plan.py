@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvsim.policies.blocks import cdiv, slot
+from kvsim.policies.blocks import batch_slots, cdiv, slot
 
 
 @dataclass(slots=True)
@@ -102,6 +102,9 @@ class StepPlan:
     # One-token decodes of the engine's persistent batch that ``entries`` leaves out: only in a
     # plan made without tables (``EngineCore.plan_tables`` off), whose readers need the totals alone.
     batch_decodes: int = 0
+    # True when the engine left ``slot_mapping`` empty because no reader wanted it (``EngineCore.plan_slots``
+    # off: a decision log reads tables, not slots); the slots are then the formula's, ``all_slots()``.
+    slots_omitted: bool = False
 
     def totals_for(self, block_size: int) -> PlanTotals:
         """The batch shape at ``block_size``: the engine's totals when they match, else computed."""
@@ -164,6 +167,15 @@ class StepPlan:
                 assert slots[offset + i] == expected, f"step {self.step}: {e.request_id} position {pos} has the wrong slot"
             offset += e.num_tokens
 
+    def all_slots(self) -> list[int]:
+        """``slot_mapping``, derived from the entries and block tables when the engine omitted it."""
+        if not self.slots_omitted:
+            return self.slot_mapping
+        entries, tables = self.entries, self.block_tables
+        block_size = self.totals.block_size  # the engine, the one that omits slots, always sets the totals
+        return batch_slots([e.first_position for e in entries], [e.num_tokens for e in entries],
+                           [tables[e.request_id] for e in entries], block_size)
+
     def to_dict(self) -> dict:
         return {
             "step": self.step,
@@ -172,7 +184,7 @@ class StepPlan:
                 for e in self.entries
             ],
             "block_tables": self.block_tables,
-            "slot_mapping": self.slot_mapping,
+            "slot_mapping": self.all_slots(),
             "copies": [list(c) for c in self.copies],
             "swap_out": [list(s) for s in self.swap_out],
             "swap_in": [list(s) for s in self.swap_in],

@@ -33,7 +33,7 @@ from operator import add, attrgetter
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from kvsim.policies.blocks import decode_slots, slots_for
+from kvsim.policies.blocks import batch_slots
 from kvsim.policies.plan import DecodeStretch, StepPlan, expand_decision_log
 
 MODES = ("off", "summary", "full")
@@ -46,16 +46,6 @@ _RID, _POS, _NTOK = attrgetter("request_id"), attrgetter("first_position"), attr
 _PRE, _SMP = attrgetter("is_prefill"), attrgetter("samples")
 _SEPARATORS = (",", ":")
 _CHUNK_BYTES = 1 << 20
-
-
-def derive_slots(positions: list[int], counts: list[int], tables: list[list[int]], block_size: int) -> list[int]:
-    """The flat slot mapping a plan's entries imply (``kvsim.policies.blocks``' slot formula)."""
-    if counts.count(1) == len(counts):  # one token each (decodes): the common step
-        return decode_slots(positions, tables, block_size)
-    out: list[int] = []
-    for first, n, table in zip(positions, counts, tables):
-        out += slots_for(table, first, first + n, block_size)
-    return out
 
 
 class DecisionSink(Protocol):
@@ -129,12 +119,13 @@ class DiffEncoder:
             changed = [(i, j) for i, j in enumerate(src) if j is not None and tables[i] != previous[j]]
         if changed:
             self._tables(rec, changed, tables)
-        try:
-            derived = derive_slots(pos, ns, tables, b.block_size)
-        except IndexError:  # a table too short for its entry: keep the plan's own slots
-            derived = None
-        if derived != plan.slot_mapping:
-            rec["m"] = list(plan.slot_mapping)
+        if not plan.slots_omitted:  # else they are the formula's by definition: nothing to store
+            try:
+                derived = batch_slots(pos, ns, tables, b.block_size)
+            except IndexError:  # a table too short for its entry: keep the plan's own slots
+                derived = None
+            if derived != plan.slot_mapping:
+                rec["m"] = list(plan.slot_mapping)
         for key, items in (("c", plan.copies), ("so", plan.swap_out), ("si", plan.swap_in),
                            ("p", plan.preempted), ("r", plan.rejected)):
             if items:
@@ -236,7 +227,7 @@ class DiffDecoder:
             tables = [block_tables.get(rid, []) for rid in rids]
         else:
             block_tables = dict(zip(rids, tables))
-        slots = rec["m"] if "m" in rec else derive_slots(pos, ns, tables, b.block_size)
+        slots = rec["m"] if "m" in rec else batch_slots(pos, ns, tables, b.block_size)
         b.rids, b.tables, b.next_step = rids, tables, step + 1
         b.next_pos = list(map(add, pos, ns))
         return StepPlan.from_dict({

@@ -78,11 +78,11 @@ class Simulation:
         self.next_index = 0
         self._wake: simpy.Event | None = None
         self._arrivals = trace.arrival_s.tolist()
-        # Plans carry block tables and slots only for a reader: the decision log, --check, or a
-        # timer that runs them (one that does not read them says so: ``reads_block_tables = False``).
-        engine.plan_tables = (
-            self.options.decisions is not None or self.options.check or getattr(timer, "reads_block_tables", True)
-        )
+        # Plans carry block tables and slots only for a reader: the decision log (tables only),
+        # --check, or a timer that runs them (one that does not read them says so: ``reads_block_tables = False``).
+        timer_reads = getattr(timer, "reads_block_tables", True)
+        engine.plan_tables = self.options.decisions is not None or self.options.check or timer_reads
+        engine.plan_slots = self.options.check or timer_reads  # the log derives slots from the tables
 
     # --- SimPy processes ---------------------------------------------------------------
     def _arrival_process(self):

@@ -1,15 +1,18 @@
-"""EngineCore.plan_tables: plans without block tables and slots decide exactly the same.
+"""EngineCore.plan_tables / plan_slots: plans without block tables or slots decide exactly the same.
 
 A simulation whose timer is the cost model and that keeps no decision log reads neither a
 plan's block tables nor its slot mapping nor the entries of its persistent decode batch, so the
 engine skips them (``batch_decodes`` counts the left-out decodes); everything else in the plan,
 its totals, and so every duration and latency, must stay the same. A reader turns them back on.
+A decision log reads the tables but derives the slots, so for it the engine leaves the slots
+out and the plan derives them on demand (``all_slots``, ``to_json``).
 """
 
 from __future__ import annotations
 
 from kvsim import traces
 from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.decisions import DecisionLog
 from kvsim.sim.run_config import RunConfig, resolve
 from kvsim.sim.simulator import SimOptions, simulate
 from kvsim.sim.step_timer import ReplayTimer
@@ -50,6 +53,21 @@ def test_plans_without_tables_keep_every_decision(make_engine) -> None:
     assert sum(p.batch_decodes for p in bare) > 0, "the workload must exercise the decode batch"
 
 
+def test_plans_without_slots_derive_the_same_ones(make_engine) -> None:
+    workload = [(30, 5, 1), (1, 4, 1), (9, 6, 2), (17, 8, 1), (5, 3, 3)]
+    geometry = dict(max_num_batched_tokens=16, long_prefill_token_threshold=6, num_blocks=12)
+    whole = _step_all(make_engine(**geometry), workload)
+    slotless_engine = make_engine(**geometry)
+    slotless_engine.plan_slots = False
+    slotless = _step_all(slotless_engine, workload)
+    assert len(whole) == len(slotless) and any(p.entries for p in slotless)
+    for a, b in zip(whole, slotless):
+        assert not a.slots_omitted and b.slots_omitted and b.slot_mapping == []
+        assert (a.entries, a.block_tables) == (b.entries, b.block_tables)
+        assert b.all_slots() == a.slot_mapping
+        assert b.to_json() == a.to_json()
+
+
 def test_a_simulation_copies_tables_only_for_a_reader() -> None:
     trace = traces.first(traces.load_named("demo"), 40)
     resolved = resolve(RunConfig())
@@ -60,7 +78,10 @@ def test_a_simulation_copies_tables_only_for_a_reader() -> None:
 
     bare_engine, bare = run(CostModelTimer(resolved.cost_model()))
     checked_engine, checked = run(CostModelTimer(resolved.cost_model()), check=True)  # plan.check reads the slots
-    assert not bare_engine.plan_tables and checked_engine.plan_tables
+    assert not bare_engine.plan_tables and checked_engine.plan_tables and checked_engine.plan_slots
+    logged_engine, logged = run(CostModelTimer(resolved.cost_model()), decisions=DecisionLog("summary", resolved.engine_config.block_size))
+    assert logged_engine.plan_tables and not logged_engine.plan_slots  # the log derives the slots
+    assert logged.steps.columns == checked.steps.columns
     assert bare.steps.columns == checked.steps.columns
     assert bare.request_rows() == checked.request_rows()
     replay_engine, _ = run(ReplayTimer([0.01] * 10_000))  # a timer that does not say it reads no tables
