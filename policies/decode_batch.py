@@ -30,30 +30,28 @@ from kvsim.policies.request import Request
 
 NEVER = 1 << 62  # a step no run reaches
 
-_COMPUTED, _OUTPUT = Request.num_computed_tokens, Request.num_output_tokens  # the slots themselves
+class _AdvancingCounter:
+    """A ``Request`` counter (the slot itself underneath) read as its stored value plus the
+    steps the member's batch has committed since it joined; writing stores it the same way."""
+
+    def __init__(self, stored) -> None:
+        self.stored = stored
+
+    def __get__(self, member: "BatchMember | None", owner=None):
+        if member is None:
+            return self
+        return self.stored.__get__(member) + member.batch.clock - member.batch_since
+
+    def __set__(self, member: "BatchMember", value: int) -> None:
+        self.stored.__set__(member, value - (member.batch.clock - member.batch_since))
 
 
 class BatchMember(Request):
     """A request in the decode batch: one more token for each step the batch commits."""
 
     __slots__ = ()
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return _COMPUTED.__get__(self) + self.batch.clock - self.batch_since
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        _COMPUTED.__set__(self, value - (self.batch.clock - self.batch_since))
-
-    @property
-    def num_output_tokens(self) -> int:
-        return _OUTPUT.__get__(self) + self.batch.clock - self.batch_since
-
-    @num_output_tokens.setter
-    def num_output_tokens(self, value: int) -> None:
-        _OUTPUT.__set__(self, value - (self.batch.clock - self.batch_since))
-
+    num_computed_tokens = _AdvancingCounter(Request.num_computed_tokens)
+    num_output_tokens = _AdvancingCounter(Request.num_output_tokens)
 
 
 @dataclass
