@@ -56,9 +56,9 @@ def write_summary(out_dir: Path, summary: dict) -> Path:
 def write_requests(out_dir: Path, rows: list[dict]) -> Path:
     path = out_dir / REQUESTS
     with atomic_open(path) as fh:
-        writer = csv.DictWriter(fh, fieldnames=REQUEST_COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+        writer = csv.writer(fh)
+        writer.writerow(REQUEST_COLUMNS)
+        writer.writerows([("" if row[c] is None else row[c]) for c in REQUEST_COLUMNS] for row in rows)
     return path
 
 
