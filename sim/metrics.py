@@ -39,39 +39,50 @@ STEP_COLUMNS = (
 )
 
 
+_STEP_COLUMN_INDEX = {name: i for i, name in enumerate(STEP_COLUMNS)}
+
+
 @dataclass
 class StepLog:
-    """Columnar per-step records (one entry per engine step)."""
+    """Per-step records: a row a step, in ``STEP_COLUMNS`` order (one append a step); columns on demand."""
 
-    columns: dict[str, list] = field(default_factory=lambda: {c: [] for c in STEP_COLUMNS})
+    rows: list[tuple] = field(default_factory=list)
 
     def add_step(self, plan: StepPlan, start_s: float, duration_s: float, counts: tuple[int, int, int, int], timing) -> None:
-        c = self.columns
-        c["step"].append(plan.step)
-        c["start_s"].append(start_s)
-        c["duration_s"].append(duration_s)
-        c["timed"].append(int(timing is not None))  # 0: nothing to run (only rejections)
-        c["kind"].append(plan.kind)
-        c["batch_size"].append(plan.num_seqs)
-        c["prefill_tokens"].append(plan.num_prefill_tokens)
-        c["decode_tokens"].append(plan.num_decode_tokens)
-        c["kv_used"].append(counts[0])
-        c["kv_cached"].append(counts[1])
-        c["kv_free"].append(counts[2])
-        c["kv_waste_slots"].append(counts[3])
-        c["preempted"].append(len(plan.preempted))
-        c["swap_blocks"].append(len(plan.swap_out) + len(plan.swap_in))
-        c["copy_blocks"].append(len(plan.copies))
-        # measured figures exist only in real runs; None (an empty CSV cell) elsewhere
-        c["device_s"].append(None if timing is None else timing.device_s)
-        c["host_s"].append(None if timing is None else timing.host_s)
-        c["memory_bytes"].append(None if timing is None else timing.memory_bytes)
+        measured = timing is not None
+        self.rows.append((
+            plan.step,
+            start_s,
+            duration_s,
+            int(measured),  # timed: 0 when there was nothing to run (only rejections)
+            plan.kind,
+            plan.num_seqs,
+            plan.num_prefill_tokens,
+            plan.num_decode_tokens,
+            *counts,  # kv_used, kv_cached, kv_free, kv_waste_slots
+            len(plan.preempted),
+            len(plan.swap_out) + len(plan.swap_in),
+            len(plan.copies),
+            # measured figures exist only in real runs; None (an empty CSV cell) elsewhere
+            timing.device_s if measured else None,
+            timing.host_s if measured else None,
+            timing.memory_bytes if measured else None,
+        ))  # fmt: skip
+
+    @property
+    def columns(self) -> dict[str, list]:
+        """Every column as a list (built on each call)."""
+        return {name: self.column(name) for name in STEP_COLUMNS}
+
+    def column(self, name: str) -> list:
+        i = _STEP_COLUMN_INDEX[name]
+        return [row[i] for row in self.rows]
 
     def __len__(self) -> int:
-        return len(self.columns["step"])
+        return len(self.rows)
 
     def array(self, name: str) -> np.ndarray:
-        return np.asarray(self.columns[name])
+        return np.asarray(self.column(name))
 
 
 @dataclass

@@ -67,7 +67,7 @@ def write_steps(out_dir: Path, steps: StepLog) -> Path:
     with atomic_open(path) as fh:
         writer = csv.writer(fh)
         writer.writerow(STEP_COLUMNS)
-        writer.writerows(zip(*(steps.columns[c] for c in STEP_COLUMNS)))
+        writer.writerows(steps.rows)
     return path
 
 
