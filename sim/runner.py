@@ -15,7 +15,7 @@ from kvsim.sim.decisions import DecisionLog
 from kvsim.sim.outputs import write_requests, write_steps, write_summary
 from kvsim.sim.run_config import ResolvedRun
 from kvsim.sim.run_warnings import run_warnings
-from kvsim.sim.simulator import SimOptions, SimRun, simulate
+from kvsim.sim.simulator import SimOptions, SimRun, cyclic_gc_paused, simulate
 from kvsim.sim.step_timer import StepTimer
 from kvsim.traces.schema import Trace
 
@@ -44,22 +44,23 @@ def run_trace(
         if decisions != "off":
             log = DecisionLog(decisions, resolved.engine_config.block_size, out_dir)
     bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, leave=False, mininterval=0.5)
-    try:
-        options = SimOptions(check=check, decisions=log, on_progress=bar.update)
-        run = simulate(trace, engine, timer, options)
-    finally:
-        bar.close()
-        if log is not None:
-            log.close()
-    summary = run.summary()
-    if summary_extras is not None:
-        summary.update(summary_extras(run))
-    summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
-    summary["config"] = resolved.to_dict()
-    summary["memory"] = resolved.memory.to_dict()
-    summary["warnings"] = run_warnings(resolved, trace, summary, run.requests, run.times.first_scheduled)
-    if out_dir is not None:
-        write_summary(out_dir, summary)
-        write_requests(out_dir, run.request_rows())
-        write_steps(out_dir, run.steps)
+    with cyclic_gc_paused():
+        try:
+            options = SimOptions(check=check, decisions=log, on_progress=bar.update)
+            run = simulate(trace, engine, timer, options)
+        finally:
+            bar.close()
+            if log is not None:
+                log.close()
+        summary = run.summary()
+        if summary_extras is not None:
+            summary.update(summary_extras(run))
+        summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
+        summary["config"] = resolved.to_dict()
+        summary["memory"] = resolved.memory.to_dict()
+        summary["warnings"] = run_warnings(resolved, trace, summary, run.requests, run.times.first_scheduled)
+        if out_dir is not None:
+            write_summary(out_dir, summary)
+            write_requests(out_dir, run.request_rows())
+            write_steps(out_dir, run.steps)
     return run, summary
