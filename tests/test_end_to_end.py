@@ -1,5 +1,6 @@
 """The engine, the driver and the real executor together: every paged decision leaves the
-generated tokens exactly as a dense, cache-free run of the same model would produce them.
+generated tokens as a dense, cache-free run of the same model would choose them (exactly with an
+fp32 cache; with a bf16 one, within a logit slack that only rounding-decided near-ties need).
 
 Prefix-cache hits, chunked prefill, forks with copy-on-write, and preemption by recompute and
 by swap all move or share KV; any slip in a block table, slot or copy changes a greedy token.
