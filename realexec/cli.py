@@ -81,7 +81,7 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
     )
 
     def measured(run) -> dict:
-        memory = [m for m in run.steps.columns["memory_bytes"] if m is not None]
+        memory = [m for m in run.steps.column("memory_bytes") if m is not None]
         return {
             "backend": backend.name,
             "measured": {
@@ -90,8 +90,8 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
                 "single_run_s": executor.single_run_s,
                 "wall_s": sum(executor.wall_s),
                 "step_wall_s": executor.wall_s,
-                "device_s": sum(d for d in run.steps.columns["device_s"] if d is not None),
-                "host_s": sum(h for h in run.steps.columns["host_s"] if h is not None),
+                "device_s": sum(d for d in run.steps.column("device_s") if d is not None),
+                "host_s": sum(h for h in run.steps.column("host_s") if h is not None),
                 "peak_memory_bytes": max(memory, default=None),
                 "kv_pool_bytes": sum(k.nbytes + v.nbytes for k, v in executor.kv_caches),
             },

@@ -99,7 +99,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))
     cost = sim_resolved.cost_model()
 
-    timed = [d for d, t in zip(real.steps.columns["duration_s"], real.steps.columns["timed"]) if t]
+    timed = [d for d, t in zip(real.steps.column("duration_s"), real.steps.column("timed")) if t]
     replay_timer = ReplayTimer(timed, predict=cost.step_time)
     (out_dir / "replay").mkdir(parents=True, exist_ok=True)
     replay_log = DecisionLog("full", sim_resolved.engine_config.block_size, out_dir / "replay")

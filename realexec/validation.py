@@ -121,8 +121,8 @@ def validate_runs(
     thresholds: Thresholds,
 ) -> dict:
     """Assemble ``validation.json``: every comparison, and each threshold's verdict."""
-    timed = [t == 1 for t in real.steps.columns["timed"]]
-    measured_steps = [d for d, t in zip(real.steps.columns["duration_s"], timed) if t]
+    timed = [t == 1 for t in real.steps.column("timed")]
+    measured_steps = [d for d, t in zip(real.steps.column("duration_s"), timed) if t]
     per_step = step_errors(predicted_steps, measured_steps, step_kinds)
     latency = latency_errors(real_summary, sim_summary)
     measured = real_summary.get("measured", {})
