@@ -30,6 +30,7 @@ from kvsim.policies.request import Request
 
 NEVER = 1 << 62  # a step no run reaches
 
+
 class _AdvancingCounter:
     """A ``Request`` counter (the slot itself underneath) read as its stored value plus the
     steps the member's batch has committed since it joined; writing stores it the same way."""

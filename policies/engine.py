@@ -243,14 +243,11 @@ class EngineCore:
         return plan
 
     def _num_new_tokens(self, r: Request, num_hit: int = 0) -> int:
-        return self._tokens_within(r, self._budget, num_hit)
-
-    def _tokens_within(self, r: Request, budget: int, num_hit: int = 0) -> int:
         remaining = r.num_tokens - r.num_computed_tokens - num_hit
         n = remaining
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
-        n = min(n, budget)
+        n = min(n, self._budget)
         if n < remaining and not self.policy.chunked_prefill:
             return 0
         return n
@@ -505,7 +502,7 @@ class EngineCore:
             loose_entries.append(entry)
             if with_tables:
                 table = block_table(request)
-                loose_tables[rid] = (table[:], slots_for(table, first, end, bs) if with_slots else ())
+                loose_tables[rid] = (table[:], slots_for(table, first, end, bs) if with_slots else [])
             blocks_touched += blocks
             request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.seats > 1:  # its samples fork now

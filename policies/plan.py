@@ -152,7 +152,7 @@ class StepPlan:
         if self.totals is not None:
             expected_totals = PlanTotals.of(self.entries, self.totals.block_size)
             assert self.totals == expected_totals, f"step {self.step}: totals {self.totals} != {expected_totals}"
-        slots = self.slot_mapping
+        slots = self.all_slots()
         assert len(slots) == self.num_tokens, f"step {self.step}: {len(slots)} slots for {self.num_tokens} tokens"
         assert len(set(slots)) == len(slots), f"step {self.step}: two tokens write the same slot"
         offset = 0

@@ -65,6 +65,7 @@ def test_plans_without_slots_derive_the_same_ones(make_engine) -> None:
         assert not a.slots_omitted and b.slots_omitted and b.slot_mapping == []
         assert (a.entries, a.block_tables) == (b.entries, b.block_tables)
         assert b.all_slots() == a.slot_mapping
+        b.check(b.totals.block_size)  # --check's plan checks read the derived slots
         assert b.to_json() == a.to_json()
 
 
