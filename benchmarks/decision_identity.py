@@ -8,8 +8,9 @@ A refactor or a speed-up must not change a single decision: this runs ``kvsim si
 --decisions full`` as a user would (a subprocess per case, so it fingerprints whatever version
 is installed) and records the SHA-256 of the decision log as ``kvsim decisions show`` expands
 it (the bytes of the decisions.jsonl that versions before the diff-encoded log wrote, which a
-run of such a version still has), requests.csv, steps.csv and summary.json (minus its
-wall-clock fields). ``--compare`` exits 1 naming every case whose fingerprint moved.
+run of such a version still has), the compact record stream itself (the SHA-256 in
+decisions.digest.json, which a ``--decisions summary`` run reports), requests.csv, steps.csv
+and summary.json (minus its wall-clock fields). ``--compare`` exits 1 naming every case whose fingerprint moved.
 
 Workloads: the bundled demo (tiny model, cpu profile), the bundled Mooncake sample (500
 requests) and the first 2,000 rows of the Azure conversation trace (skipped when
@@ -74,6 +75,9 @@ def fingerprint(out: Path) -> dict[str, str]:
     prints = {}
     if DECISIONS_ARGS != ["--decisions", "off"]:
         prints["decisions.jsonl"] = hashlib.sha256(expanded_decisions(out)).hexdigest()
+        digest = out / "decisions.digest.json"
+        if digest.exists():  # the compact records themselves: the digest a summary-mode run reports
+            prints["records"] = json.loads(digest.read_text())["sha256"]
     for name in ("requests.csv", "steps.csv"):
         prints[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
     summary = json.loads((out / "summary.json").read_text())

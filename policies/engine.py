@@ -34,7 +34,7 @@ from kvsim.policies.block_manager import BlockManager, KVStats
 from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.decode_batch import NEVER, DecodeBatch
-from kvsim.policies.plan import PlanEntry, PlanTotals, StepPlan
+from kvsim.policies.plan import BatchChanges, PlanEntry, PlanTotals, StepPlan
 from kvsim.policies.queue import RequestQueue
 from kvsim.policies.registry import resolve_block_manager, resolve_scheduler
 from kvsim.policies.request import Request, Status
@@ -125,10 +125,15 @@ class EngineCore:
         self._num_orders = 0
         self._pending_rejections: list[tuple[str, str]] = []
         # Fill each plan's block tables and slot mapping: a copy of every scheduled request's
-        # table each step. A driver whose step timer and logs read neither turns it off; one whose
-        # readers want the tables but not the slots (a decision log) turns ``plan_slots`` off.
+        # table each step. A driver whose step timer and checks read neither turns it off; one whose
+        # readers want the tables but not the slots turns ``plan_slots`` off. ``plan_changes``: with
+        # the tables off, the plan carries what changed in the batch (``BatchChanges``) for a reader
+        # that keeps the batch itself (the decision log), or, in a step they do not describe, its tables.
         self.plan_tables = True
         self.plan_slots = True
+        self.plan_changes = False
+        self._left: list[str] = []  # requests that left the running set since the last plan was filled
+        self._last_ran_all = True  # the last step ran every running request and forked none
 
     # --- requests in and out -----------------------------------------------------------
     def add_request(
@@ -449,6 +454,7 @@ class EngineCore:
     def _leave_running(self, request: Request, last_step: int | None = None) -> None:
         """``last_step``: the step whose commit this is (a member's last batch token); None: before any member advanced."""
         self.running.remove(request)
+        self._left.append(request.request_id)
         if request.batch_since >= 0:
             self._leave_batch(request, last_step)
         else:
@@ -469,13 +475,17 @@ class EngineCore:
 
         With ``plan_tables`` (a reader wants the whole plan) every entry, table and slot is
         written, in running order; without, ``entries`` holds only the requests outside the
-        decode batch and ``plan.batch_decodes`` counts the members' one-token decodes.
+        decode batch and ``plan.batch_decodes`` counts the members' one-token decodes, and with
+        ``plan_changes`` the plan also says what changed (or, in a step that cannot say it, is whole).
         """
         bs = self.kv.block_size
         block_table = self.kv.block_table
-        with_tables, with_slots = self.plan_tables, self.plan_slots
         batch = self._batch
         members = len(batch)
+        ran_all = len(self._scheduled) + members == len(self.running)
+        with_changes = self.plan_changes and not self.plan_tables and self._batching and ran_all and self._last_ran_all
+        with_tables, with_slots = self.plan_tables or (self.plan_changes and not with_changes), self.plan_slots
+        changed_tables: dict[str, list[int]] = {}
         loose_entries: list[PlanEntry] = []
         loose_tables: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (table, slots), with tables
         totals = PlanTotals(bs)
@@ -503,6 +513,8 @@ class EngineCore:
             if with_tables:
                 table = block_table(request)
                 loose_tables[rid] = (table[:], slots_for(table, first, end, bs) if with_slots else [])
+            elif with_changes:
+                changed_tables[rid] = block_table(request)[:]
             blocks_touched += blocks
             request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.seats > 1:  # its samples fork now
@@ -520,6 +532,13 @@ class EngineCore:
         plan.totals = totals
         plan.copies = self.kv.take_copies()
         self._loose_entries = loose_entries
+        if with_changes:
+            for request in self._due:
+                if request.batch_since >= 0:
+                    changed_tables[request.request_id] = block_table(request)[:]
+            plan.changes = BatchChanges(self._left, changed_tables)
+        self._left = []
+        self._last_ran_all = ran_all and not plan.forks
         if not with_tables:
             plan.entries = loose_entries
             plan.batch_decodes = members

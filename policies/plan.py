@@ -85,6 +85,22 @@ class PlanTotals:
 
 
 @dataclass(slots=True)
+class BatchChanges:
+    """What a step changed in the batch, for a reader that keeps the previous step's entries
+    (the decision log) when the plan leaves the batch's entries out: it costs what changed.
+
+    It describes the step exactly when every running request ran in this step and the last and
+    nothing forked in between; the engine attaches it only then (else it writes the whole plan).
+    The step's entries are then the last step's, less ``left``, followed by the new ones (in
+    ``StepPlan.entries``); every member of the batch decodes its next token; only the tables
+    in ``tables`` may differ from the last step's.
+    """
+
+    left: list[str]  # requests that left the running set since the last step (finished, preempted, aborted)
+    tables: dict[str, list[int]]  # copies of the tables that may have changed: every entry's and every due member's
+
+
+@dataclass(slots=True)
 class StepPlan:
     step: int
     entries: list[PlanEntry] = field(default_factory=list)
@@ -105,6 +121,8 @@ class StepPlan:
     # True when the engine left ``slot_mapping`` empty because no reader wanted it (``EngineCore.plan_slots``
     # off: a decision log reads tables, not slots); the slots are then the formula's, ``all_slots()``.
     slots_omitted: bool = False
+    # With ``batch_decodes``, for a reader that keeps the batch (``EngineCore.plan_changes``).
+    changes: BatchChanges | None = field(default=None, compare=False)
 
     def totals_for(self, block_size: int) -> PlanTotals:
         """The batch shape at ``block_size``: the engine's totals when they match, else computed."""

@@ -11,8 +11,11 @@ V1's incremental scheduler output over a persistent batch: requests that left th
 new ones (entry and block table), entries that are not the expected next decode token,
 blocks appended to a table, tables replaced, and whatever else the step holds (copies,
 swaps, preemptions, rejections, forks). Slots are derived from tables and positions and
-stored only when they differ. Records are gzip-compressed by a background thread (zlib
-releases the GIL). ``read_decisions`` expands a full log back to the reference lines byte
+stored only when they differ. In the simulator the engine hands over the changes
+themselves (``StepPlan.changes``) in every step they tell, so the encoder's work and the
+engine's are what changed, not the batch: the encoder keeps the previous entries with each
+request's next position as an offset from the step, which a decoding request never updates.
+Records are gzip-compressed by a background thread (zlib releases the GIL). ``read_decisions`` expands a full log back to the reference lines byte
 for byte, by rebuilding each plan and calling its own ``to_json``.
 
 The summary is a digest: record and step counts and the SHA-256 of the uncompressed
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from kvsim.policies.blocks import batch_slots
-from kvsim.policies.plan import DecodeStretch, StepPlan, expand_decision_log
+from kvsim.policies.plan import BatchChanges, DecodeStretch, StepPlan, expand_decision_log
 
 MODES = ("off", "summary", "full")
 FULL_LOG = "decisions.delta.gz"
@@ -49,7 +52,12 @@ _CHUNK_BYTES = 1 << 20
 
 
 class DecisionSink(Protocol):
-    """Where the simulator hands each step's plan, in order."""
+    """Where the simulator hands each step's plan, in order.
+
+    A sink whose ``reads_changes`` is true keeps the previous step itself and takes plans that
+    carry what changed (``StepPlan.changes``, the batch's entries left out) where the engine can
+    tell a step that way; any other gets every plan whole.
+    """
 
     def plan(self, plan: StepPlan) -> None: ...
 
@@ -79,20 +87,57 @@ def _dumps(value) -> str:
     return json.dumps(value, separators=_SEPARATORS)
 
 
+@dataclass
+class _Previous:
+    """The previous step's entries as the encoder keeps them: their order, and per request its
+    table and its expected next position as ``offset + next_step``, so that a request decoding
+    one token a step keeps its offset and a step told by its changes costs what changed."""
+
+    rids: list[str] = field(default_factory=list)
+    offset: dict[str, int] = field(default_factory=dict)
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    next_step: int = 0
+
+
+def _entry_item(first, position: int, num_tokens: int, is_prefill: bool, samples: bool) -> list:
+    """A new entry (``first``: its request id) or a kept one (``first``: its index) as records hold it."""
+    return [first, position, num_tokens, int(is_prefill), int(samples)]
+
+
 class DiffEncoder:
-    """Plans in, one compact JSON record each out (see the module docstring)."""
+    """Plans in, one compact JSON record each out (see the module docstring).
+
+    A whole plan is compared with the previous step entry by entry; a plan that carries its
+    changes (``StepPlan.changes``: the engine's persistent batch, left out of ``entries``)
+    gives the same record from the changes alone.
+    """
 
     def __init__(self, block_size: int) -> None:
-        self.batch = _Batch(block_size)
+        self.block_size = block_size
+        self.previous = _Previous()
 
     def header(self) -> str:
-        return _dumps({"kvsim_decisions": FORMAT, "block_size": self.batch.block_size})
+        return _dumps({"kvsim_decisions": FORMAT, "block_size": self.block_size})
 
     def plan(self, plan: StepPlan) -> str:
-        b = self.batch
         rec: dict = {}
-        if plan.step != b.next_step:
+        if plan.step != self.previous.next_step:
             rec["n"] = plan.step
+        if plan.changes is None:
+            self._whole(rec, plan)
+        else:
+            self._changes(rec, plan, plan.changes)
+        for key, items in (("c", plan.copies), ("so", plan.swap_out), ("si", plan.swap_in),
+                           ("p", plan.preempted), ("r", plan.rejected)):
+            if items:
+                rec[key] = [list(item) for item in items]
+        if plan.forks:
+            rec["f"] = [[parent, list(children)] for parent, children in plan.forks]
+        self.previous.next_step = plan.step + 1
+        return _dumps(rec)
+
+    def _whole(self, rec: dict, plan: StepPlan) -> None:
+        b = self.previous
         entries = plan.entries
         rids, pos, ns = list(map(_RID, entries)), list(map(_POS, entries)), list(map(_NTOK, entries))
         block_tables = plan.block_tables
@@ -101,6 +146,8 @@ class DiffEncoder:
         else:
             rec["T"] = block_tables
             tables = [block_tables.get(rid, []) for rid in rids]
+        previous_pos = [b.offset[rid] + b.next_step for rid in b.rids]
+        previous_tables = [b.tables[rid] for rid in b.rids]
         same_batch = rids == b.rids
         if same_batch:
             src: list[int | None] = list(range(len(rids)))
@@ -108,33 +155,71 @@ class DiffEncoder:
             index = dict(zip(b.rids, range(len(b.rids))))
             src = list(map(index.get, rids))
             self._order(rec, src, len(b.rids))
-        if not (same_batch and pos == b.next_pos and ns.count(1) == len(ns) and not any(map(_PRE, entries))
+        if not (same_batch and pos == previous_pos and ns.count(1) == len(ns) and not any(map(_PRE, entries))
                 and all(map(_SMP, entries))):
             pre, smp = list(map(_PRE, entries)), list(map(_SMP, entries))
-            self._entries(rec, src, rids, pos, ns, pre, smp, tables, "T" not in rec)
-        previous = b.tables
+            new, odd = [], []
+            for i, j in enumerate(src):
+                if j is None:
+                    item = _entry_item(rids[i], pos[i], ns[i], pre[i], smp[i])
+                    new.append(item + [tables[i]] if "T" not in rec else item)
+                elif pos[i] != previous_pos[j] or ns[i] != 1 or pre[i] or not smp[i]:
+                    odd.append(_entry_item(i, pos[i], ns[i], pre[i], smp[i]))
+            self._entries(rec, new, odd)
         if same_batch:
-            changed = [(i, i) for i, table, old in zip(count(), tables, previous) if table != old]
+            changed = [(i, table, old) for i, table, old in zip(count(), tables, previous_tables) if table != old]
         else:
-            changed = [(i, j) for i, j in enumerate(src) if j is not None and tables[i] != previous[j]]
-        if changed:
-            self._tables(rec, changed, tables)
+            changed = [(i, tables[i], previous_tables[j]) for i, j in enumerate(src)
+                       if j is not None and tables[i] != previous_tables[j]]
+        self._tables(rec, changed)
         if not plan.slots_omitted:  # else they are the formula's by definition: nothing to store
             try:
-                derived = batch_slots(pos, ns, tables, b.block_size)
+                derived = batch_slots(pos, ns, tables, self.block_size)
             except IndexError:  # a table too short for its entry: keep the plan's own slots
                 derived = None
             if derived != plan.slot_mapping:
                 rec["m"] = list(plan.slot_mapping)
-        for key, items in (("c", plan.copies), ("so", plan.swap_out), ("si", plan.swap_in),
-                           ("p", plan.preempted), ("r", plan.rejected)):
-            if items:
-                rec[key] = [list(item) for item in items]
-        if plan.forks:
-            rec["f"] = [[parent, list(children)] for parent, children in plan.forks]
-        b.rids, b.tables, b.next_step = rids, tables, plan.step + 1
-        b.next_pos = list(map(add, pos, ns))
-        return _dumps(rec)
+        next_step = plan.step + 1
+        b.rids = rids
+        b.offset = {rid: p + n - next_step for rid, p, n in zip(rids, pos, ns)}
+        b.tables = dict(zip(rids, tables))
+
+    def _changes(self, rec: dict, plan: StepPlan, changes: BatchChanges) -> None:
+        """The record of a plan told by its changes: the same as :meth:`_whole` gives for the whole plan."""
+        b = self.previous
+        rids, offset, previous_tables = b.rids, b.offset, b.tables
+        left = sorted(rids.index(rid) for rid in changes.left if rid in offset)
+        if left or any(e.request_id not in offset for e in plan.entries):
+            rec["x"] = left  # the kept entries keep their order; the new ones follow
+            for i in reversed(left):
+                del offset[rids[i]], previous_tables[rids[i]], rids[i]
+        expected_at, next_step, kept = b.next_step, plan.step + 1, len(rids)
+        new, odd = [], []
+        for e in plan.entries:
+            rid, position, num_tokens, is_prefill, samples = e.request_id, e.first_position, e.num_tokens, e.is_prefill, e.samples
+            if rid in offset:
+                i = rids.index(rid)
+                if new or i >= kept:
+                    raise AssertionError(f"step {plan.step}: {rid} runs after a new request; the changes cannot tell this step")
+                if position != offset[rid] + expected_at or num_tokens != 1 or is_prefill or not samples:
+                    odd.append(_entry_item(i, position, num_tokens, is_prefill, samples))
+            else:
+                table = changes.tables[rid]
+                new.append(_entry_item(rid, position, num_tokens, is_prefill, samples) + [table])
+                rids.append(rid)
+                previous_tables[rid] = table
+            offset[rid] = position + num_tokens - next_step
+        if len(rids) != len(plan.entries) + plan.batch_decodes:
+            raise AssertionError(f"step {plan.step}: {len(rids)} entries kept and new, the plan has "
+                                 f"{len(plan.entries) + plan.batch_decodes}: the changes cannot tell this step")
+        self._entries(rec, new, sorted(odd))
+        changed = []
+        for rid, table in changes.tables.items():
+            old = previous_tables[rid]
+            if table is not old and table != old:
+                changed.append((rids.index(rid), table, old))
+                previous_tables[rid] = table
+        self._tables(rec, sorted(changed))
 
     @staticmethod
     def _order(rec: dict, src: list[int | None], previous: int) -> None:
@@ -146,27 +231,19 @@ class DiffEncoder:
         else:
             rec["o"] = [-1 if j is None else j for j in src]
 
-    def _entries(self, rec, src, rids, pos, ns, pre, smp, tables, with_table: bool) -> None:
+    @staticmethod
+    def _entries(rec: dict, new: list[list], odd: list[list]) -> None:
         """New entries in ``a`` (with their tables); a kept entry that is not the next decode token in ``v``."""
-        expected = self.batch.next_pos
-        new, odd = [], []
-        for i, j in enumerate(src):
-            if j is None:
-                item = [rids[i], pos[i], ns[i], int(pre[i]), int(smp[i])]
-                new.append(item + [tables[i]] if with_table else item)
-            elif pos[i] != expected[j] or ns[i] != 1 or pre[i] or not smp[i]:
-                odd.append([i, pos[i], ns[i], int(pre[i]), int(smp[i])])
         if new:
             rec["a"] = new
         if odd:
             rec["v"] = odd
 
-    def _tables(self, rec, changed: list[tuple[int, int]], tables) -> None:
+    @staticmethod
+    def _tables(rec: dict, changed: list[tuple[int, list[int], list[int]]]) -> None:
         """``g``: blocks appended to a kept request's table; ``G``: a table that changed otherwise."""
-        previous = self.batch.tables
         grown, replaced = [], []
-        for i, j in changed:
-            table, old = tables[i], previous[j]
+        for i, table, old in changed:
             n = len(old)
             if len(table) > n and table[:n] == old:
                 grown.append([i, *table[n:]])
@@ -278,6 +355,8 @@ class _GzipSink:
 
 class DecisionLog:
     """What the simulator hands each step's plan to, for ``summary`` or ``full`` (``off``: none at all)."""
+
+    reads_changes = True  # its encoder keeps the batch: plans may carry their changes
 
     def __init__(self, mode: str, block_size: int, out_dir: Path | None = None) -> None:
         if mode not in ("summary", "full"):

@@ -81,11 +81,14 @@ class Simulation:
         self.next_index = 0
         self._wake: simpy.Event | None = None
         self._arrivals = trace.arrival_s.tolist()
-        # Plans carry block tables and slots only for a reader: the decision log (tables only),
-        # --check, or a timer that runs them (one that does not read them says so: ``reads_block_tables = False``).
+        # Plans carry block tables and slots only for a reader: --check, a timer that runs them (one
+        # that does not read them says so: ``reads_block_tables = False``), or a decision sink, which
+        # derives slots from the tables; the decision log keeps the batch itself and reads what changed.
         timer_reads = getattr(timer, "reads_block_tables", True)
-        engine.plan_tables = self.options.decisions is not None or self.options.check or timer_reads
-        engine.plan_slots = self.options.check or timer_reads  # the log derives slots from the tables
+        sink = self.options.decisions
+        engine.plan_changes = sink is not None and getattr(sink, "reads_changes", False)
+        engine.plan_tables = self.options.check or timer_reads or (sink is not None and not engine.plan_changes)
+        engine.plan_slots = self.options.check or timer_reads
 
     # --- SimPy processes ---------------------------------------------------------------
     def _arrival_process(self):

@@ -19,26 +19,31 @@ from kvsim.sim.simulator import SimOptions, simulate
 
 
 class Tee:
-    """The reference lines (``to_json``) beside a DecisionLog, from the same run."""
+    """A DecisionLog and, with ``whole`` plans (the engine writes every plan whole for this sink),
+    the reference lines (``to_json``) of the same run."""
 
-    def __init__(self, log: DecisionLog) -> None:
-        self.log, self.lines = log, []
+    def __init__(self, log: DecisionLog, whole: bool) -> None:
+        self.log, self.lines, self.told_by_changes = log, [], 0
+        self.reads_changes = not whole
 
     def plan(self, plan) -> None:
-        self.lines.append(plan.to_json())
+        if plan.changes is None:
+            self.lines.append(plan.to_json())
+        else:
+            self.told_by_changes += 1
         self.log.plan(plan)
 
 
-def logged_run(trace, out, mode="full", **overrides) -> tuple[list[str], dict]:
+def logged_run(trace, out, mode="full", whole_plans=False, **overrides) -> tuple[Tee, dict]:
     resolved = resolve(RunConfig(**overrides))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    tee = Tee(DecisionLog(mode, resolved.engine_config.block_size, out))
+    tee = Tee(DecisionLog(mode, resolved.engine_config.block_size, out), whole=whole_plans)
     timer = CostModelTimer(resolved.cost_model())
     run = simulate(trace, resolved.new_engine(), timer, SimOptions(decisions=tee))
     digest = tee.log.close()
     assert digest["steps"] == len(run.steps)
-    return tee.lines, digest
+    return tee, digest
 
 
 FORKS = traces.synthesize(n_requests=60, rate=40.0, prompt=traces.Uniform(50, 400), output=traces.Uniform(5, 120),
@@ -57,24 +62,32 @@ TINY = dict(model="tiny", device="cpu", block_size=16, max_model_len=1024)
         (traces.first(traces.load_named("azure_conv_10min"), 300),
          dict(scheduler="chunked", block_manager="prefix", num_blocks=300, block_size=16, max_num_batched_tokens=512,
               max_waiting=20)),
-        # a policy that reorders the running batch, contiguous reservations
+        # a policy that reorders the queue, contiguous reservations
         (traces.first(traces.load_named("azure_conv_10min"), 200),
          dict(scheduler="sjf", block_manager="contiguous", num_blocks=3000, block_size=16, max_model_len=4096)),
     ],
 )
 def test_full_log_expands_to_the_reference_lines(tmp_path, trace, overrides):
-    reference, digest = logged_run(trace, tmp_path, **overrides)
+    """The simulator's log (told what changed in the batch) holds the same records as a log of
+    the whole plans of the same run, and expands to their reference lines byte for byte."""
+    whole, whole_digest = logged_run(trace, None, whole_plans=True, **overrides)
+    told, digest = logged_run(trace, tmp_path, **overrides)
+    reference = whole.lines
+    assert len(reference) == whole_digest["steps"]
     assert list(read_decisions(tmp_path)) == reference
+    assert digest == whole_digest  # the same records, byte for byte
     stored = (tmp_path / FULL_LOG).stat().st_size
     assert stored * 10 < sum(len(line) + 1 for line in reference)  # diff + gzip: far smaller than the lines
     assert read_digest(tmp_path) == digest
+    batching = overrides.get("scheduler") != "chunked"  # it reorders the running requests: every plan is whole
+    assert (told.told_by_changes > len(reference) / 2) if batching else told.told_by_changes == 0
 
 
-def test_the_log_covers_what_it_claims_to(tmp_path):
+def test_the_log_covers_what_it_claims_to():
     """The cases above exercise what they are there for: forks, copies, swaps, preemptions."""
-    reference, _ = logged_run(FORKS, tmp_path, **dict(TINY, block_manager="prefix", num_blocks=120,
-                                                      preemption_mode="swap", swap_space_gb=0.001))
-    plans = [json.loads(line) for line in reference]
+    whole, _ = logged_run(FORKS, None, whole_plans=True, **dict(TINY, block_manager="prefix", num_blocks=120,
+                                                                preemption_mode="swap", swap_space_gb=0.001))
+    plans = [json.loads(line) for line in whole.lines]
     for key in ("forks", "copies", "swap_out", "swap_in", "preempted"):
         assert any(s[key] for s in plans), key
 
@@ -111,12 +124,10 @@ def test_plans_outside_the_expected_shape_round_trip():
                             start_tables={"b": [1]}, growth=[(2, "b", 6)])
     after = _plan(12, [("b", 4, 1, False, True)], {"b": [1, 6]}, [24])
     encoder = DiffEncoder(block_size=4)
-    records = [encoder.header(), *(encoder.plan(p) for p in plans), '{"S":' + stretch.to_json() + "}"]
-    encoder.batch.after_stretch(stretch)  # what the encoder of those versions did after writing a stretch
-    records.append(encoder.plan(after))
+    # The step after a stretch, as those versions wrote it: exactly what the stretch implies.
+    records = [encoder.header(), *(encoder.plan(p) for p in plans), '{"S":' + stretch.to_json() + "}", "{}"]
     expected = [p.to_json() for p in plans] + [stretch.to_json(), after.to_json()]
     assert list(decode_records(records)) == expected
-    assert records[-1] == "{}"  # the step after a stretch is exactly what the stretch implies
     assert '"m"' in records[4]  # a slot the tables do not imply is kept as given
 
 

@@ -81,7 +81,8 @@ def test_a_simulation_copies_tables_only_for_a_reader() -> None:
     checked_engine, checked = run(CostModelTimer(resolved.cost_model()), check=True)  # plan.check reads the slots
     assert not bare_engine.plan_tables and checked_engine.plan_tables and checked_engine.plan_slots
     logged_engine, logged = run(CostModelTimer(resolved.cost_model()), decisions=DecisionLog("summary", resolved.engine_config.block_size))
-    assert logged_engine.plan_tables and not logged_engine.plan_slots  # the log derives the slots
+    # the log keeps the batch itself: it reads what changed, and derives the slots
+    assert logged_engine.plan_changes and not logged_engine.plan_tables and not logged_engine.plan_slots
     assert logged.steps.columns == checked.steps.columns
     assert bare.steps.columns == checked.steps.columns
     assert bare.request_rows() == checked.request_rows()
