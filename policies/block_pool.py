@@ -41,6 +41,17 @@ class BlockPool:
         self.ref_cnt[block] = 1
         return block
 
+    def allocate_many(self, n: int) -> list[int]:
+        """``n`` blocks from the head of the free queue, as ``n`` calls of :meth:`allocate` take them."""
+        if self.num_cached_free:
+            return [self.allocate() for _ in range(n)]
+        # No free block holds a prefix: nothing to evict, so only the queue and the counts move.
+        pop, ref_cnt = self.free_queue.popitem, self.ref_cnt
+        blocks = [pop(False)[0] for _ in range(n)]
+        for block in blocks:
+            ref_cnt[block] = 1
+        return blocks
+
     def touch(self, block: int) -> None:
         """One more reference (a prefix hit or a fork); a free block leaves the queue."""
         if self.ref_cnt[block] == 0:
@@ -56,6 +67,16 @@ class BlockPool:
             self.free_queue[block] = None
             if self.block_hash[block] is not None:
                 self.num_cached_free += 1
+
+    def release_many(self, blocks) -> None:
+        """:meth:`release` each of ``blocks``, in their order."""
+        ref_cnt, free_queue, block_hash = self.ref_cnt, self.free_queue, self.block_hash
+        for block in blocks:
+            ref_cnt[block] -= 1
+            if ref_cnt[block] == 0:
+                free_queue[block] = None
+                if block_hash[block] is not None:
+                    self.num_cached_free += 1
 
     def cache(self, block: int, h: int) -> None:
         """Index a full block by its chained hash, unless that prefix or block is indexed already."""

@@ -103,6 +103,7 @@ class EngineCore:
             num_host_blocks=config.num_host_blocks,
             max_model_len=config.max_model_len,
         )
+        self._watermark_blocks = config.watermark_blocks
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue(self.policy.queue_key)
         self.running: list[Request] = []
@@ -397,7 +398,7 @@ class EngineCore:
         plan.preempted.append((victim.request_id, mode))
 
     def _room_for(self, blocks_needed: int) -> bool:
-        return self.kv.num_available_blocks() - blocks_needed >= self.config.watermark_blocks
+        return self.kv.num_available_blocks() - blocks_needed >= self._watermark_blocks
 
     def _admit_swapped(self, plan: StepPlan, limit: int) -> None:
         for request in list(self.policy.waiting_order(self.view.swapped, self.view)):

@@ -53,12 +53,14 @@ class PagedBlockManager(BlockManager):
 
     def blocks_needed(self, request: Request, num_new_tokens: int, num_hit_tokens: int = 0) -> int:
         table = self.tables.get(request.request_id, ())
-        hit_blocks = self._hit_blocks(request, num_hit_tokens) if num_hit_tokens else []
-        total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        new = max(0, cdiv(total, self.block_size) - len(table) - len(hit_blocks))
-        cow = self._needs_copy(table, request.num_computed_tokens + num_hit_tokens)
-        evictable_hits = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
-        return new + cow + evictable_hits
+        first_write = request.num_computed_tokens + num_hit_tokens
+        new = cdiv(first_write + num_new_tokens, self.block_size) - len(table)
+        evictable_hits = 0
+        if num_hit_tokens:
+            hit_blocks = self._hit_blocks(request, num_hit_tokens)
+            new -= len(hit_blocks)
+            evictable_hits = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
+        return max(0, new) + self._needs_copy(table, first_write) + evictable_hits
 
     # --- per-request operations -----------------------------------------------------------
     def lookup(self, request: Request) -> int:
@@ -111,9 +113,9 @@ class PagedBlockManager(BlockManager):
             self.num_copies += 1
         total = first_write + num_new_tokens
         growth = cdiv(total, self.block_size) - len(table)
-        for _ in range(growth):
-            table.append(self.pool.allocate())
-        self.num_table_blocks += max(growth, 0)
+        if growth > 0:
+            table += self.pool.allocate_many(growth)
+            self.num_table_blocks += growth
         if self.enable_caching:
             self._register_full_blocks(request, table, min(total, request.num_tokens) // self.block_size)
         return True
@@ -140,8 +142,7 @@ class PagedBlockManager(BlockManager):
             # in between (preempted after its allocation this step) never wrote them.
             for block in table[request.num_computed_tokens // self.block_size :]:
                 self.pool.uncache(block)
-            for block in reversed(table):  # tail blocks first: they are evicted first
-                self.pool.release(block)
+            self.pool.release_many(reversed(table))  # tail blocks first: they are evicted first
 
     def fork(self, parent: Request, child: Request) -> None:
         table = self.tables[parent.request_id]
@@ -159,7 +160,7 @@ class PagedBlockManager(BlockManager):
     def _take_blocks_for_swap_in(self, request: Request, n: int) -> list[int] | None:
         if n > self.pool.num_free:
             return None
-        table = self.tables[request.request_id] = [self.pool.allocate() for _ in range(n)]
+        table = self.tables[request.request_id] = self.pool.allocate_many(n)
         self.num_table_blocks += n
         self.num_registered[request.request_id] = 0
         return list(table)

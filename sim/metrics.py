@@ -158,16 +158,23 @@ class TokenTimes:
         self.gap_values.append(step_gaps[covered])
         self.gap_counts.append(cover[covered])
 
-    def all_gaps(self) -> np.ndarray:
+    def all_gaps(self, ascending: bool = False) -> np.ndarray:
+        """Every inter-token gap; ``ascending``: sorted, as ``np.sort`` of them gives, but sorting the
+        distinct step gaps before repeating each (a step's gap counts once per sequence in it)."""
         self._fold_runs()
-        values = self.gap_values + [np.frombuffer(self._pending_gaps, dtype=np.float64)]
-        counts = self.gap_counts + [np.ones(len(self._pending_gaps), dtype=np.int64)]
-        return np.repeat(np.concatenate(values), np.concatenate(counts))
+        values = np.concatenate(self.gap_values + [np.frombuffer(self._pending_gaps, dtype=np.float64)])
+        counts = np.concatenate(self.gap_counts + [np.ones(len(self._pending_gaps), dtype=np.int64)])
+        if ascending:
+            order = np.argsort(values)
+            values, counts = values[order], counts[order]
+        return np.repeat(values, counts)
 
 
-def distribution(values) -> dict[str, float | None]:
-    """``{mean, p50, p90, p99}`` of ``values`` (None entries when empty)."""
-    arr = np.sort(np.asarray(values, dtype=np.float64))  # sorted: the mean does not depend on order
+def distribution(values, ascending: bool = False) -> dict[str, float | None]:
+    """``{mean, p50, p90, p99}`` of ``values`` (None entries when empty); ``ascending``: they are sorted already."""
+    arr = np.asarray(values, dtype=np.float64)
+    if not ascending:
+        arr = np.sort(arr)  # sorted: the mean does not depend on order
     if arr.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     pct = np.percentile(arr, PERCENTILES)
@@ -255,7 +262,7 @@ def summarize(requests: list[Request], times: TokenTimes, steps: StepLog, num_bl
         "tpot_s": distribution(
             [(r.finish_s - r.first_token_s) / (r.num_output_tokens - 1) for r in finished_seqs if r.num_output_tokens > 1]
         ),
-        "itl_s": distribution(times.all_gaps()),
+        "itl_s": distribution(times.all_gaps(ascending=True), ascending=True),
         "e2e_s": distribution([max([r.finish_s] + [c.finish_s for c in r.children]) - r.arrival_s for r in done]),
         "preemptions": sum(r.num_preemptions for r in requests),
         "prefix_hit_rate": kv_stats.prefix_hit_tokens / kv_stats.prefix_query_tokens if kv_stats.prefix_query_tokens else 0.0,
