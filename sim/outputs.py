@@ -13,6 +13,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
+from operator import itemgetter
 from pathlib import Path
 from typing import TextIO
 
@@ -58,7 +59,7 @@ def write_requests(out_dir: Path, rows: list[dict]) -> Path:
     with atomic_open(path) as fh:
         writer = csv.writer(fh)
         writer.writerow(REQUEST_COLUMNS)
-        writer.writerows([("" if row[c] is None else row[c]) for c in REQUEST_COLUMNS] for row in rows)
+        writer.writerows(map(itemgetter(*REQUEST_COLUMNS), rows))  # csv writes None as an empty field
     return path
 
 

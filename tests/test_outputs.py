@@ -88,3 +88,19 @@ def test_summary_table_switches_to_seconds_for_long_latencies():
     table = format_summary(summary)
     assert "P99 TTFT (s):                               671.86" in table and "P99 TPOT (ms):" in table
     assert "Prefix hit rate (%):" in table and "671862" not in table
+
+
+def test_itl_gaps_sorted_before_expansion_equal_the_sorted_expansion():
+    from kvsim.sim.metrics import TokenTimes
+
+    times = TokenTimes()
+    for step, end in enumerate([0.5, 0.75, 1.0, 1.5, 1.75, 2.5, 2.625, 3.0]):
+        times.step_ended(end)
+    times.batch_tokens("a", 0, 6)
+    times.batch_tokens("b", 2, 7)
+    times.token("c", 0.5)
+    times.token("c", 2.0)
+    times.token("c", 2.25)
+    gaps = times.all_gaps()
+    assert len(gaps) == 6 + 5 + 2
+    assert times.all_gaps(ascending=True).tolist() == sorted(gaps.tolist())
