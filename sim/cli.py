@@ -6,6 +6,7 @@ import torch, so subcommands are resolved by dotted name only when invoked.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -86,3 +87,16 @@ def main() -> None:
     A mistake in the input exits with status 2 and one line naming it; an internal error
     exits with status 1.
     """
+
+
+def run() -> None:
+    """The console script: :func:`main`, then what is left is frozen for the process's end.
+
+    A run leaves its engine as cyclic garbage (the engine and its view refer to each other);
+    the interpreter's final collection would walk and free it object by object (0.3 s after
+    100,000 requests), where the process's exit hands the memory back at once.
+    """
+    try:
+        main()
+    finally:
+        gc.freeze()
