@@ -25,7 +25,6 @@ Both give the same decisions (``benchmarks/decision_identity.py``).
 from __future__ import annotations
 
 import bisect
-import heapq
 import inspect
 from dataclasses import dataclass
 from typing import Protocol
@@ -270,7 +269,8 @@ class EngineCore:
         batching, batch, running = self._batching, self._batch, self.running
         if batching:
             due = batch.pop_due(batch.events, self.counters.steps)
-            order = list(heapq.merge(self._loose, due, key=_run_seq)) if due else list(self._loose)
+            # two runs in running order (run_seq unique): a C-level sort merges them
+            order = sorted(self._loose + due, key=_run_seq) if due else list(self._loose)
         else:
             due, order = [], list(self.policy.running_order(self.view))
         self._due = due
