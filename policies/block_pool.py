@@ -4,12 +4,19 @@ and host swap slots.
 As vLLM V1's ``BlockPool``: a block is free when no request references it; free blocks wait
 in one queue, least recently freed first, and allocation takes the head. A free block may
 still hold a cached prefix (its hash maps to it); it stays reusable until allocation evicts
-it from the head of the queue. Every operation is O(1).
+it from the head of the queue. Every operation is O(1) (amortised).
+
+The queue is a list read from a head index, each free block's entry stamped with its place:
+releasing appends, allocating advances the head, so taking n blocks for a prefill chunk is one
+slice. A prefix hit on a free block (``touch``) takes it out of the queue by leaving its entry
+stale (the block is referenced, or its stamp is an older place); the head skips stale entries.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
+
+_COMPACT_AT = 4096  # consumed entries dropped from the list's front once this many and half of it
 
 
 class BlockPool:
@@ -18,19 +25,49 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block holding that prefix
-        # Unreferenced blocks, least recently freed first: the eviction order.
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # The free queue, least recently freed first: the eviction order. Entry i of ``_queue`` is
+        # place ``_base + i``; it is live while its block is unreferenced and stamped with that place.
+        self._queue: list[int] = list(range(num_blocks))
+        self._stamp: list[int] = list(range(num_blocks))
+        self._head = 0
+        self._base = 0
+        self._stale = 0  # entries at or after the head that are not live
         self.num_cached_free = 0  # free blocks that still hold a cached prefix
         self.evictions = 0
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation may take: empty ones and evictable cached ones."""
-        return len(self.free_queue)
+        return len(self._queue) - self._head - self._stale
+
+    def free_blocks(self) -> list[int]:
+        """The free queue from its head: the order in which allocation takes blocks."""
+        base, stamp, ref_cnt = self._base, self._stamp, self.ref_cnt
+        return [b for i, b in enumerate(self._queue[self._head:], self._head)
+                if ref_cnt[b] == 0 and stamp[b] == base + i]
+
+    def _take_head(self) -> int:
+        queue, stamp, ref_cnt, i = self._queue, self._stamp, self.ref_cnt, self._head
+        while True:
+            block = queue[i]
+            i += 1
+            if ref_cnt[block] == 0 and stamp[block] == self._base + i - 1:
+                break
+            self._stale -= 1
+        self._head = i
+        return block
+
+    def _compact(self) -> None:
+        """Drop the consumed front of the list (amortised O(1): only once it is half of it)."""
+        head = self._head
+        if head >= _COMPACT_AT and 2 * head >= len(self._queue):
+            del self._queue[:head]
+            self._base += head
+            self._head = 0
 
     def allocate(self) -> int:
         """Take the head of the free queue (evicting its cached prefix), referenced once."""
-        block, _ = self.free_queue.popitem(last=False)
+        block = self._take_head()
         h = self.block_hash[block]
         if h is not None:
             if self.cached.get(h) == block:
@@ -39,42 +76,45 @@ class BlockPool:
             self.num_cached_free -= 1
             self.evictions += 1
         self.ref_cnt[block] = 1
+        self._compact()
         return block
 
     def allocate_many(self, n: int) -> list[int]:
         """``n`` blocks from the head of the free queue, as ``n`` calls of :meth:`allocate` take them."""
-        if self.num_cached_free:
+        if self.num_cached_free or self._stale:
             return [self.allocate() for _ in range(n)]
-        # No free block holds a prefix: nothing to evict, so only the queue and the counts move.
-        pop, ref_cnt = self.free_queue.popitem, self.ref_cnt
-        blocks = [pop(False)[0] for _ in range(n)]
+        # Every entry from the head is live and no free block holds a prefix: a slice, nothing to evict.
+        head = self._head
+        blocks = self._queue[head:head + n]
+        self._head = head + n
+        ref_cnt = self.ref_cnt
         for block in blocks:
             ref_cnt[block] = 1
+        self._compact()
         return blocks
 
     def touch(self, block: int) -> None:
-        """One more reference (a prefix hit or a fork); a free block leaves the queue."""
+        """One more reference (a prefix hit or a fork); a free block leaves the queue (its entry goes stale)."""
         if self.ref_cnt[block] == 0:
-            del self.free_queue[block]
+            self._stale += 1
             if self.block_hash[block] is not None:
                 self.num_cached_free -= 1
         self.ref_cnt[block] += 1
 
     def release(self, block: int) -> None:
         """One reference fewer; at zero the block joins the tail of the free queue."""
-        self.ref_cnt[block] -= 1
-        if self.ref_cnt[block] == 0:
-            self.free_queue[block] = None
-            if self.block_hash[block] is not None:
-                self.num_cached_free += 1
+        self.release_many((block,))
 
     def release_many(self, blocks) -> None:
         """:meth:`release` each of ``blocks``, in their order."""
-        ref_cnt, free_queue, block_hash = self.ref_cnt, self.free_queue, self.block_hash
+        ref_cnt, queue, stamp, block_hash = self.ref_cnt, self._queue, self._stamp, self.block_hash
+        place = self._base + len(queue)
         for block in blocks:
             ref_cnt[block] -= 1
             if ref_cnt[block] == 0:
-                free_queue[block] = None
+                stamp[block] = place
+                place += 1
+                queue.append(block)
                 if block_hash[block] is not None:
                     self.num_cached_free += 1
 
@@ -93,16 +133,18 @@ class BlockPool:
 
     def counts(self) -> tuple[int, int, int]:
         """(used, cached, free): referenced, free holding a prefix, free and empty."""
-        free_total = len(self.free_queue)
+        free_total = self.num_free
         return self.num_blocks - free_total, self.num_cached_free, free_total - self.num_cached_free
 
     def check_invariants(self, holders: list[int]) -> None:
         """``holders[b]``: how many block tables hold block ``b``."""
         assert holders == self.ref_cnt, "ref counts differ from the number of tables holding each block"
-        assert set(self.free_queue) == {b for b in range(self.num_blocks) if self.ref_cnt[b] == 0}, (
+        free = self.free_blocks()
+        assert len(free) == len(set(free)) == self.num_free, "free queue holds a block twice or its count is off"
+        assert set(free) == {b for b in range(self.num_blocks) if self.ref_cnt[b] == 0}, (
             "free queue differs from the unreferenced blocks"
         )
-        assert self.num_cached_free == sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+        assert self.num_cached_free == sum(1 for b in free if self.block_hash[b] is not None)
         for h, block in self.cached.items():
             assert self.block_hash[block] == h, f"cache index entry for block {block} disagrees with its hash"
         assert sum(1 for h in self.block_hash if h is not None) == len(self.cached)

@@ -515,7 +515,7 @@ def test_pool_bulk_operations_match_one_at_a_time():
                 pool.release(block)
         taken = [pool.allocate_many(n) if bulk else [pool.allocate() for _ in range(n)] for n in (4, 6)]
         pool.check_invariants([1 if pool.ref_cnt[b] else 0 for b in range(12)])
-        return taken, list(pool.free_queue), pool.ref_cnt, pool.cached, pool.evictions, pool.num_cached_free
+        return taken, pool.free_blocks(), pool.ref_cnt, pool.cached, pool.evictions, pool.num_cached_free
 
     bulk, single = scenario(True), scenario(False)
     assert bulk == single
