@@ -107,16 +107,19 @@ class BlockPool:
 
     def release_many(self, blocks) -> None:
         """:meth:`release` each of ``blocks``, in their order."""
-        ref_cnt, queue, stamp, block_hash = self.ref_cnt, self._queue, self._stamp, self.block_hash
-        place = self._base + len(queue)
+        ref_cnt, queue, stamp = self.ref_cnt, self._queue, self._stamp
+        start = len(queue)
+        place = self._base + start
         for block in blocks:
-            ref_cnt[block] -= 1
-            if ref_cnt[block] == 0:
+            left = ref_cnt[block] - 1
+            ref_cnt[block] = left
+            if not left:
                 stamp[block] = place
                 place += 1
                 queue.append(block)
-                if block_hash[block] is not None:
-                    self.num_cached_free += 1
+        if self.cached:  # a block holds a prefix only while the index maps its hash to it
+            block_hash = self.block_hash
+            self.num_cached_free += sum(1 for block in queue[start:] if block_hash[block] is not None)
 
     def cache(self, block: int, h: int) -> None:
         """Index a full block by its chained hash, unless that prefix or block is indexed already."""
