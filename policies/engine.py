@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import inspect
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Protocol
 
 from kvsim.policies.block_manager import BlockManager, KVStats
@@ -47,8 +48,8 @@ def _first(item: tuple) -> int:
     return item[0]
 
 
-def _run_seq(request: Request) -> int:
-    return request.run_seq
+_run_seq = attrgetter("run_seq")  # the running order's key
+_num_computed = attrgetter("num_computed_tokens")
 
 
 def _construct(cls: type, kind: str, name: str, params: dict, **given):
@@ -685,7 +686,7 @@ class EngineCore:
     # --- observation -------------------------------------------------------------------
     def kv_counts(self) -> KVCounts:
         """(used, cached, free, internal-waste slots): what every step records."""
-        computed = self._batch.ctx_sum + sum(r.num_computed_tokens for r in self._loose)
+        computed = self._batch.ctx_sum + sum(map(_num_computed, self._loose))
         return (*self.kv.pool_counts(), self.kv.internal_waste(self.running, computed))
 
     def kv_stats(self) -> KVStats:

@@ -56,6 +56,15 @@ class PlanTotals:
     def num_seqs(self) -> int:
         return self.prefill_seqs + self.decode_seqs
 
+    @property
+    def kind(self) -> str:
+        """``prefill``, ``decode``, ``mixed`` or ``idle`` (nothing to run, e.g. only rejections)."""
+        if self.prefill_seqs and self.decode_seqs:
+            return "mixed"
+        if self.prefill_seqs:
+            return "prefill"
+        return "decode" if self.decode_seqs else "idle"
+
     def add_prefill(self, first: int, n: int, blocks: int) -> None:
         """Count a prefill entry of ``n`` new tokens after ``first``, touching ``blocks`` blocks."""
         self.prefill_seqs += 1
@@ -130,36 +139,31 @@ class StepPlan:
         return t if t is not None and t.block_size == block_size else PlanTotals.of(self.entries, block_size)
 
     @property
-    def _shape(self) -> PlanTotals:
-        """Totals for counts that do not depend on the block size."""
+    def shape(self) -> PlanTotals:
+        """Totals for the counts that do not depend on the block size (the step records read them)."""
         return self.totals if self.totals is not None else PlanTotals.of(self.entries, 1)
 
     @property
     def num_seqs(self) -> int:
         """Requests in the step, the batch's left-out decodes included."""
-        return self._shape.num_seqs
+        return self.shape.num_seqs
 
     @property
     def num_tokens(self) -> int:
-        return self._shape.num_tokens
+        return self.shape.num_tokens
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self._shape.prefill_tokens
+        return self.shape.prefill_tokens
 
     @property
     def num_decode_tokens(self) -> int:
-        return self._shape.decode_tokens
+        return self.shape.decode_tokens
 
     @property
     def kind(self) -> str:
         """``prefill``, ``decode``, ``mixed`` or ``idle`` (nothing to run, e.g. only rejections)."""
-        t = self._shape
-        if t.prefill_seqs and t.decode_seqs:
-            return "mixed"
-        if t.prefill_seqs:
-            return "prefill"
-        return "decode" if t.decode_seqs else "idle"
+        return self.shape.kind
 
     @property
     def is_empty(self) -> bool:

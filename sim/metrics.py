@@ -50,15 +50,16 @@ class StepLog:
 
     def add_step(self, plan: StepPlan, start_s: float, duration_s: float, counts: tuple[int, int, int, int], timing) -> None:
         measured = timing is not None
+        shape = plan.shape
         self.rows.append((
             plan.step,
             start_s,
             duration_s,
             int(measured),  # timed: 0 when there was nothing to run (only rejections)
-            plan.kind,
-            plan.num_seqs,
-            plan.num_prefill_tokens,
-            plan.num_decode_tokens,
+            shape.kind,
+            shape.num_seqs,
+            shape.prefill_tokens,
+            shape.decode_tokens,
             *counts,  # kv_used, kv_cached, kv_free, kv_waste_slots
             len(plan.preempted),
             len(plan.swap_out) + len(plan.swap_in),
