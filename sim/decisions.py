@@ -83,8 +83,8 @@ class _Batch:
         self.next_step = stretch.first_step + stretch.num_steps
 
 
-def _dumps(value) -> str:
-    return json.dumps(value, separators=_SEPARATORS)
+# One encoder for every record: json.dumps builds a new one per call when given separators.
+_dumps = json.JSONEncoder(separators=_SEPARATORS).encode
 
 
 @dataclass
@@ -134,7 +134,7 @@ class DiffEncoder:
         if plan.forks:
             rec["f"] = [[parent, list(children)] for parent, children in plan.forks]
         self.previous.next_step = plan.step + 1
-        return _dumps(rec)
+        return _dumps(rec) if rec else "{}"  # a step that is exactly the last one's continuation
 
     def _whole(self, rec: dict, plan: StepPlan) -> None:
         b = self.previous
@@ -377,27 +377,31 @@ class DecisionLog:
         self.steps += 1
 
     def _add(self, record: str) -> None:
-        data = (record + "\n").encode()
-        self._hash.update(data)
+        self._buffer.append(record)
+        self._buffered += len(record) + 1  # records are ASCII: a character a byte
         self.records += 1
-        if self._sink is not None:
-            self._buffer.append(data)
-            self._buffered += len(data)
-            if self._buffered >= _CHUNK_BYTES:
-                self._flush()
+        if self._buffered >= _CHUNK_BYTES:
+            self._flush()
 
     def _flush(self) -> None:
-        self._sink.write(b"".join(self._buffer))
+        """Hash (and, full, write) the buffered records as one chunk: the digest of the stream is the same."""
+        if not self._buffer:
+            return
+        data = ("\n".join(self._buffer) + "\n").encode()
+        self._hash.update(data)
+        if self._sink is not None:
+            self._sink.write(data)
         self._buffer, self._buffered = [], 0
 
     def digest(self) -> dict:
+        self._flush()
         return {"mode": self.mode, "format": FORMAT, "records": self.records, "steps": self.steps,
                 "sha256": self._hash.hexdigest()}
 
     def close(self) -> dict:
         """Finish the file (full) and write the digest beside it; returns the digest."""
+        self._flush()
         if self._sink is not None:
-            self._flush()
             self._sink.close()
             self._sink = None
         digest = self.digest()
