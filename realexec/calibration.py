@@ -25,8 +25,9 @@ from kvsim.sim.model_spec import load_model
 # by an older profiler are not reused (2: every timed run primed by a run of the same case;
 # 3: the cpu backend times on its CPU-time clock, not the wall clock; 4: a case's primed and timed
 # runs read the same KV blocks; 5: a step's time is the median of the backend's timing repeats, gemv_rows
-# chosen from 1-8 token GEMMs, kernel rates refitted on whole steps).
-PROFILER_VERSION = 5
+# chosen from 1-8 token GEMMs, kernel rates refitted on whole steps; 6: prefill attention counted in
+# the cpu kernel's query tiles).
+PROFILER_VERSION = 6
 
 Echo = Callable[[str], None]
 

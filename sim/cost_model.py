@@ -65,7 +65,9 @@ Under the device's ``padded_attention`` (kernels that run each of the decode and
 as one dense batch, like kvsim's portable PyTorch path), attention does the padded work instead:
 ``attn_pairs``, ``prefill_ctx_tokens``, ``decode_ctx_tokens`` and ``blocks_touched`` are replaced
 by their ``padded_`` counterparts, every sequence of a group counted at the group's longest query
-and context, in whole blocks.
+and context, in whole blocks. With the device's ``attention_query_tile`` the prefill group's
+queries run in tiles, each against the context its last row sees (the portable path's
+``QUERY_TILE``): fewer pairs than the full padded square, near the causal half for long prompts.
 
 ``predict`` sums the step's split (:meth:`CostModel.step_split`), which leaves out ``swap``: swap
 traffic crosses the host link and the simulator accounts for it separately through
@@ -142,6 +144,7 @@ class StepFeatures:
     padded_prefill_ctx_tokens: Num  # prefill: B W bs
     padded_decode_ctx_tokens: Num  # decode: B W bs
     padded_blocks_touched: Num  # both groups: B W
+    prefill_max_tokens: Num  # prefill: Q (how many query tiles a padded kernel runs)
 
 
 class OperatorWork(NamedTuple):
@@ -176,6 +179,7 @@ def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
         padded_prefill_ctx_tokens=float(prefill_blocks * block_size),
         padded_decode_ctx_tokens=float(decode_blocks * block_size),
         padded_blocks_touched=float(prefill_blocks + decode_blocks),
+        prefill_max_tokens=float(t.prefill_max_tokens),
     )
 
 
@@ -300,6 +304,14 @@ class CostModel:
         if self.device.padded_attention:
             pairs, prefill_ctx, decode_ctx = f.padded_attn_pairs, f.padded_prefill_ctx_tokens, f.padded_decode_ctx_tokens
             blocks = f.padded_blocks_touched
+            tile = self.device.attention_query_tile
+            if tile:
+                # Tiles of `tile` query rows, each against the context its last row sees: a full tile
+                # ending at query row e sees Q - e context tokens fewer than the last tile (Q: the longest
+                # query), which over the k - 1 full tiles is tile (k - 1) (Q - tile k / 2) pairs fewer.
+                longest = f.prefill_max_tokens
+                k = -(-longest // tile)
+                pairs = pairs - (f.num_seqs - f.decode_seqs) * tile * (k - 1) * (longest - tile * k / 2)
         else:
             pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
         return (

@@ -17,6 +17,7 @@ Layout::
     runtime_reserve_bytes = 1073741824  # memory the runtime holds outside the framework's allocator
     padded_attention = false          # optional: attention pads a batch to its longest sequence
     gemv_rows = 0                     # optional: matrix products of fewer rows run one row at a time
+    attention_query_tile = 0          # optional: padded prefill attention runs query tiles of this many rows
 
     [matrix_flops]                    # FLOP/s of the matrix units, dense, per input dtype
     fp16 = ...; bf16 = ...; fp32 = ...; int8 = ...
@@ -129,6 +130,10 @@ class DeviceProfile:
     # batch, every sequence padded to the group's longest query and context in whole blocks (kvsim's
     # portable PyTorch path); False for paged kernels that skip padding (torch_npu, FlashInfer).
     padded_attention: bool = False
+    # Under padded_attention, a prefill group's queries run in tiles of this many rows, each tile
+    # against the context its last row sees (kvsim's portable path: ``QUERY_TILE``), which skips
+    # most of the masked triangle of a long prompt; 0: one tile, every row against the whole context.
+    attention_query_tile: int = 0
     # Matrix products (GEMMs, LM head) of fewer rows than this run as one matrix-vector product per
     # row, each streaming the whole weight matrix; 0: never. A CPU BLAS does this (one thread of
     # MKL on the development VM: 2 and 3 rows cost 1.9x and 2.8x one row, 4 rows 2.3x; measured in
@@ -175,6 +180,8 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     lines = [f"name = {_toml_str(profile.name)}", f"source = {_toml_str(profile.source)}"]
     lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _SCALAR_FIELDS]
     lines.append(f"padded_attention = {'true' if profile.padded_attention else 'false'}")
+    if profile.attention_query_tile:
+        lines.append(f"attention_query_tile = {profile.attention_query_tile}")
     if profile.gemv_rows:
         lines.append(f"gemv_rows = {profile.gemv_rows}")
     if profile.step_timing_noise is not None:
@@ -213,8 +220,9 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     values["padded_attention"] = data.get("padded_attention", False)
     if not isinstance(values["padded_attention"], bool):
         raise ValueError(f"{path}: field padded_attention must be true or false, got {values['padded_attention']!r}")
-    if "gemv_rows" in data:
-        values["gemv_rows"] = _number(data, "gemv_rows", int, path, "", allow_zero=True)
+    for key in ("gemv_rows", "attention_query_tile"):
+        if key in data:
+            values[key] = _number(data, key, int, path, "", allow_zero=True)
     if "step_timing_noise" in data:
         values["step_timing_noise"] = _number(data, "step_timing_noise", float, path, "", allow_zero=True)
     matrix = _table(data, "matrix_flops", path)

@@ -71,13 +71,35 @@ def test_features_of_a_mixed_plan() -> None:
 def test_padded_attention_pays_for_the_longest_sequence() -> None:
     tiny, cpu = load_model("tiny"), load_device("cpu")
     exact = CostModel(tiny, dataclasses.replace(cpu, padded_attention=False), 16)
-    padded = CostModel(tiny, dataclasses.replace(cpu, padded_attention=True), 16)
+    padded = CostModel(tiny, dataclasses.replace(cpu, padded_attention=True, attention_query_tile=0), 16)
     even, ragged = decode_plan([511] * 8), decode_plan([511] + [15] * 7)  # each reads 512 or 16 tokens
     assert padded.step_time(even) == exact.step_time(even)  # block-aligned, equal contexts: no padding
     assert padded.step_time(ragged) == padded.step_time(even) > exact.step_time(ragged)
     # a prompt attends causally; a padded kernel computes the whole square
     f = features_from_plan(prefill_plan(512), 16)
     assert padded.operator_work(f)["attn_prefill"].flops == 2 * exact.operator_work(f)["attn_prefill"].flops * 512 / 513
+
+
+def test_query_tiles_count_each_tile_against_the_context_its_last_row_sees() -> None:
+    """The cpu kernel's prefill tiles (portable.QUERY_TILE rows): the pairs a tile-by-tile sum gives."""
+    from kvsim.policies.blocks import cdiv
+    from kvsim.realexec.backends.portable import QUERY_TILE
+
+    tiny, cpu = load_model("tiny"), load_device("cpu")
+    assert cpu.padded_attention and cpu.attention_query_tile == QUERY_TILE  # the profile states the kernel's constant
+    tiled = CostModel(tiny, cpu, 16)
+    square = CostModel(tiny, dataclasses.replace(cpu, attention_query_tile=0), 16)
+    per_pair = 4 * tiny.q_size * tiny.num_layers
+    for cached, new in ((0, 480), (448, 32), (100, 128), (0, 129), (640, 1000), (0, 1)):
+        entries = [PlanEntry("a", cached, new, True, True), PlanEntry("b", 7, 1, False, True)]  # a decode beside it
+        f = features_from_plan(StepPlan(step=0, entries=entries), 16)
+        context = cdiv(cached + new, 16) * 16  # in whole blocks, as padded
+        expected = sum(min(QUERY_TILE, new - start) * (context - new + min(start + QUERY_TILE, new))
+                       for start in range(0, new, QUERY_TILE))
+        assert tiled.operator_work(f)["attn_prefill"].flops == per_pair * expected
+        assert square.operator_work(f)["attn_prefill"].flops == per_pair * new * context
+    assert tiled.operator_work(features_from_plan(decode_plan([300]), 16)) == square.operator_work(
+        features_from_plan(decode_plan([300]), 16))  # decode-only steps: no prefill tiles
 
 
 def test_decode_at_batch_one_streams_the_weights(llama_910b: CostModel) -> None:
@@ -226,6 +248,7 @@ def _sweep(size: int, seed: int) -> StepFeatures:
         padded_prefill_ctx_tokens=ctx * rng.uniform(1, 4, size),
         padded_decode_ctx_tokens=ctx * rng.uniform(64, 128, size),
         padded_blocks_touched=ctx / 8,
+        prefill_max_tokens=tokens,
     )
 
 

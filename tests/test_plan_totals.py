@@ -40,6 +40,7 @@ def walked_features(plan: StepPlan, block_size: int) -> StepFeatures:
         padded_prefill_ctx_tokens=float(len(pre) * longest[True] * block_size),
         padded_decode_ctx_tokens=float(len(dec) * longest[False] * block_size),
         padded_blocks_touched=float(len(pre) * longest[True] + len(dec) * longest[False]),
+        prefill_max_tokens=float(widest),
     )
 
 
