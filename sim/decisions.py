@@ -37,7 +37,12 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from kvsim.policies.blocks import batch_slots
-from kvsim.policies.plan import BatchChanges, DecodeStretch, StepPlan, expand_decision_log
+from kvsim.policies.plan import (
+    BatchChanges,
+    DecodeStretch,
+    StepPlan,
+    expand_decision_log,
+)
 
 MODES = ("off", "summary", "full")
 FULL_LOG = "decisions.delta.gz"
