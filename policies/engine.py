@@ -238,7 +238,8 @@ class EngineCore:
         preempted = self._schedule_running(plan)
         if not preempted and self.policy.admission_open(self.view):
             limit = self.policy.admission_limit(self.view)
-            self._admit_swapped(plan, limit)
+            if self.swapped:
+                self._admit_swapped(plan, limit)
             if not self.swapped:  # a swapped request that cannot come back yet holds the line
                 self._admit_waiting(limit)
         if not self._scheduled and not self.running and not self.swapped and self.waiting:

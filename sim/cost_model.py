@@ -369,7 +369,7 @@ class CostModel:
         rows = self._context_rows(f)
         context_times = [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._context_rates)]
         # calls are integers, so their sum does not depend on the order
-        return token_times + context_times, token_calls + sum(rows[i][2] for i in _CONTEXT_DISPATCHED)
+        return token_times + context_times, token_calls + sum([rows[i][2] for i in _CONTEXT_DISPATCHED])
 
     def operator_times(self, f: StepFeatures) -> dict[str, Num]:
         """Seconds per operator (arrays in, arrays out)."""
