@@ -14,6 +14,7 @@ stale (the block is referenced, or its stamp is an older place); the head skips 
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
 _COMPACT_AT = 4096  # consumed entries dropped from the list's front once this many and half of it
@@ -28,7 +29,7 @@ class BlockPool:
         # The free queue, least recently freed first: the eviction order. Entry i of ``_queue`` is
         # place ``_base + i``; it is live while its block is unreferenced and stamped with that place.
         self._queue: list[int] = list(range(num_blocks))
-        self._stamp: list[int] = list(range(num_blocks))
+        self._stamp = array("q", range(num_blocks))  # machine ints: a store touches no int object
         self._head = 0
         self._base = 0
         self._stale = 0  # entries at or after the head that are not live

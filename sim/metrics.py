@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
@@ -76,8 +77,7 @@ class StepLog:
         return {name: self.column(name) for name in STEP_COLUMNS}
 
     def column(self, name: str) -> list:
-        i = _STEP_COLUMN_INDEX[name]
-        return [row[i] for row in self.rows]
+        return list(map(itemgetter(_STEP_COLUMN_INDEX[name]), self.rows))
 
     def __len__(self) -> int:
         return len(self.rows)
