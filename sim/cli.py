@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("kvsim.reports.cli:report", "HTML reports from simulate/execute runs."),
 }
 
+_TORCH_COMMANDS = frozenset({"doctor", "execute", "profile", "validate"})
+
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -95,7 +97,14 @@ def run() -> None:
     A run leaves its engine as cyclic garbage (the engine and its view refer to each other);
     the interpreter's final collection would walk and free it object by object (0.3 s after
     100,000 requests), where the process's exit hands the memory back at once.
+
+    numpy's OpenBLAS starts a thread per core when it is imported (about 0.1 s of CPU a
+    process on a 2-core VM); the simulator's numpy work is element-wise or small least
+    squares, so commands that do not run torch (which may use OpenBLAS too) keep BLAS on one
+    thread unless the environment says otherwise.
     """
+    if not _TORCH_COMMANDS.intersection(sys.argv[1:]):
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         main()
     finally:
