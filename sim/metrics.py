@@ -171,15 +171,20 @@ class TokenTimes:
         return np.repeat(values, counts)
 
 
-def distribution(values, ascending: bool = False) -> dict[str, float | None]:
-    """``{mean, p50, p90, p99}`` of ``values`` (None entries when empty); ``ascending``: they are sorted already."""
+def distribution(values, ascending: bool = False, consume: bool = False) -> dict[str, float | None]:
+    """``{mean, p50, p90, p99}`` of ``values`` (None entries when empty); ``ascending``: they are sorted already.
+
+    ``consume``: the caller hands its array over, so the percentiles may partition it in place
+    rather than copy it (every inter-token gap of a long run: 150 MB at 100,000 requests).
+    """
     arr = np.asarray(values, dtype=np.float64)
     if not ascending:
         arr = np.sort(arr)  # sorted: the mean does not depend on order
     if arr.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
-    pct = np.percentile(arr, PERCENTILES)
-    return {"mean": float(arr.mean()), **{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)}}
+    mean = float(arr.mean())  # before the percentiles may reorder it
+    pct = np.percentile(arr, PERCENTILES, overwrite_input=consume or arr is not values)
+    return {"mean": mean, **{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)}}
 
 
 REQUEST_COLUMNS = (
@@ -263,7 +268,7 @@ def summarize(requests: list[Request], times: TokenTimes, steps: StepLog, num_bl
         "tpot_s": distribution(
             [(r.finish_s - r.first_token_s) / (r.num_output_tokens - 1) for r in finished_seqs if r.num_output_tokens > 1]
         ),
-        "itl_s": distribution(times.all_gaps(ascending=True), ascending=True),
+        "itl_s": distribution(times.all_gaps(ascending=True), ascending=True, consume=True),
         "e2e_s": distribution([max([r.finish_s] + [c.finish_s for c in r.children]) - r.arrival_s for r in done]),
         "preemptions": sum(r.num_preemptions for r in requests),
         "prefix_hit_rate": kv_stats.prefix_hit_tokens / kv_stats.prefix_query_tokens if kv_stats.prefix_query_tokens else 0.0,

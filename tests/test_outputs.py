@@ -104,3 +104,23 @@ def test_itl_gaps_sorted_before_expansion_equal_the_sorted_expansion():
     gaps = times.all_gaps()
     assert len(gaps) == 6 + 5 + 2
     assert times.all_gaps(ascending=True).tolist() == sorted(gaps.tolist())
+
+
+def test_distribution_partitions_only_arrays_it_owns_or_is_handed():
+    """Percentiles partition in place only a copy of their own or an array handed over
+    (``consume``); the figures equal numpy's on the sorted values either way."""
+    import numpy as np
+
+    from kvsim.sim.metrics import distribution
+
+    values = np.random.default_rng(3).random(1001)
+    ordered = np.sort(values)
+    expected = {"mean": float(ordered.mean()),
+                **{f"p{p}": float(v) for p, v in zip((50, 90, 99), np.percentile(ordered, (50, 90, 99)))}}
+    kept = ordered.copy()
+    assert distribution(kept, ascending=True) == expected
+    assert np.array_equal(kept, ordered)  # a caller's array, not handed over: untouched
+    given = values.copy()
+    assert distribution(given) == expected and np.array_equal(given, values)  # sorted into a copy
+    assert distribution(list(values)) == expected
+    assert distribution(ordered.copy(), ascending=True, consume=True) == expected
