@@ -8,8 +8,12 @@ small-batch GEMM costs.
 2. The tiny model's largest GEMM (gate_up, 256 -> 1,376, fp32, one thread) at 1-16 rows: the
    median CPU time of ``x @ W.T``. On MKL it is not monotonic in the rows (2-3 rows cost more
    than 4), which a roofline cannot express.
+3. ``--copies S``: nine copies of one decode 1 x 128 step (three executors, each with its own
+   weights and KV cache, three cases each) timed round-robin for S seconds, each copy's
+   median: whether the same step costs the same wherever it falls in the work (``--reverse``:
+   the round in the opposite order).
 
-    python benchmarks/cpu_clock.py [--repeats 200]
+    python benchmarks/cpu_clock.py [--repeats 200] [--copies 15 [--reverse]]
 """
 
 from __future__ import annotations
@@ -66,12 +70,39 @@ def small_gemms(repeats: int) -> None:
         print(f"  {rows:>2} rows {np.median(times) * 1e6:7.1f} us")
 
 
+def step_copies(seconds: float, reverse: bool, executors: int = 3, cases: int = 3) -> None:
+    backend = get_backend("cpu")
+    runs = {}
+    for e in range(executors):
+        executor = Executor(load_model("tiny"), backend, num_blocks=512, block_size=16, seed=e)
+        benches = OperatorBenches(executor, np.random.default_rng(e), 0)
+        for c in range(cases):
+            runs[(e, c)] = benches.step(decode(1, 128)).case()
+    for run in runs.values():
+        run()
+    times: dict[tuple[int, int], list[float]] = {key: [] for key in runs}
+    order = list(runs.items())[::-1] if reverse else list(runs.items())
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for key, run in order:
+            times[key].append(run())
+    print(f"decode 1 x 128, {executors} executors x {cases} cases, round-robin{' reversed' if reverse else ''} "
+          f"for {seconds:g} s ({backend.clock}):")
+    for (e, c), values in times.items():
+        print(f"  executor {e} case {c}: median {np.median(values) * 1e3:.3f} ms over {len(values)} runs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--copies", type=float, default=0.0, metavar="SECONDS",
+                        help="also time copies of one decode step round-robin for this long")
+    parser.add_argument("--reverse", action="store_true", help="with --copies: the round in reverse order")
     args = parser.parse_args()
     step_clocks(args.repeats)
     small_gemms(args.repeats)
+    if args.copies:
+        step_copies(args.copies, args.reverse)
 
 
 if __name__ == "__main__":
