@@ -61,7 +61,7 @@ class Executor:
     plan and the tokens so far (it writes the same K/V into the same slots and samples the same
     greedy tokens every time), so repeating it changes nothing but the precision of the time.
     A CPU shared with other tenants times one run of a few milliseconds with 8-30 % noise
-    (docs/benchmarks.md); the median of five is the estimate the profiler fits its cases on.
+    (docs/benchmarks.md); the median of the repeats is the estimate the profiler fits its cases on.
     Block moves (swap, copy) run once: they are not idempotent when a plan reuses a block.
     The first run's time alone is kept in ``single_run_s``.
     """

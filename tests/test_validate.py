@@ -94,10 +94,10 @@ def test_steps_are_timed_on_the_cpu_clock_with_the_wall_clock_beside(validation)
 def test_step_times_are_medians_of_the_cpu_backends_repeats_and_single_runs_are_reported(validation):
     result, _ = validation
     per_step, series = result["timing"]["per_step"], result["series"]["step_time"]
-    assert per_step["timing_repeats"] == get_backend("cpu").timing_repeats == 5
+    assert per_step["timing_repeats"] == get_backend("cpu").timing_repeats == 11
     assert len(series["single_run"]) == len(series["measured"]) == per_step["single_run"]["steps"] == per_step["steps"]
     assert per_step["single_run"]["mape"] > 0 and set(per_step["single_run"]["by_kind"]) == set(per_step["by_kind"])
-    # a median of five runs and the first run are different measurements of the same step
+    # a median of eleven runs and the first run are different measurements of the same step
     assert series["single_run"] != series["measured"]
 
 
@@ -120,7 +120,7 @@ def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(t
     assert result.exit_code == 1, result.output
     assert "validation failed: step_mape" in result.output
     assert "single-run step timing noise while profiling: 0.200" in result.output
-    assert "each the median of 5 runs of its forward pass" in result.output
+    assert "each the median of 11 runs of its forward pass" in result.output
     assert "per-step MAPE against each step's first run alone: " in result.output
     assert "speed check: reference steps took " in result.output
     assert "of 7 checks passed" in result.output and "step times measured on thread CPU time" in result.output
