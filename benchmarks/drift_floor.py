@@ -19,16 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-
-def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
-    return float(np.mean(np.abs(predicted - measured) / measured))
+from kvsim.realexec.validation import step_errors
 
 
-def floors(measured: np.ndarray, predicted: np.ndarray, window: int) -> tuple[float, float, float]:
+def floors(measured: np.ndarray, predicted: np.ndarray, kinds: list[str], window: int) -> tuple[float, float, float]:
+    """Step MAPE (validate's own definition) of the predictions as they are, whole-run scaled, locally scaled."""
     ratio = measured / predicted
     local = np.array([np.median(np.concatenate([ratio[max(0, i - window):i], ratio[i + 1:i + 1 + window]]))
                       for i in range(len(ratio))])
-    return mape(predicted, measured), mape(predicted * np.median(ratio), measured), mape(predicted * local, measured)
+    return tuple(step_errors(p, measured, kinds)["mape"] for p in (predicted, predicted * np.median(ratio), predicted * local))
 
 
 def main() -> None:
@@ -41,7 +40,7 @@ def main() -> None:
     for path in args.validations:
         series = json.loads(path.read_text())["series"]["step_time"]
         measured, predicted = np.array(series["measured"]), np.array(series["predicted"])
-        raw, whole, local = floors(measured, predicted, args.window)
+        raw, whole, local = floors(measured, predicted, series["kind"], args.window)
         print(f"| {path.parent.name} | {len(measured)} | {raw:.3f} | {whole:.3f} | {local:.3f} |")
 
 

@@ -31,7 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("kvsim.reports.cli:report", "HTML reports from simulate/execute runs."),
 }
 
-_TORCH_COMMANDS = frozenset({"doctor", "execute", "profile", "validate"})
+# The real executor's commands, which run torch.
+_TORCH_COMMANDS = frozenset(name for name, (target, _) in SUBCOMMANDS.items() if target.startswith("kvsim.realexec."))
 
 
 class LazyGroup(click.Group):

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-
 from kvsim.sim.decisions import DecisionLog
 from kvsim.sim.outputs import write_requests, write_steps, write_summary
 from kvsim.sim.run_config import ResolvedRun
