@@ -78,7 +78,8 @@ traffic crosses the host link and the simulator accounts for it separately throu
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from operator import itemgetter
+from functools import reduce
+from operator import add, itemgetter
 from typing import NamedTuple, Sequence, Union
 
 import numpy as np
@@ -107,6 +108,16 @@ assert sorted(_SPLIT_OPERATORS) == sorted(OPERATORS), "every operator is token- 
 # One step's times come as a list in _SPLIT_OPERATORS order; these pick the kernels' and host terms' in theirs.
 _SPLIT_KERNEL_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in KERNEL_OPERATORS))
 _SPLIT_HOST_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in HOST_OPERATORS))
+
+
+def in_order_sum(terms) -> Num:
+    """Left-to-right IEEE addition, as numpy adds arrays element by element.
+
+    Not ``sum()``: since Python 3.12 it compensates the rounding of Python floats (Neumaier), so
+    one step's time added from plain floats would differ in its last bit from the same step in a
+    batch of arrays, and from the same run on Python 3.11.
+    """
+    return reduce(add, terms, 0.0)
 _TOKEN_DISPATCHED = tuple(i for i, op in enumerate(_TOKEN_OPERATORS) if op in DISPATCHED_OPERATORS)
 _CONTEXT_DISPATCHED = tuple(i for i, op in enumerate(_CONTEXT_OPERATORS) if op in DISPATCHED_OPERATORS)
 _MEMO_LIMIT = 1 << 16
@@ -396,8 +407,8 @@ class CostModel:
         engine = self.device.engine
         if engine is None:
             return split
-        device = sum(_KERNEL_TIMES(times))  # the operators' order, as a generator over them would add them
-        host = sum(_HOST_TIMES(times))
+        device = in_order_sum(_KERNEL_TIMES(times))  # the operators' order
+        host = in_order_sum(_HOST_TIMES(times))
         _, stall, exposed = engine.step_seconds(device, calls, host, f.num_tokens)
         if isinstance(exposed, np.ndarray) or isinstance(host, np.ndarray):
             share = np.divide(exposed, host, out=np.zeros_like(np.asarray(host, dtype=np.float64)), where=np.asarray(host) > 0)
@@ -412,19 +423,19 @@ class CostModel:
     def step_total(self, f: StepFeatures) -> float:
         """One step's time (plain-float features): the sum of :meth:`step_split`, in its order, without building it."""
         times, calls = self._one_step_times(f)
-        device = sum(_SPLIT_KERNEL_TIMES(times))
+        device = in_order_sum(_SPLIT_KERNEL_TIMES(times))
         host_step, host_seq, host_token = _SPLIT_HOST_TIMES(times)
         engine = self.device.engine
         if engine is None:
             return device + host_step + host_seq + host_token
-        host = sum((host_step, host_seq, host_token))
+        host = host_step + host_seq + host_token
         _, stall, exposed = engine.one_step_seconds(device, calls, host, f.num_tokens)
         share = exposed / host if host > 0 else 0.0
         return device + host_step * share + host_seq * share + host_token * share + stall
 
     def predict(self, f: StepFeatures) -> Num:
         """Step time: the sum of :meth:`step_split` (every operator but swap; module docstring)."""
-        total = sum(self.step_split(f).values())
+        total = in_order_sum(self.step_split(f).values())
         return float(total) if np.ndim(total) == 0 else total
 
     def step_time(self, plan: StepPlan) -> float:

@@ -225,9 +225,10 @@ def test_preflight_passes_on_a_matching_environment(standin) -> None:
 
 
 def test_preflight_torch_npu_built_for_another_torch(standin) -> None:
-    standin.__version__ = "2.10.0.post4"
+    major, minor = torch.__version__.split(".")[:2]
+    standin.__version__ = f"{major}.{int(minor) - 1}.0.post4"  # the release before the installed torch's
     message = _preflight_error(standin)
-    assert "torch_npu 2.10.0.post4" in message
+    assert f"torch_npu {standin.__version__}" in message
     assert f"pip install torch-npu=={torch.__version__.split('+')[0]}" in message
 
 

@@ -16,6 +16,7 @@ from kvsim.sim.cost_model import (
     CostModelTimer,
     StepFeatures,
     features_from_plan,
+    in_order_sum,
 )
 from kvsim.sim.device import OperatorCoefficients, load_device
 from kvsim.sim.model_spec import load_model
@@ -435,3 +436,10 @@ def test_one_step_predicts_bit_for_bit_what_the_array_path_does(llama_910b: Cost
         assert cost.predict(f) == totals[k] == cost.step_total(f)
     plan = _random_plans(np.random.default_rng(12), 1)[0]
     assert timer.step(plan).duration_s == cost.step_time(plan) == cost.predict(features_from_plan(plan, 128))
+
+
+def test_step_time_terms_add_in_order_on_every_python() -> None:
+    """``sum()`` compensates float rounding since Python 3.12: a step added from plain floats must still
+    round as the array path (numpy, element by element) and Python 3.11 do."""
+    terms = [1e16, 1.0, -1e16]  # in order: 1e16 + 1 rounds to 1e16, so 0.0; compensated: 1.0
+    assert in_order_sum(terms) == 0.0 == float(in_order_sum(np.array([t]) for t in terms)[0])

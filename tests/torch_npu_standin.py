@@ -1211,7 +1211,7 @@ def make_torch_npu_standin() -> types.ModuleType:
     """A fresh ``torch_npu`` stand-in; ``delattr`` an op to mimic a version that lacks it."""
     ops = _Ops()
     module = types.ModuleType("torch_npu", __doc__)
-    module.__version__ = "2.13.0+standin"
+    module.__version__ = f"{torch.__version__.split('+')[0]}+standin"  # built for the installed torch, as a real pair is
     module.calls = ops.calls
     for name in (SCATTER, RESHAPE, FIA, PA, GATHER):
         setattr(module, name, getattr(ops, name))
