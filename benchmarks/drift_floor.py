@@ -22,12 +22,14 @@ import numpy as np
 from kvsim.realexec.validation import step_errors
 
 
-def floors(measured: np.ndarray, predicted: np.ndarray, kinds: list[str], window: int) -> tuple[float, float, float]:
+def floors(measured: np.ndarray, predicted: np.ndarray, kinds: list[str], batch_sizes: list[int],
+           window: int) -> tuple[float, float, float]:
     """Step MAPE (validate's own definition) of the predictions as they are, whole-run scaled, locally scaled."""
     ratio = measured / predicted
     local = np.array([np.median(np.concatenate([ratio[max(0, i - window):i], ratio[i + 1:i + 1 + window]]))
                       for i in range(len(ratio))])
-    return tuple(step_errors(p, measured, kinds)["mape"] for p in (predicted, predicted * np.median(ratio), predicted * local))
+    return tuple(step_errors(p, measured, kinds, batch_sizes)["mape"]
+                 for p in (predicted, predicted * np.median(ratio), predicted * local))
 
 
 def main() -> None:
@@ -40,7 +42,8 @@ def main() -> None:
     for path in args.validations:
         series = json.loads(path.read_text())["series"]["step_time"]
         measured, predicted = np.array(series["measured"]), np.array(series["predicted"])
-        raw, whole, local = floors(measured, predicted, series["kind"], args.window)
+        batch_sizes = series.get("batch_size") or [0] * len(measured)  # not recorded before 2026-11-25 (MAPE needs none)
+        raw, whole, local = floors(measured, predicted, series["kind"], batch_sizes, args.window)
         print(f"| {path.parent.name} | {len(measured)} | {raw:.3f} | {whole:.3f} | {local:.3f} |")
 
 

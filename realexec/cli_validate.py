@@ -115,11 +115,12 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     memory = resolve(config).memory  # what the memory model says the real run's device holds
     kv_pool = real.engine.config.num_blocks * memory.bytes_per_block
     validation = validate_runs(real, real_summary, sim_summary, decisions, replay_timer.predicted, replay_timer.kinds,
-                               kv_pool, memory.weight_bytes + memory.activation_bytes + kv_pool, thresholds)
+                               replay_timer.batch_sizes, kv_pool, memory.weight_bytes + memory.activation_bytes + kv_pool, thresholds)
     validation["timing"]["per_step"]["noise_floor"] = sim_resolved.device.step_timing_noise
     measured = real_summary["measured"]
     validation["timing"]["per_step"]["timing_repeats"] = measured["timing_repeats"]
-    validation["timing"]["per_step"]["single_run"] = step_errors(replay_timer.predicted, measured["single_run_s"], replay_timer.kinds)
+    validation["timing"]["per_step"]["single_run"] = step_errors(replay_timer.predicted, measured["single_run_s"], replay_timer.kinds,
+                                                                  replay_timer.batch_sizes)
     validation["timing"]["speed_check"] = speed.to_dict()
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(
@@ -129,6 +130,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
         profile=str(profile_path),
         config=config.to_dict(),
         series={"step_time": {"measured": timed, "predicted": replay_timer.predicted, "kind": replay_timer.kinds,
+                              "batch_size": replay_timer.batch_sizes,
                               "single_run": measured["single_run_s"], "wall": measured["step_wall_s"]}},
     )
     (out_dir / "validation.json").write_text(json.dumps(validation, indent=2) + "\n")
@@ -167,9 +169,14 @@ def format_checks(validation: dict) -> str:
     noise = per_step.get("noise_floor")
     if noise is not None:
         lines.append(f"single-run step timing noise while profiling: {noise:.3f} (no model predicts single runs better than that)")
+    by_batch = per_step["decode_by_batch_size"]
+    if by_batch:
+        ratios = ", ".join(f"{n}: {e['median_ratio']:.2f} ({e['steps']})" for n, e in by_batch.items())
+        lines.append(f"decode steps by sequences in the batch, median measured / predicted (steps): {ratios}")
     speed = validation["timing"]["speed_check"]
     hint = " (the machine's speed changed since it was profiled: --reprofile)" if stale(speed["ratio"], noise) else ""
-    lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction{hint}")
+    each = ", ".join(f"{label} {m / p:.2f}x" for label, m, p in zip(speed["labels"], speed["measured_s"], speed["predicted_s"]))
+    lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction ({each}){hint}")
     decisions = validation["decision_identity"]
     lines.append(f"decision logs: {'identical' if decisions['identical'] else 'DIVERGE at step ' + str(decisions['first_divergence']['step'])}"
                  f" over {decisions['steps_compared']} steps")

@@ -73,21 +73,30 @@ def compare_decisions(real_lines: list[str], replay_lines: list[str]) -> dict:
 
 
 def _error_stats(predicted: np.ndarray, measured: np.ndarray) -> dict:
+    """MAPE, the 90th percentile of |error|, and the median of measured / predicted (its sign: 1.1 = the model 10 % short)."""
     if len(measured) == 0:
-        return {"mape": None, "p90_abs_error_s": None, "steps": 0}
+        return {"mape": None, "p90_abs_error_s": None, "median_ratio": None, "steps": 0}
     abs_err = np.abs(predicted - measured)
     return {
         "mape": float(np.mean(abs_err / measured)),
         "p90_abs_error_s": float(np.percentile(abs_err, 90)),
+        "median_ratio": float(np.median(measured / predicted)),
         "steps": int(len(measured)),
     }
 
 
-def step_errors(predicted: list[float], measured: list[float], kinds: list[str]) -> dict:
-    """Per-step error of predictions for the very steps the device ran, overall and by kind."""
-    p, m, k = np.asarray(predicted), np.asarray(measured), np.asarray(kinds)
+def step_errors(predicted: list[float], measured: list[float], kinds: list[str], batch_sizes: list[int]) -> dict:
+    """Per-step error of predictions for the very steps the device ran: overall, by kind, and decode steps by batch size.
+
+    The decode split shows a bias a run-wide MAPE hides: a model short on one batch size and
+    long on another, or a machine that ran at another speed than when it was profiled (every size off alike).
+    """
+    p, m, k, b = np.asarray(predicted), np.asarray(measured), np.asarray(kinds), np.asarray(batch_sizes)
     out = _error_stats(p, m)
     out["by_kind"] = {kind: _error_stats(p[k == kind], m[k == kind]) for kind in ("prefill", "decode", "mixed") if np.any(k == kind)}
+    decode = k == "decode"
+    out["decode_by_batch_size"] = {str(n): _error_stats(p[decode & (b == n)], m[decode & (b == n)])
+                                   for n in np.unique(b[decode]).tolist()}
     return out
 
 
@@ -116,6 +125,7 @@ def validate_runs(
     decisions: dict,
     predicted_steps: list[float],
     step_kinds: list[str],
+    step_batch_sizes: list[int],
     predicted_kv_pool_bytes: int,
     predicted_peak_bytes: int,
     thresholds: Thresholds,
@@ -123,7 +133,7 @@ def validate_runs(
     """Assemble ``validation.json``: every comparison, and each threshold's verdict."""
     timed = [t == 1 for t in real.steps.column("timed")]
     measured_steps = [d for d, t in zip(real.steps.column("duration_s"), timed) if t]
-    per_step = step_errors(predicted_steps, measured_steps, step_kinds)
+    per_step = step_errors(predicted_steps, measured_steps, step_kinds, step_batch_sizes)
     latency = latency_errors(real_summary, sim_summary)
     measured = real_summary.get("measured", {})
     predicted_pool, predicted_peak = predicted_kv_pool_bytes, predicted_peak_bytes

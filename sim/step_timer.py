@@ -46,6 +46,7 @@ class ReplayTimer:
         self.predict = predict
         self.predicted: list[float] = []
         self.kinds: list[str] = []
+        self.batch_sizes: list[int] = []
         self._next = 0
 
     def add_request(self, request: Request) -> None:
@@ -59,4 +60,5 @@ class ReplayTimer:
         if self.predict is not None:
             self.predicted.append(self.predict(plan))
             self.kinds.append(plan.kind)
+            self.batch_sizes.append(len(plan.entries))
         return StepTiming(duration_s=duration)

@@ -21,7 +21,7 @@ from click.testing import CliRunner  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.cli import REAL_DEFAULTS  # noqa: E402
 from kvsim.realexec.cli_validate import cross_validate  # noqa: E402
-from kvsim.realexec.validation import Thresholds, compare_decisions  # noqa: E402
+from kvsim.realexec.validation import Thresholds, compare_decisions, step_errors  # noqa: E402
 from kvsim.sim.cli import main  # noqa: E402
 from kvsim.sim.decisions import read_decisions  # noqa: E402
 from kvsim.sim.device import DEVICES_DIR, load_device, save_device  # noqa: E402
@@ -61,6 +61,9 @@ def test_validation_json_has_every_metric(validation):
     ratios = sorted(m / p for m, p in zip(speed["measured_s"], speed["predicted_s"]))
     assert speed["ratio"] == pytest.approx(ratios[1])
     assert set(per_step["by_kind"]) <= {"prefill", "decode", "mixed"} and per_step["by_kind"]
+    by_batch, decode = per_step["decode_by_batch_size"], per_step["by_kind"]["decode"]
+    assert sum(e["steps"] for e in by_batch.values()) == decode["steps"] and all(int(n) >= 1 for n in by_batch)
+    assert all(e["median_ratio"] > 0 and e["mape"] >= 0 for e in by_batch.values())
     for metric in ("ttft_s", "tpot_s", "e2e_s"):
         for q in ("p50", "p99"):
             assert set(on_disk["timing"]["latency"][metric][q]) == {"real", "sim", "rel_error"}
@@ -77,6 +80,8 @@ def test_validation_json_has_every_metric(validation):
     assert on_disk["passed"] == all(c["passed"] for c in on_disk["checks"])
     series = on_disk["series"]["step_time"]
     assert len(series["predicted"]) == len(series["measured"]) == len(series["wall"]) == per_step["steps"]
+    decode_sizes = [n for n, kind in zip(series["batch_size"], series["kind"]) if kind == "decode"]
+    assert {str(n): decode_sizes.count(n) for n in set(decode_sizes)} == {n: e["steps"] for n, e in by_batch.items()}
 
 
 def test_steps_are_timed_on_the_cpu_clock_with_the_wall_clock_beside(validation):
@@ -218,3 +223,14 @@ def test_int8_validate_replays_the_real_decisions_and_predicts_its_memory_exactl
     assert result["decision_identity"]["identical"], result["decision_identity"]["first_divergence"]
     pool = result["memory"]["kv_pool_bytes"]
     assert pool["predicted"] == pool["measured"] > 0
+
+
+def test_decode_errors_by_batch_size_show_the_bias_of_each_size():
+    """A model 10 % long on one sequence and 2x short on two: the run-wide MAPE mixes them, the split does not."""
+    errors = step_errors(predicted=[1.0, 1.0, 1.0, 1.0, 1.0], measured=[0.9, 0.9, 2.0, 2.0, 1.0],
+                         kinds=["decode", "decode", "decode", "decode", "prefill"], batch_sizes=[1, 1, 2, 2, 1])
+    by_batch = errors["decode_by_batch_size"]
+    assert list(by_batch) == ["1", "2"]
+    assert by_batch["1"]["median_ratio"] == pytest.approx(0.9) and by_batch["1"]["steps"] == 2
+    assert by_batch["2"]["median_ratio"] == pytest.approx(2.0) and by_batch["2"]["mape"] == pytest.approx(0.5)
+    assert errors["by_kind"]["prefill"]["median_ratio"] == 1.0
