@@ -15,7 +15,7 @@ from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
 from kvsim.realexec.calibration import calibrated_profile
 from kvsim.realexec.cli import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend
 from kvsim.realexec.speed_check import speed_check
-from kvsim.realexec.validation import Thresholds, compare_decisions, step_errors, validate_runs
+from kvsim.realexec.validation import Thresholds, compare_decisions, reference_ratios, step_errors, validate_runs
 from kvsim.sim.cli_options import run_config_from, run_options
 from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.device import load_device
@@ -175,8 +175,7 @@ def format_checks(validation: dict) -> str:
         lines.append(f"decode steps by sequences in the batch, median measured / predicted (steps): {ratios}")
     speed = validation["timing"]["speed_check"]
     hint = " (the machine's speed changed since it was profiled: --reprofile)" if stale(speed["ratio"], noise) else ""
-    each = ", ".join(f"{label} {m / p:.2f}x" for label, m, p in zip(speed["labels"], speed["measured_s"], speed["predicted_s"]))
-    lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction ({each}){hint}")
+    lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction ({reference_ratios(speed)}){hint}")
     decisions = validation["decision_identity"]
     lines.append(f"decision logs: {'identical' if decisions['identical'] else 'DIVERGE at step ' + str(decisions['first_divergence']['step'])}"
                  f" over {decisions['steps_compared']} steps")

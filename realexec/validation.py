@@ -100,6 +100,12 @@ def step_errors(predicted: list[float], measured: list[float], kinds: list[str],
     return out
 
 
+def reference_ratios(speed_check: dict) -> str:
+    """Each reference step of a speed check (``SpeedCheck.to_dict``) with its measured / predicted ratio."""
+    return ", ".join(f"{label} {m / p:.2f}x" for label, m, p in
+                     zip(speed_check["labels"], speed_check["measured_s"], speed_check["predicted_s"]))
+
+
 def latency_errors(real: dict, sim: dict) -> dict:
     out = {}
     for metric in ("ttft_s", "tpot_s", "e2e_s"):

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import plotly.graph_objects as go
 
+from kvsim.realexec.validation import reference_ratios
 from kvsim.reports.downsample import MAX_POINTS, minmax_indices
 from kvsim.reports.figures import KIND_COLORS, LATENCIES, cdf_figure, latency_cdfs, series_data, styled
 from kvsim.reports.page import Cell, Page
@@ -193,17 +194,18 @@ def _timing_section(page: Page, timing: dict, pairs: dict[str, np.ndarray], sour
     page.figure(step_scatter(pairs))
     page.figure(error_histogram(pairs))
     per_step = timing.get("per_step", {})
-    rows = [["all steps", _pct(per_step.get("mape")), _ms(per_step.get("p90_abs_error_s")), str(per_step.get("steps", "n/a"))]]
-    for kind, stats in per_step.get("by_kind", {}).items():
-        rows.append([kind, _pct(stats.get("mape")), _ms(stats.get("p90_abs_error_s")), str(stats.get("steps", "n/a"))])
-    page.table(["steps", "MAPE", "p90 |error| (ms)", "count"], rows)
+    groups = [("all steps", per_step), *per_step.get("by_kind", {}).items(),
+              *((f"decode, {n} in the batch", stats) for n, stats in per_step.get("decode_by_batch_size", {}).items())]
+    rows = [[name, _pct(stats.get("mape")), _ratio(stats.get("median_ratio")), _ms(stats.get("p90_abs_error_s")),
+             str(stats.get("steps", "n/a"))] for name, stats in groups]
+    page.table(["steps", "MAPE", "median measured / predicted", "p90 |error| (ms)", "count"], rows)
     if per_step.get("noise_floor") is not None:
         page.note(f"Timing noise of single steps while the profile was measured (mean |run / median - 1|): "
                   f"{100 * per_step['noise_floor']:.1f} %. No model predicts single steps much better than that on this machine.")
     speed = timing.get("speed_check")
     if speed:
-        page.note(f"Speed check after the real run: reference steps ({', '.join(speed['labels'])}) took "
-                  f"{speed['ratio']:.2f}x the profile's prediction; far from 1, the machine's speed changed since it was profiled.")
+        page.note(f"Speed check after the real run: reference steps ({reference_ratios(speed)}) took {speed['ratio']:.2f}x the profile's "
+                  "prediction (their median); far from 1, the machine's speed changed since it was profiled.")
 
 
 def step_scatter(pairs: dict[str, np.ndarray]) -> go.Figure:
@@ -317,6 +319,10 @@ def _pct(value) -> Cell:
 
 def _ms(value) -> Cell:
     return Cell("n/a" if value is None else f"{1e3 * value:.3f}")
+
+
+def _ratio(value) -> Cell:
+    return Cell("n/a" if value is None else f"{value:.3f}")
 
 
 def _bytes(value) -> Cell:
