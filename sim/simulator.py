@@ -20,13 +20,12 @@ import contextlib
 import gc
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import simpy
 
 from kvsim.policies.engine import EngineCore
-from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import add_trace_request
 from kvsim.sim.decisions import DecisionSink
@@ -51,7 +50,6 @@ class SimRun:
     steps: StepLog
     times: TokenTimes
     wall_s: float
-    plans: list[StepPlan] = field(default_factory=list)
 
     @property
     def requests(self) -> list[Request]:
