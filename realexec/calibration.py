@@ -68,7 +68,7 @@ def calibrated_profile(
         say(f"using the calibrated profile {path}")
         return Calibrated(path, cached=True)
     reason = refresh or why_not_cached(path.parent, stem, parts)
-    say(f"{reason}: profiling now (kvsim profile --quick, about a minute): timing how fast this machine runs the "
+    say(f"{reason}: profiling now (kvsim profile --quick: about a minute for the tiny model on a CPU, longer for wider models): timing how fast this machine runs the "
         f"{Path(model).stem} model's operators and whole steps (KV cache in {kv_dtype}) on {backend.clock}, so the simulator can predict "
         f"its step times; the profile is cached as {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
