@@ -108,6 +108,9 @@ assert sorted(_SPLIT_OPERATORS) == sorted(OPERATORS), "every operator is token- 
 # One step's times come as a list in _SPLIT_OPERATORS order; these pick the kernels' and host terms' in theirs.
 _SPLIT_KERNEL_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in KERNEL_OPERATORS))
 _SPLIT_HOST_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in HOST_OPERATORS))
+_TOKEN_DISPATCHED = tuple(i for i, op in enumerate(_TOKEN_OPERATORS) if op in DISPATCHED_OPERATORS)
+_CONTEXT_DISPATCHED = tuple(i for i, op in enumerate(_CONTEXT_OPERATORS) if op in DISPATCHED_OPERATORS)
+_MEMO_LIMIT = 1 << 16
 
 
 def in_order_sum(terms) -> Num:
@@ -118,9 +121,8 @@ def in_order_sum(terms) -> Num:
     batch of arrays, and from the same run on Python 3.11.
     """
     return reduce(add, terms, 0.0)
-_TOKEN_DISPATCHED = tuple(i for i, op in enumerate(_TOKEN_OPERATORS) if op in DISPATCHED_OPERATORS)
-_CONTEXT_DISPATCHED = tuple(i for i, op in enumerate(_CONTEXT_OPERATORS) if op in DISPATCHED_OPERATORS)
-_MEMO_LIMIT = 1 << 16
+
+
 DISPATCH_STALL = "dispatch_stall"  # step split: time the device waits for eager dispatch
 
 LOGIT_BYTES = 4  # logits and probabilities are fp32
