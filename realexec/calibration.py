@@ -26,8 +26,8 @@ from kvsim.sim.model_spec import load_model
 # 3: the cpu backend times on its CPU-time clock, not the wall clock; 4: a case's primed and timed
 # runs read the same KV blocks; 5: a step's time is the median of the backend's timing repeats, gemv_rows
 # chosen from 1-8 token GEMMs, kernel rates refitted on whole steps; 6: prefill attention counted in
-# the cpu kernel's query tiles).
-PROFILER_VERSION = 6
+# the cpu kernel's query tiles; 7: the speed check's reference steps recorded in the profile).
+PROFILER_VERSION = 7
 
 Echo = Callable[[str], None]
 

@@ -70,9 +70,10 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     """This machine's calibrated profile, measured anew (once) when the machine no longer runs at its speed.
 
     The stale-profile decision is the speed check's (on the backend's clock): a reference step
-    timed now off its prediction by more than the profile's timing noise (at least 10 %) means
-    the machine's state has moved since it was profiled: days ago for a cached profile, or
-    during the minute of profiling on a shared host.
+    timed now off its time when profiled (its prediction, for a profile that did not record it)
+    by more than the profile's timing noise (at least 10 %) means the machine's state has moved
+    since it was profiled: days ago for a cached profile, or during the minute of profiling on a
+    shared host.
     """
     kv_dtype = resolve(config).memory.kv_dtype  # the profile must time the KV cache the run will use
     calibrated = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh="--reprofile" if reprofile else None, echo=echo)
@@ -82,7 +83,7 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     if not stale(ratio, load_device(calibrated.path).step_timing_noise):
         return calibrated.path
     which = "the cached profile is stale" if calibrated.cached else "the machine's speed changed while it was profiled"
-    reason = f"{which}: the reference step {label} took {ratio:.2f}x its prediction on {kernels.clock}"
+    reason = f"{which}: the reference step {label} took {ratio:.2f}x {check.against} on {kernels.clock}"
     return calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo).path
 
 
@@ -176,7 +177,9 @@ def format_checks(validation: dict) -> str:
         lines.append(f"decode steps by sequences in the batch, median measured / predicted (steps): {ratios}")
     speed = validation["timing"]["speed_check"]
     hint = " (the machine's speed changed since it was profiled: --reprofile)" if stale(speed["worst"]["ratio"], noise) else ""
-    lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction ({reference_ratios(speed)}){hint}")
+    lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction ({reference_ratios(speed)})"
+                 + (f", against their times when profiled {reference_ratios(speed, 'profiled_s')}" if speed.get("profiled_s") else "")
+                 + hint)
     decisions = validation["decision_identity"]
     lines.append(f"decision logs: {'identical' if decisions['identical'] else 'DIVERGE at step ' + str(decisions['first_divergence']['step'])}"
                  f" over {decisions['steps_compared']} steps")

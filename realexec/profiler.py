@@ -16,6 +16,8 @@ block sizes for attention):
    executor as ``kvsim execute`` runs one (several chunks beside ragged decodes, prefix hits).
    The ``host_step`` and ``host_seq`` terms are fitted on what the operators leave unexplained.
 3. A held-out engine run of another synthetic trace, never fitted: its per-step error is reported.
+4. The speed check's reference steps, timed as ``kvsim validate`` times them and recorded in the
+   profile, so that a later speed check tells the machine's drift apart from the model's error.
 
 Groups are fitted in :data:`GROUPS` order with :meth:`CostModel.fit` (minimum MAPE), each with
 the coefficients fitted before it held fixed.
@@ -41,6 +43,7 @@ from kvsim.realexec.executor import Executor
 from kvsim.realexec.profile_bench import KVPool, OperatorBenches, StepRecords, engine_run, measure, sweep_samples
 from kvsim.realexec.profile_fit import FitError, Measurements, fit_groups, stack
 from kvsim.realexec.profile_shapes import StepShape, Sweep, footprint, sweep_for
+from kvsim.realexec.speed_check import reference_steps
 from kvsim.sim.cost_model import CostModel
 from kvsim.sim.device import DeviceProfile, load_device, save_device
 from kvsim.sim.memory import plan_memory
@@ -130,8 +133,11 @@ def profile(
     for i, rate in enumerate(sweep.engine_rates):
         data.add_once(engine_run(executor, sweep, seed + 1 + i, rate))
     held_out = engine_run(executor, sweep, seed, sweep.engine_rates[0])
+    del executor, pools, samples  # the speed check's reference steps run on an executor of their own, as validate runs them
+    references = reference_steps(backend, spec, first, kv_dtype, seed)
 
     device, errors = fit_groups(spec, base, first, data, kv_dtype)
+    device = replace(device, reference_steps_s=references)
     predicted = CostModel(spec, device, first, kv_dtype).predict(stack(held_out.features))
     seconds, kinds = np.array(held_out.seconds), np.array(held_out.kinds)
     errors.append(FitError.of("held-out steps", predicted, seconds))

@@ -5,11 +5,13 @@ on the 2-core development VM the same CPU step's median moved by up to 1.9x betw
 minutes apart (docs/benchmarks.md), and a cached profile then misses every step by that much,
 whatever its model. ``kvsim validate`` therefore times three reference steps next to its real
 run, primed and interleaved as the profiler times its cases, and reports how their measured
-time compares with the profile's prediction: a ratio far from 1 means re-profile (``--reprofile``)
-before reading the timing errors as the model's. The stale decision reads the reference farthest
-from its prediction, not the median: each stands for a kind of step (the default workload is
-mostly 1-sequence decodes), and on the development VM a median of 1.10 once hid the 1-sequence
-decode at 1.32x (docs/benchmarks.md).
+time compares with what they took when the machine was profiled (profiles from ``kvsim
+profile`` record them) and with the profile's prediction. The first ratio is the machine's
+speed alone: far from 1, re-profile (``--reprofile``) before reading the timing errors as the
+model's. The second mixes it with the model's own error on those steps. The stale decision
+reads the reference farthest from its baseline, not the median: each stands for a kind of step
+(the default workload is mostly 1-sequence decodes), and on the development VM a median of
+1.10 once hid the 1-sequence decode at 1.32x (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import numpy as np
 
 from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.executor import Executor
-from kvsim.realexec.profile_bench import OperatorBenches, measure
+from kvsim.realexec.profile_bench import OperatorBenches, Sample, measure
 from kvsim.realexec.profile_shapes import StepShape, decode, footprint, prefill
 from kvsim.sim.cost_model import CostModel
+from kvsim.sim.model_spec import ModelSpec
 
 REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
     ("decode 1 x 128", decode(1, 128)),
@@ -34,42 +37,60 @@ REPEATS = 5
 
 @dataclass(frozen=True)
 class SpeedCheck:
-    """Median measured and predicted seconds of each reference step."""
+    """Median measured seconds of each reference step, beside its prediction and (if recorded) its time when profiled."""
 
     labels: list[str]
     measured_s: list[float]
     predicted_s: list[float]
+    profiled_s: list[float] | None = None  # None: the profile did not record its reference steps
 
     @property
     def ratio(self) -> float:
-        """Median of measured / predicted: 1.3 means the machine runs 30 % slower than its profile says."""
+        """Median of measured / predicted: 1.3 means the steps took 30 % longer than the profile predicts."""
         return float(np.median(np.array(self.measured_s) / np.array(self.predicted_s)))
 
     @property
+    def against(self) -> str:
+        """What the stale decision compares the measured times with."""
+        return "its time when profiled" if self.profiled_s else "its prediction"
+
+    @property
     def worst(self) -> tuple[str, float]:
-        """The reference step farthest from its prediction (either way), and its measured / predicted."""
-        ratios = np.array(self.measured_s) / np.array(self.predicted_s)
+        """The reference step farthest (either way) from its time when profiled, else from its prediction, and that ratio."""
+        ratios = np.array(self.measured_s) / np.array(self.profiled_s or self.predicted_s)
         i = int(np.argmax(np.abs(ratios - 1.0)))
         return self.labels[i], float(ratios[i])
 
     def to_dict(self) -> dict:
         label, ratio = self.worst
-        return {"labels": self.labels, "measured_s": self.measured_s, "predicted_s": self.predicted_s, "ratio": self.ratio,
-                "worst": {"label": label, "ratio": ratio}}
+        return {"labels": self.labels, "measured_s": self.measured_s, "predicted_s": self.predicted_s,
+                "profiled_s": self.profiled_s, "ratio": self.ratio, "worst": {"label": label, "ratio": ratio, "against": self.against}}
 
 
-def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:
-    """Time the reference steps on ``backend`` as the profiler times whole steps (its clock), and predict them with ``cost``."""
-    block_size = cost.block_size
+def reference_times(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0) -> tuple[list[float], list[Sample]]:
+    """The reference steps timed on ``backend`` as the profiler times whole steps (its clock): each one's median seconds, and its sample."""
     blocks = 2 * max(footprint(shape, block_size) for _, shape in REFERENCE_SHAPES)  # room for spread-out tables
-    executor = Executor(cost.model, backend, num_blocks=blocks, block_size=block_size, seed=seed,
-                        kv_dtype=cost.kv_dtype)
+    executor = Executor(spec, backend, num_blocks=blocks, block_size=block_size, seed=seed, kv_dtype=kv_dtype)
     rng = np.random.default_rng(seed)
     benches = OperatorBenches(executor, rng, seed)
     samples = [benches.step(shape) for _, shape in REFERENCE_SHAPES]
-    measured = measure(samples, REPEATS, rng).median
+    return [float(m) for m in measure(samples, REPEATS, rng).median], samples
+
+
+def reference_steps(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0) -> dict[str, float]:
+    """Label -> median seconds of each reference step now: what a profile records beside its fit."""
+    measured, _ = reference_times(backend, spec, block_size, kv_dtype, seed)
+    return dict(zip((label for label, _ in REFERENCE_SHAPES), measured))
+
+
+def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:
+    """Time the reference steps on ``backend``, against ``cost``'s prediction and the times its profile recorded."""
+    measured, samples = reference_times(backend, cost.model, cost.block_size, cost.kv_dtype, seed)
+    labels = [label for label, _ in REFERENCE_SHAPES]
+    recorded = cost.device.reference_steps_s
     return SpeedCheck(
-        labels=[label for label, _ in REFERENCE_SHAPES],
-        measured_s=[float(m) for m in measured],
+        labels=labels,
+        measured_s=measured,
         predicted_s=[float(cost.predict(s.features)) for s in samples],
+        profiled_s=[recorded[label] for label in labels] if all(label in recorded for label in labels) else None,
     )

@@ -204,8 +204,14 @@ def _timing_section(page: Page, timing: dict, pairs: dict[str, np.ndarray], sour
                   f"{100 * per_step['noise_floor']:.1f} %. No model predicts single steps much better than that on this machine.")
     speed = timing.get("speed_check")
     if speed:
-        page.note(f"Speed check after the real run: reference steps ({reference_ratios(speed)}) took {speed['ratio']:.2f}x the profile's "
-                  "prediction (their median); far from 1, the machine's speed changed since it was profiled.")
+        if speed.get("profiled_s"):
+            page.note(f"Speed check after the real run: reference steps took {reference_ratios(speed, 'profiled_s')} of their times "
+                      f"when the machine was profiled (far from 1: the machine's speed changed since), and {reference_ratios(speed)} "
+                      f"of the profile's prediction ({speed['ratio']:.2f}x their median: the machine's change and the model's error together).")
+        else:
+            page.note(f"Speed check after the real run: reference steps ({reference_ratios(speed)}) took {speed['ratio']:.2f}x the "
+                      "profile's prediction (their median); far from 1, the machine's speed changed since it was profiled "
+                      "or the model misses these steps (this profile did not record their times when it was measured).")
 
 
 def step_scatter(pairs: dict[str, np.ndarray]) -> go.Figure:

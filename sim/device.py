@@ -45,7 +45,7 @@ operator's formula does with them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -143,6 +143,11 @@ class DeviceProfile:
     # while profiling. No model predicts single steps better than this on that machine, so
     # ``kvsim validate`` reports it beside the per-step error. None for profiles not measured.
     step_timing_noise: float | None = None
+    # Written by ``kvsim profile``: the speed check's reference steps (label -> median seconds),
+    # timed as ``kvsim validate`` times them, right after the profile's cases. The speed check
+    # compares what they take now with these, so a change of the machine's speed is told apart
+    # from the model's error on those steps. Empty for profiles not measured.
+    reference_steps_s: dict[str, float] = field(default_factory=dict)
     # How the serving engine runs steps (sim/engine_overhead.py); None: kernels and host terms add up.
     engine: EngineProfile | None = None
 
@@ -188,6 +193,9 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines.append(f"step_timing_noise = {_toml_num(profile.step_timing_noise)}")
     if profile.engine is not None:
         lines += ["", *engine_toml_lines(profile.engine)]
+    if profile.reference_steps_s:
+        lines += ["", "[reference_steps_s]"]
+        lines += [f"{_toml_str(label)} = {_toml_num(seconds)}" for label, seconds in profile.reference_steps_s.items()]
     lines += ["", "[matrix_flops]"]
     lines += [f"{dt} = {_toml_num(profile.matrix_flops[dt])}" for dt in MATRIX_DTYPES]
     for op, keys in OPERATOR_KEYS.items():
@@ -233,6 +241,9 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     values["operators"] = {op: _operator(ops, op, values["launch_overhead_s"], path) for op in OPERATOR_KEYS}
     if "engine" in data:
         values["engine"] = parse_engine(_table(data, "engine", path), path)
+    if "reference_steps_s" in data:
+        steps = _table(data, "reference_steps_s", path)
+        values["reference_steps_s"] = {str(label): _number(steps, label, float, path, "reference_steps_s.") for label in steps}
     return DeviceProfile(**values)
 
 

@@ -21,6 +21,7 @@ from kvsim.realexec.profile_bench import KVPool, Measured, OperatorBenches, Samp
 from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups  # noqa: E402
 from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_decode, shape_features, sweep_for  # noqa: E402
 from kvsim.realexec.profiler import run_profile  # noqa: E402
+from kvsim.realexec.speed_check import REFERENCE_SHAPES  # noqa: E402
 from kvsim.sim.cost_model import CostModel  # noqa: E402
 from kvsim.sim.device import OperatorCoefficients, load_device, save_device  # noqa: E402
 from kvsim.sim.model_spec import load_model  # noqa: E402
@@ -205,6 +206,9 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     assert fitted_engine_steps > held.samples  # a run at each of SMALL.engine_rates, the held-out run at the first
     assert 0 <= held.mape <= held.max_error and result.step_noise >= 0
     assert any(line.startswith("held-out steps") for line in lines) and lines[-1].startswith("profiled in")
+    # the speed check's reference steps, timed as validate times them, for it to tell drift from model error
+    assert list(loaded.reference_steps_s) == [label for label, _ in REFERENCE_SHAPES]
+    assert all(np.isfinite(s) and s > 0 for s in loaded.reference_steps_s.values())
 
 
 def test_base_device_sweep_and_machine_follow_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,12 +301,13 @@ def test_an_int8_profile_is_measured_and_fitted_with_int8_and_says_so(tmp_path: 
     executors: list[Executor] = []
     monkeypatch.setattr("kvsim.realexec.profiler.fit_groups",
                         lambda spec, base, bs, data, kv_dtype=None: fitted_with.append(kv_dtype) or fit_groups(spec, base, bs, data, kv_dtype))
-    monkeypatch.setattr("kvsim.realexec.profiler.OperatorBenches",
-                        lambda ex, rng, seed: executors.append(ex) or OperatorBenches(ex, rng, seed))
+    for module in ("profiler", "speed_check"):  # the reference steps too
+        monkeypatch.setattr(f"kvsim.realexec.{module}.OperatorBenches",
+                            lambda ex, rng, seed: executors.append(ex) or OperatorBenches(ex, rng, seed))
     out = tmp_path / "int8.toml"
     result = run_profile("cpu", "tiny", out, sweep=dataclasses.replace(SMALL, block_sizes=(16,)), seed=3, kv_dtype="int8")
     assert result.kv_dtype == "int8" and fitted_with == ["int8"]
-    assert [ex.kv_dtype for ex in executors] == [torch.int8]  # every bench and whole step ran the quantised cache
+    assert [ex.kv_dtype for ex in executors] == [torch.int8] * 2  # every bench, whole step and reference step ran the quantised cache
     assert load_device(out).source.startswith("kvsim profile --backend cpu --model tiny --kv-cache-dtype int8 --seed 3 on ")
 
 
@@ -310,4 +315,13 @@ def test_a_negative_gemv_rows_is_rejected_naming_the_field(tmp_path: Path) -> No
     path = save_device(load_device("cpu"), tmp_path / "d.toml")
     path.write_text(path.read_text().replace("padded_attention", "gemv_rows = -1\npadded_attention"))
     with pytest.raises(ValueError, match="field gemv_rows must be >= 0, got -1"):
+        load_device(path)
+
+
+def test_reference_steps_round_trip_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    device = dataclasses.replace(load_device("cpu"), reference_steps_s={"decode 1 x 128": 0.0025, "prefill 256": 0.02})
+    path = save_device(device, tmp_path / "d.toml")
+    assert load_device(path) == device
+    path.write_text(path.read_text().replace("0.0025", "-1"))
+    with pytest.raises(ValueError, match=r"field reference_steps_s.decode 1 x 128 must be > 0, got -1"):
         load_device(path)
