@@ -60,8 +60,7 @@ def test_validation_json_has_every_metric(validation):
     assert all(m > 0 for m in speed["measured_s"]) and all(p > 0 for p in speed["predicted_s"])
     ratios = sorted(m / p for m, p in zip(speed["measured_s"], speed["predicted_s"]))
     assert speed["ratio"] == pytest.approx(ratios[1])
-    assert speed["profiled_s"] is None and speed["worst"]["against"] == "its prediction"  # the bundled profile recorded none
-    assert speed["worst"]["ratio"] == pytest.approx(max(ratios, key=lambda r: abs(r - 1.0)))
+    assert speed["profiled_s"] is None  # the bundled cpu profile did not record its reference steps
     assert set(per_step["by_kind"]) <= {"prefill", "decode", "mixed"} and per_step["by_kind"]
     by_batch, decode = per_step["decode_by_batch_size"], per_step["by_kind"]["decode"]
     assert sum(e["steps"] for e in by_batch.values()) == decode["steps"] and all(int(n) >= 1 for n in by_batch)
@@ -170,37 +169,12 @@ def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tm
     save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05), path)
     reasons: list[str] = []
     monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: reasons.append(str(out)))
-    # the decision reads the reference farthest from its prediction: a median of 1.05 does not hide a 1.3
-    for ratios, remeasured in (((1.0, 1.08, 0.95), False), ((1.0, 1.05, 1.3), True)):
-        monkeypatch.setattr(cli_validate, "speed_check",
-                            lambda backend, cost, seed=0, r=ratios: SpeedCheck(["a", "b", "c"], list(r), [1.0] * 3))
+    for ratio, remeasured in ((1.08, False), (1.3, True)):
+        monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0, r=ratio: SpeedCheck(["x"], [r], [1.0]))
         said: list[str] = []
         assert cli_validate.machine_profile(cpu, REAL_DEFAULTS, False, said.append) == path
         assert bool(reasons) == remeasured
-    assert "the cached profile is stale: the reference step c took 1.30x its prediction on thread CPU time" in said[-1]
-
-
-def test_the_stale_decision_reads_the_reference_times_a_profile_recorded(tmp_path, monkeypatch):
-    """A profile that recorded its reference steps is stale when the machine moved, not when its model misses a step."""
-    from kvsim.realexec import calibration, cli_validate
-    from kvsim.realexec.speed_check import SpeedCheck
-
-    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
-    cpu = get_backend("cpu")
-    path = tmp_path / "profiles" / f"cpu-tiny-fp32-{calibration.machine_fingerprint(cpu, 'fp32')}.toml"
-    path.parent.mkdir()
-    save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05), path)
-    reasons: list[str] = []
-    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: reasons.append(str(out)))
-    # measured 1.0 s: 1.3x a prediction of 0.77 s but 1.02x the 0.98 s recorded when profiled -> not stale
-    for profiled, remeasured in ((0.98, False), (0.7, True)):
-        check = SpeedCheck(["a", "b"], [1.0, 1.0], [0.77, 1.0], [profiled, 1.0])
-        monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0, c=check: c)
-        said: list[str] = []
-        cli_validate.machine_profile(cpu, REAL_DEFAULTS, False, said.append)
-        assert bool(reasons) == remeasured
-    assert "the reference step a took 1.43x its time when profiled on thread CPU time" in said[-1]
-    assert check.to_dict()["worst"] == {"label": "a", "ratio": pytest.approx(1 / 0.7), "against": "its time when profiled"}
+    assert "the cached profile is stale: reference steps took 1.30x its prediction on thread CPU time" in said[-1]
 
 
 def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(tmp_path, monkeypatch):
@@ -219,7 +193,7 @@ def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(t
     said: list[str] = []
     path = cli_validate.machine_profile(get_backend("cpu"), REAL_DEFAULTS, False, said.append)
     assert made == [path, path]  # measured, found stale, measured once more: no loop
-    assert "the machine's speed changed while it was profiled: the reference step x took 1.30x" in said[-1]
+    assert "the machine's speed changed while it was profiled: reference steps took 1.30x" in said[-1]
 
 
 def test_an_int8_run_is_profiled_with_int8_and_its_cache_kept_apart(tmp_path, monkeypatch):
