@@ -26,8 +26,9 @@ from kvsim.sim.model_spec import load_model
 # 3: the cpu backend times on its CPU-time clock, not the wall clock; 4: a case's primed and timed
 # runs read the same KV blocks; 5: a step's time is the median of the backend's timing repeats, gemv_rows
 # chosen from 1-8 token GEMMs, kernel rates refitted on whole steps; 6: prefill attention counted in
-# the cpu kernel's query tiles; 7: the speed check's reference steps recorded in the profile).
-PROFILER_VERSION = 7
+# the cpu kernel's query tiles; 7: the speed check's reference steps recorded in the profile; 8: row-count
+# terms measured on whole steps of a few tokens).
+PROFILER_VERSION = 8
 
 Echo = Callable[[str], None]
 
@@ -68,7 +69,7 @@ def calibrated_profile(
         say(f"using the calibrated profile {path}")
         return Calibrated(path, cached=True)
     reason = refresh or why_not_cached(path.parent, stem, parts)
-    say(f"{reason}: profiling now (kvsim profile --quick: about a minute for the tiny model on a CPU, longer for wider models): timing how fast this machine runs the "
+    say(f"{reason}: profiling now (kvsim profile --quick: about three minutes for the small model on a 2-core CPU, one for the tiny model): timing how fast this machine runs the "
         f"{Path(model).stem} model's operators and whole steps (KV cache in {kv_dtype}) on {backend.clock}, so the simulator can predict "
         f"its step times; the profile is cached as {path}")
     path.parent.mkdir(parents=True, exist_ok=True)

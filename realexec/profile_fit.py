@@ -37,6 +37,8 @@ HOST_OPERATORS = ("host_step", "host_seq")
 # Refitted on whole steps, one profile's held-out steps' error fell from 6.4 % to 5.6 %.
 STEP_REFITTED = ("gemm", "elementwise", "lm_head", "attn_decode")
 MAX_GEMV_ROWS = 8  # token counts the gemv_rows choice looks at: a BLAS's matrix-vector path ends well below this
+ROW_COUNT_MIN_STEPS = 3  # whole steps of one token count before its row-count term is measured
+ROW_COUNT_FLOOR = 0.01  # ... and the share of those steps' median time its residual must pass (below: noise)
 # gemm half_tokens tried with each gemv_rows: a GEMM's small-M efficiency loss (cost_model.py) is part of
 # the same fact (which kernel a few rows run on), so the two are chosen together.
 HALF_TOKENS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
@@ -112,9 +114,10 @@ def fit_groups(
     BLAS runs one matrix-vector product per row) with ``half_tokens`` (its small-M efficiency
     loss above that; the sweep's small token counts tell). The runner-up's error is reported
     beside the choice.
+    Last, the row-count terms (:func:`row_count_terms`), from the whole steps the fit leaves unexplained.
     Returns the calibrated profile and the fit's error per group and per labelled subset.
     """
-    device, errors = base, []
+    device, errors = replace(base, row_count_s={}), []  # the groups fit the operators alone; the row-count terms come last
     for group in GROUPS:
         if group.name not in data.median:
             continue
@@ -132,7 +135,28 @@ def fit_groups(
         if rejected:
             (_, runner_up, _), name = rejected[0]
             errors.append(FitError.of(f"{group.name} if {name}", runner_up, seconds))
+    if "steps" in data.median:
+        device = replace(device, row_count_s=row_count_terms(spec, device, block_size, data, kv_dtype))
+        features, seconds = stack(data.features["steps"]), np.array(data.median["steps"])
+        errors.append(FitError.of("steps with row-count terms", CostModel(spec, device, block_size, kv_dtype).predict(features), seconds))
     return device, errors
+
+
+def row_count_terms(
+    spec: ModelSpec, device: DeviceProfile, block_size: int, data: Measurements, kv_dtype: str | None = None
+) -> dict[int, float]:
+    """``row_count_s``: per token count up to :data:`MAX_GEMV_ROWS`, the median of what the whole steps
+    of that many tokens took beyond ``device``'s prediction, where at least :data:`ROW_COUNT_MIN_STEPS`
+    were timed and the median passes :data:`ROW_COUNT_FLOOR` of their time (the term only adds)."""
+    features, seconds = stack(data.features["steps"]), np.array(data.median["steps"])
+    residual = seconds - CostModel(spec, device, block_size, kv_dtype).predict(features)
+    tokens = np.asarray(features.num_tokens)
+    terms = {}
+    for rows in range(1, MAX_GEMV_ROWS + 1):
+        at = tokens == rows
+        if at.sum() >= ROW_COUNT_MIN_STEPS and np.median(residual[at]) > ROW_COUNT_FLOOR * np.median(seconds[at]):
+            terms[rows] = float(np.median(residual[at]))
+    return terms
 
 
 def structural_choices(group: str, device: DeviceProfile, features: StepFeatures) -> list[tuple[str, DeviceProfile]]:

@@ -203,6 +203,9 @@ def report_lines(result: Profile) -> list[str]:
     gemv = result.device.gemv_rows
     lines.append(f"matrix products: {f'fewer than {gemv} rows run one row at a time, ' if gemv else ''}"
                  f"small-M efficiency half at {result.device.operators['gemm'].shape:g} tokens")
+    if result.device.row_count_s:
+        terms = ", ".join(f"{rows}: {seconds * 1e3:.2f} ms" for rows, seconds in sorted(result.device.row_count_s.items()))
+        lines.append(f"steps of a few tokens, time beyond the operators (row-count terms): {terms}")
     lines.append(f"timing noise (mean |run / median - 1|): operators {result.operator_noise:.1%}, steps {result.step_noise:.1%}")
     lines.append(f"profiled in {result.seconds:.0f} s")
     return lines

@@ -21,6 +21,8 @@ a graph; sim/engine_overhead.py), ``S`` = num_sampled, other names as in :class:
 - ``gemm`` (matrix, HBM; QKV, O, gate_up, down):
   ``2 L P (T' + H_t [T]) | [T] L P w + a T' L (4h + 2q + 2kv + 3I) | 4 L [T]``; with ``T' < G``
   (the device's ``gemv_rows``) ``2 L P T' | T' L P w + ...``: one matrix-vector product per row
+  ; plus the device's ``row_count_s[T']`` seconds where it lists the step's token count (measured
+  whole steps at a few tokens: a CPU BLAS changes kernels with the row count, which no roofline follows)
 - ``elementwise`` (vector, HBM; fused add+RMSNorm x2, RoPE, q/k norms if the model has them,
   SiLU-and-mul, the embedding gather and the final norm), with ``g = q + kv`` and ``k`` = 1 under qk_norm:
   ``T' (L (8h + (3 + 4k) g + 5I) + 10h) | a T' (L (8h + (2 + 2k) g + 3I) + 6h) | (4L + 2 + k L) [T]``
@@ -229,6 +231,7 @@ class CostModel:
         self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
         self._half_tokens = device.operators["gemm"].shape
         self._gemv_rows = device.gemv_rows
+        self._row_count_s = device.row_count_s
         self._half_context = device.operators["attn_decode"].shape
         self._score_bytes = device.operators["attn_prefill"].shape
         self._padded_tokens: dict[float, float] = {}  # a graph engine's padding of one step's T, memoised
@@ -352,15 +355,23 @@ class CostModel:
         )
 
     # --- time ------------------------------------------------------------------------------
-    def _times(self, rows: tuple[tuple[Num, Num, Num], ...]) -> dict[str, Num]:
-        """Seconds per operator from its work rows (arrays in, arrays out)."""
+    def _times(self, rows: tuple[tuple[Num, Num, Num], ...], tokens: Num) -> dict[str, Num]:
+        """Seconds per operator from its work rows and the step's (padded) token count (arrays in, arrays out)."""
         times = {}
         for op, (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(OPERATORS, rows, self._rate_rows):
             compute, memory = flops * per_flop, nbytes * per_byte
             # np.maximum costs a microsecond on scalars; some features of a batch of steps are scalars.
             vector = isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray)
             times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
+        if self._row_count_s:
+            times["gemm"] = times["gemm"] + self._row_count_time(tokens)
         return times
+
+    def _row_count_time(self, tokens: Num) -> Num:
+        """The device's ``row_count_s`` term of steps of ``tokens`` tokens (0 at counts it does not list)."""
+        if isinstance(tokens, np.ndarray):
+            return sum(np.where(tokens == rows, seconds, 0.0) for rows, seconds in self._row_count_s.items())
+        return self._row_count_s.get(tokens, 0.0)
 
     def _one_step_times(self, f: StepFeatures) -> tuple[list[float], int]:
         """One step's seconds per operator (in ``_SPLIT_OPERATORS`` order) and dispatched kernel count, in plain floats.
@@ -374,10 +385,10 @@ class CostModel:
             if len(self._token_memo) >= _MEMO_LIMIT:
                 self._token_memo.clear()
             rows = self._token_rows(*key)
-            token = self._token_memo[key] = (
-                [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._token_rates)],
-                sum(rows[i][2] for i in _TOKEN_DISPATCHED),
-            )
+            times = [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._token_rates)]
+            if self._row_count_s:
+                times[0] = times[0] + self._row_count_time(self._padded(f.num_tokens))  # gemm
+            token = self._token_memo[key] = (times, sum(rows[i][2] for i in _TOKEN_DISPATCHED))
         token_times, token_calls = token
         rows = self._context_rows(f)
         context_times = [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._context_rates)]
@@ -386,7 +397,7 @@ class CostModel:
 
     def operator_times(self, f: StepFeatures) -> dict[str, Num]:
         """Seconds per operator (arrays in, arrays out)."""
-        return self._times(self._work(f))
+        return self._times(self._work(f), self._padded(f.num_tokens))
 
     def step_split(self, f: StepFeatures, one_step: bool | None = None) -> dict[str, Num]:
         """Seconds of a step by operator, as they add up to the step's time under the device's engine.
@@ -403,7 +414,7 @@ class CostModel:
             times = dict(zip(_SPLIT_OPERATORS, one_step_times))
         else:
             rows = self._work(f)
-            times = self._times(rows)
+            times = self._times(rows, self._padded(f.num_tokens))
             calls = sum(rows[i][2] for i in self._dispatched)
         split = {op: times[op] for op in STEP_OPERATORS}
         engine = self.device.engine

@@ -17,6 +17,8 @@ Layout::
     runtime_reserve_bytes = 1073741824  # memory the runtime holds outside the framework's allocator
     padded_attention = false          # optional: attention pads a batch to its longest sequence
     gemv_rows = 0                     # optional: matrix products of fewer rows run one row at a time
+                                      # optional [row_count_s]: "2" = 2.1e-3 (seconds a step of that
+                                      #  many tokens takes beyond its operators; kvsim profile measures it)
     attention_query_tile = 0          # optional: padded prefill attention runs query tiles of this many rows
 
     [matrix_flops]                    # FLOP/s of the matrix units, dense, per input dtype
@@ -139,6 +141,15 @@ class DeviceProfile:
     # MKL on the development VM: 2 and 3 rows cost 1.9x and 2.8x one row, 4 rows 2.3x; measured in
     # docs/benchmarks.md), accelerators' GEMM kernels do not. ``kvsim profile`` picks it.
     gemv_rows: int = 0
+    # Written by ``kvsim profile``: seconds a step of exactly this many tokens (a few) takes beyond
+    # what its operators' formulas give, the median over the whole steps it timed at that count. A
+    # CPU BLAS picks its kernel by row count (one row: a matrix-vector product; multiples of four:
+    # its GEMM micro-kernel; others: slower paths), which no roofline in the token count follows:
+    # on the development VM a 768-wide model's 2- and 3-token decode steps took 2.1 and 1.7 ms more
+    # than the fitted operators gave, 1, 4 and 8 tokens under 0.1 ms (docs/benchmarks.md). The
+    # cost model adds it to the step's matrix products (only adds: the roofline stays a floor).
+    # Empty: no such term (every bundled device).
+    row_count_s: dict[int, float] = field(default_factory=dict)
     # Written by ``kvsim profile``: mean |single step / its median - 1| over whole steps timed
     # while profiling. No model predicts single steps better than this on that machine, so
     # ``kvsim validate`` reports it beside the per-step error. None for profiles not measured.
@@ -193,6 +204,9 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines.append(f"step_timing_noise = {_toml_num(profile.step_timing_noise)}")
     if profile.engine is not None:
         lines += ["", *engine_toml_lines(profile.engine)]
+    if profile.row_count_s:
+        lines += ["", "[row_count_s]"]
+        lines += [f'"{rows}" = {_toml_num(seconds)}' for rows, seconds in sorted(profile.row_count_s.items())]
     if profile.reference_steps_s:
         lines += ["", "[reference_steps_s]"]
         lines += [f"{_toml_str(label)} = {_toml_num(seconds)}" for label, seconds in profile.reference_steps_s.items()]
@@ -241,10 +255,20 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     values["operators"] = {op: _operator(ops, op, values["launch_overhead_s"], path) for op in OPERATOR_KEYS}
     if "engine" in data:
         values["engine"] = parse_engine(_table(data, "engine", path), path)
+    if "row_count_s" in data:
+        values["row_count_s"] = _row_counts(_table(data, "row_count_s", path), path)
     if "reference_steps_s" in data:
         steps = _table(data, "reference_steps_s", path)
         values["reference_steps_s"] = {str(label): _number(steps, label, float, path, "reference_steps_s.") for label in steps}
     return DeviceProfile(**values)
+
+
+def _row_counts(table: dict, path: Path) -> dict[int, float]:
+    """``[row_count_s]``: keys are token counts (positive integers written as strings), values seconds (>= 0: it only adds)."""
+    for key in table:
+        if not key.isdigit() or int(key) < 1:
+            raise ValueError(f"{path}: field row_count_s.{key} must be named by a positive token count, like \"2\"")
+    return {int(key): float(_number(table, key, float, path, "row_count_s.", allow_zero=True)) for key in table}
 
 
 def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> OperatorCoefficients:

@@ -18,7 +18,7 @@ from torch_npu_standin import make_torch_npu_standin  # noqa: E402
 from kvsim.realexec.cli_profile import profile as profile_command  # noqa: E402
 from kvsim.realexec.executor import Executor  # noqa: E402
 from kvsim.realexec.profile_bench import KVPool, Measured, OperatorBenches, Sample, measure  # noqa: E402
-from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups  # noqa: E402
+from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups, stack  # noqa: E402
 from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_decode, shape_features, sweep_for  # noqa: E402
 from kvsim.realexec.profiler import run_profile  # noqa: E402
 from kvsim.realexec.speed_check import REFERENCE_SHAPES  # noqa: E402
@@ -324,4 +324,48 @@ def test_reference_steps_round_trip_and_a_bad_one_is_named(tmp_path: Path) -> No
     assert load_device(path) == device
     path.write_text(path.read_text().replace("0.0025", "-1"))
     with pytest.raises(ValueError, match=r"field reference_steps_s.decode 1 x 128 must be > 0, got -1"):
+        load_device(path)
+
+
+def test_row_count_terms_measure_what_steps_of_a_few_tokens_take_beyond_the_operators(tmp_path: Path) -> None:
+    """A BLAS whose 2-row products cost 2 ms more than any roofline: the fit's last term finds it, and only it."""
+    base = load_device("cpu")
+    truth = base.with_operators(TRUTH)
+    data = synthetic_measurements(truth, QUICK)
+    tokens = [f.num_tokens for f in data.features["steps"]]
+    data.median["steps"] = [s + (2e-3 if t == 2 else 0.0) for s, t in zip(data.median["steps"], tokens)]
+    assert tokens.count(2) >= 3  # the quick sweep's 2-sequence decodes
+
+    fitted, errors = fit_groups(TINY, base, 16, data)
+    assert list(fitted.row_count_s) == [2] and fitted.row_count_s[2] == pytest.approx(2e-3, rel=0.05)
+    before, after = (next(e for e in errors if e.name == name).mape for name in ("steps", "steps with row-count terms"))
+    assert after < before
+    assert load_device(save_device(fitted, tmp_path / "fitted.toml")) == fitted
+    clean, _ = fit_groups(TINY, base, 16, synthetic_measurements(truth, QUICK))
+    assert clean.row_count_s == {}  # a device that follows its rooflines gets none
+
+
+def test_the_cost_model_adds_a_row_count_term_at_its_token_count_alone() -> None:
+    plain = load_device("cpu")
+    device = dataclasses.replace(plain, row_count_s={2: 1e-3})
+    shapes = [decode(1, 64), decode(2, 64), prefill(2), decode(3, 64), prefill(30, 16) + decode(2, 40)]
+    features = [shape_features(shape, BS) for shape in shapes]
+    with_term, without = CostModel(TINY, device, BS), CostModel(TINY, plain, BS)
+    added = [with_term.step_total(f) - without.step_total(f) for f in features]
+    assert added == pytest.approx([0.0, 1e-3, 1e-3, 0.0, 0.0], abs=1e-12)
+    assert with_term.step_split(features[1])["gemm"] - without.step_split(features[1])["gemm"] == pytest.approx(1e-3)
+    stacked = stack(features)  # the fit's and replay's array path agrees with the simulator's one-step path
+    assert with_term.predict(stacked) == pytest.approx([with_term.step_total(f) for f in features], rel=1e-12)
+
+
+def test_row_count_terms_round_trip_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    device = dataclasses.replace(load_device("cpu"), row_count_s={2: 0.0021, 3: 0.0017})
+    path = save_device(device, tmp_path / "d.toml")
+    assert load_device(path) == device
+    text = path.read_text()
+    path.write_text(text.replace('"3" = ', '"three" = '))
+    with pytest.raises(ValueError, match=r'field row_count_s.three must be named by a positive token count, like "2"'):
+        load_device(path)
+    path.write_text(text.replace("0.0017", "-0.001"))
+    with pytest.raises(ValueError, match=r"field row_count_s.3 must be >= 0, got -0.001"):
         load_device(path)
