@@ -20,24 +20,27 @@ from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
 from kvsim.sim.runner import run_trace
 from kvsim.traces.schema import Trace
 
-# What `kvsim execute` / `validate` run when not told otherwise: the tiny model on the CPU and
-# the demo trace at a rate the CPU serves with room to spare. Above its capacity (the demo at
-# 25x, as before) requests queue behind one another, so TTFT adds up every step's error and a
-# few per cent per step become tens of per cent of latency. At 3x (about a third busy on the
-# 2-core development VM) a request rarely waits, and most decode steps run one sequence:
-# batches of 2-3 sequences are where this CPU's GEMM kernels cost more than a roofline says
-# (docs/benchmarks.md), and at 6x they made TPOT miss. A pool of 64 blocks (1,024 tokens,
-# about two of the demo's longest requests) forces preemptions; prefixes are still hit.
+# What `kvsim execute` / `validate` run when not told otherwise: the small model on the CPU and
+# the demo trace at a rate the CPU serves with room to spare. The small model, not the tiny one:
+# the tiny model's decode step is some hundred small dispatches, whose speed on a shared 2-core
+# VM drifted 9 % over minutes (the 768-wide, 2-layer small model's: 2 %), more than a 10 %
+# per-step bar leaves room for (docs/benchmarks.md). Above capacity (the demo at 25x, as once)
+# requests queue behind one another, so TTFT adds up every step's error and a few per cent per
+# step become tens of per cent of latency. At 3x (about two thirds busy with the small model on
+# the 2-core development VM) most decode steps run one to three sequences: two and three are
+# where this CPU's GEMM kernels cost more than a roofline says, which the profile's row-count
+# terms measure (sim/device.py). A pool of 64 blocks (1,024 tokens, about two of the demo's
+# longest requests) forces preemptions; prefixes are still hit.
 WORKLOAD = (
     "the bundled demo trace (41 requests of 17 Mooncake conversations: prompts of about 430 "
     "tokens sharing prefixes, outputs of about 21) at 3x its arrival rate (2.9 requests/s, about "
-    "a third of what a 2-core VM serves), the tiny model, FCFS with prefix caching, a 512-token "
+    "two thirds of what a 2-core VM serves), the small model, FCFS with prefix caching, a 512-token "
     "step budget and a pool of 64 blocks of 16 tokens: prefill, decode and mixed steps, prefix "
     "hits and preemptions."
 )
 REAL_DEFAULTS = RunConfig(
     trace="demo",
-    model="tiny",
+    model="small",
     device="cpu",
     block_size=16,
     num_blocks=64,

@@ -1,6 +1,6 @@
 """``kvsim validate``: run one trace on the device and in the simulator, and compare.
 
-With no arguments: the bundled demo trace, the tiny model, the CPU backend, a cost model
+With no arguments: the bundled demo trace, the small model, the CPU backend, a cost model
 calibrated for this machine (profiled on the spot and cached when none fits), and a report.
 """
 

@@ -32,6 +32,8 @@ from kvsim.sim.runner import run_trace  # noqa: E402
 from kvsim.sim.simulator import SimOptions, simulate  # noqa: E402
 from kvsim.sim.step_timer import StepTiming  # noqa: E402
 
+TINY = REAL_DEFAULTS.updated(model="tiny")  # the tests run the defaults on the fastest model
+
 SPEC = load_model("tiny")
 
 
@@ -153,7 +155,7 @@ class TeacherForced:
 
 
 def test_int8_kv_logits_stay_within_the_stated_bound_on_the_demo_trace():
-    config = REAL_DEFAULTS.updated(max_requests=16)
+    config = TINY.updated(max_requests=16)
     resolved = resolve(config.updated(kv_dtype="int8"))
     engine = resolved.engine_config
     backend = get_backend("cpu")

@@ -27,13 +27,15 @@ from kvsim.sim.decisions import read_decisions  # noqa: E402
 from kvsim.sim.device import DEVICES_DIR, load_device, save_device  # noqa: E402
 from kvsim.sim.run_config import load_run_trace  # noqa: E402
 
+TINY = REAL_DEFAULTS.updated(model="tiny")  # the tests run the defaults on the fastest model
+
 BASE_PROFILE = DEVICES_DIR / "cpu.toml"  # uncalibrated: fine for checking the machinery
 
 
 @pytest.fixture(scope="module")
 def validation(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("validate")
-    config = REAL_DEFAULTS.updated(max_requests=10, num_blocks=48)  # a tight pool: preemptions happen
+    config = TINY.updated(max_requests=10, num_blocks=48)  # a tight pool: preemptions happen
     validation = cross_validate(config, load_run_trace(config), get_backend("cpu"), BASE_PROFILE, out, Thresholds())
     return validation, out
 
@@ -119,7 +121,7 @@ def test_a_diverging_log_names_the_first_step():
 
 def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text("max_requests = 4\n[validation]\nstep_mape = 0.0\n")
+    config.write_text("model = \"tiny\"\nmax_requests = 4\n[validation]\nstep_mape = 0.0\n")
     profile = save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.2), tmp_path / "measured.toml")
     result = CliRunner().invoke(main, ["validate", "--config", str(config), "--profile", str(profile),
                                        "--out", str(tmp_path / "v")])
@@ -172,7 +174,7 @@ def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tm
     for ratio, remeasured in ((1.08, False), (1.3, True)):
         monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0, r=ratio: SpeedCheck(["x"], [r], [1.0]))
         said: list[str] = []
-        assert cli_validate.machine_profile(cpu, REAL_DEFAULTS, False, said.append) == path
+        assert cli_validate.machine_profile(cpu, TINY, False, said.append) == path
         assert bool(reasons) == remeasured
     assert "the cached profile is stale: reference steps took 1.30x its prediction on thread CPU time" in said[-1]
 
@@ -191,7 +193,7 @@ def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(t
     monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
     monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.3], [1.0]))
     said: list[str] = []
-    path = cli_validate.machine_profile(get_backend("cpu"), REAL_DEFAULTS, False, said.append)
+    path = cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append)
     assert made == [path, path]  # measured, found stale, measured once more: no loop
     assert "the machine's speed changed while it was profiled: reference steps took 1.30x" in said[-1]
 
@@ -210,15 +212,15 @@ def test_an_int8_run_is_profiled_with_int8_and_its_cache_kept_apart(tmp_path, mo
     monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
     monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.0], [1.0]))
     cpu, said = get_backend("cpu"), []
-    int8 = cli_validate.machine_profile(cpu, REAL_DEFAULTS.updated(kv_dtype="int8"), False, said.append)
-    default = cli_validate.machine_profile(cpu, REAL_DEFAULTS, False, None)
+    int8 = cli_validate.machine_profile(cpu, TINY.updated(kv_dtype="int8"), False, said.append)
+    default = cli_validate.machine_profile(cpu, TINY, False, None)
     assert profiled == [(int8, "int8"), (default, "fp32")]  # the tiny model's own KV dtype is fp32
     assert int8.name.startswith("cpu-tiny-int8-") and int8.name != default.name
     assert "kv cache int8" in json.loads(int8.with_suffix(".json").read_text()) and "(KV cache in int8)" in said[0]
 
 
 def test_int8_validate_replays_the_real_decisions_and_predicts_its_memory_exactly(tmp_path):
-    config = REAL_DEFAULTS.updated(max_requests=6, num_blocks=48, kv_dtype="int8")
+    config = TINY.updated(max_requests=6, num_blocks=48, kv_dtype="int8")
     result = cross_validate(config, load_run_trace(config), get_backend("cpu"), BASE_PROFILE, tmp_path, Thresholds())
     assert result["kv_dtype"] == "int8" and json.loads((tmp_path / "validation.json").read_text())["kv_dtype"] == "int8"
     assert result["decision_identity"]["identical"], result["decision_identity"]["first_divergence"]
