@@ -30,6 +30,7 @@ REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
     ("decode 8 x 256", decode(8, 256)),
     ("prefill 256", prefill(256)),
 )
+REFERENCE_LABELS = tuple(label for label, _ in REFERENCE_SHAPES)
 REPEATS = 5
 
 
@@ -65,13 +66,13 @@ def reference_times(backend: KernelBackend, spec: ModelSpec, block_size: int, kv
 def reference_steps(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0) -> dict[str, float]:
     """Label -> median seconds of each reference step now: what a profile records beside its fit."""
     measured, _ = reference_times(backend, spec, block_size, kv_dtype, seed)
-    return dict(zip((label for label, _ in REFERENCE_SHAPES), measured))
+    return dict(zip(REFERENCE_LABELS, measured))
 
 
 def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:
     """Time the reference steps on ``backend``, against ``cost``'s prediction and the times its profile recorded."""
     measured, samples = reference_times(backend, cost.model, cost.block_size, cost.kv_dtype, seed)
-    labels = [label for label, _ in REFERENCE_SHAPES]
+    labels = list(REFERENCE_LABELS)
     recorded = cost.device.reference_steps_s
     return SpeedCheck(
         labels=labels,
