@@ -237,3 +237,20 @@ def test_decode_errors_by_batch_size_show_the_bias_of_each_size():
     assert by_batch["1"]["median_ratio"] == pytest.approx(0.9) and by_batch["1"]["steps"] == 2
     assert by_batch["2"]["median_ratio"] == pytest.approx(2.0) and by_batch["2"]["mape"] == pytest.approx(0.5)
     assert errors["by_kind"]["prefill"]["median_ratio"] == 1.0
+
+
+def test_the_default_workload_exercises_every_step_kind_prefix_hits_and_preemption():
+    """What WORKLOAD promises of validate's default (the small model), simulated on the bundled cpu profile."""
+    from collections import Counter
+
+    from kvsim.sim.cost_model import CostModelTimer
+    from kvsim.sim.run_config import resolve
+    from kvsim.sim.simulator import SimOptions, simulate
+
+    assert REAL_DEFAULTS.model == "small"
+    resolved = resolve(REAL_DEFAULTS)
+    run = simulate(load_run_trace(REAL_DEFAULTS), resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions(check=True))
+    summary = run.summary()
+    assert summary["requests_completed"] == 41 and summary["requests_rejected"] == 0
+    assert summary["preemptions"] >= 1 and summary["prefix_hit_rate"] > 0
+    assert set(Counter(run.steps.column("kind"))) == {"prefill", "decode", "mixed"}
