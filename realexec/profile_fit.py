@@ -136,21 +136,17 @@ def fit_groups(
             (_, runner_up, _), name = rejected[0]
             errors.append(FitError.of(f"{group.name} if {name}", runner_up, seconds))
     if "steps" in data.median:
-        device = replace(device, row_count_s=row_count_terms(spec, device, block_size, data, kv_dtype))
         features, seconds = stack(data.features["steps"]), np.array(data.median["steps"])
+        residual = seconds - CostModel(spec, device, block_size, kv_dtype).predict(features)
+        device = replace(device, row_count_s=row_count_terms(np.asarray(features.num_tokens), seconds, residual))
         errors.append(FitError.of("steps with row-count terms", CostModel(spec, device, block_size, kv_dtype).predict(features), seconds))
     return device, errors
 
 
-def row_count_terms(
-    spec: ModelSpec, device: DeviceProfile, block_size: int, data: Measurements, kv_dtype: str | None = None
-) -> dict[int, float]:
-    """``row_count_s``: per token count up to :data:`MAX_GEMV_ROWS`, the median of what the whole steps
-    of that many tokens took beyond ``device``'s prediction, where at least :data:`ROW_COUNT_MIN_STEPS`
-    were timed and the median passes :data:`ROW_COUNT_FLOOR` of their time (the term only adds)."""
-    features, seconds = stack(data.features["steps"]), np.array(data.median["steps"])
-    residual = seconds - CostModel(spec, device, block_size, kv_dtype).predict(features)
-    tokens = np.asarray(features.num_tokens)
+def row_count_terms(tokens: np.ndarray, seconds: np.ndarray, residual: np.ndarray) -> dict[int, float]:
+    """``row_count_s``: per token count up to :data:`MAX_GEMV_ROWS`, the median ``residual`` (measured
+    ``seconds`` less the fitted prediction) of the whole steps of ``tokens`` tokens, where at least
+    :data:`ROW_COUNT_MIN_STEPS` were timed and it passes :data:`ROW_COUNT_FLOOR` of their time (the term only adds)."""
     terms = {}
     for rows in range(1, MAX_GEMV_ROWS + 1):
         at = tokens == rows

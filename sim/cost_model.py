@@ -370,7 +370,7 @@ class CostModel:
     def _row_count_time(self, tokens: Num) -> Num:
         """The device's ``row_count_s`` term of steps of ``tokens`` tokens (0 at counts it does not list)."""
         if isinstance(tokens, np.ndarray):
-            return sum(np.where(tokens == rows, seconds, 0.0) for rows, seconds in self._row_count_s.items())
+            return in_order_sum(np.where(tokens == rows, seconds, 0.0) for rows, seconds in self._row_count_s.items())
         return self._row_count_s.get(tokens, 0.0)
 
     def _one_step_times(self, f: StepFeatures) -> tuple[list[float], int]:
