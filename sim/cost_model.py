@@ -537,11 +537,13 @@ def _refine(
 ) -> dict[str, list[float]]:
     """Alternate roof assignment and reweighted least squares from ``rates`` until both settle (see ``fit``).
 
-    The call costs of ``frozen_calls`` operators keep their values in ``rates``.
+    The call costs of ``frozen_calls`` operators keep their values in ``rates``. Sums run in
+    ``work``'s order (the operators'), never a set's, whose order follows the hash seed: a float
+    sum's last bits depend on its order, and the fit's flat directions amplify them.
     """
     rates = {op: list(r) for op, r in rates.items()}
     size = seconds.size
-    target = target - sum((work[op][2] * rates[op][2] for op in frozen_calls if op in work), np.zeros(size))
+    target = target - sum((work[op][2] * rates[op][2] for op in work if op in frozen_calls), np.zeros(size))
     columns = [(op, j) for op in work for j in range(3) if np.any(work[op][j] > 0) and not (j == 2 and op in frozen_calls)]
     scale = 1.0 / seconds  # rows in relative terms, times the square root of each sample's weight
     previous = None

@@ -15,6 +15,7 @@ from kvsim.sim.cost_model import (
     CostModel,
     CostModelTimer,
     StepFeatures,
+    _refine,
     features_from_plan,
     in_order_sum,
 )
@@ -329,6 +330,26 @@ def test_fit_with_fixed_operators_recovers_the_host_terms(llama_910b: CostModel)
     assert fitted["host_step"].call_s == pytest.approx(3e-4, rel=1e-6)
     assert fitted["host_seq"].call_s == pytest.approx(8e-6, rel=1e-6)
     assert llama_910b.predict(f).min() > 0 and llama_910b.device.operators["host_step"].call_s == 0  # bundled: not modelled
+
+
+def test_refine_does_not_depend_on_the_order_of_the_frozen_operators() -> None:
+    """The frozen call terms are summed in the operators' order, not the frozen set's (whose order
+    follows PYTHONHASHSEED): the same measurements give the same fit in every process. Here the
+    terms 1, 1e-16 and 1e-16 sum to different floats in the two orders a set could give."""
+    size = 8
+    rng = np.random.default_rng(0)
+    work = {
+        "gemm": [rng.uniform(1, 2, size), rng.uniform(1, 2, size), np.ones(size)],
+        "host_step": [np.zeros(size), np.zeros(size), np.ones(size)],
+        "host_seq": [np.zeros(size), np.zeros(size), np.ones(size)],
+        "host_token": [np.zeros(size), np.zeros(size), np.ones(size)],
+    }
+    rates = {"gemm": [1.0, 0.5, 0.1], "host_step": [0.0, 0.0, 1e-16], "host_seq": [0.0, 0.0, 1e-16], "host_token": [0.0, 0.0, 1.0]}
+    seconds = rng.uniform(3, 4, size)
+    fits = [_refine(work, seconds, seconds, rates, 100, frozen_calls=order)
+            for order in (["host_token", "host_step", "host_seq"], ["host_step", "host_seq", "host_token"])]
+    assert (0.0 + 1.0 + 1e-16 + 1e-16) != (0.0 + 1e-16 + 1e-16 + 1.0)  # the two orders' sums differ
+    assert fits[0] == fits[1]
 
 
 def test_fit_rejects_bad_input(llama_910b: CostModel) -> None:
