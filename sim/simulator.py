@@ -26,10 +26,11 @@ from typing import Callable
 import simpy
 
 from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import add_trace_request
 from kvsim.sim.decisions import DecisionSink
-from kvsim.sim.metrics import StepLog, TokenTimes, request_rows, summarize
+from kvsim.sim.metrics import StepLog, TokenTimes, request_rows, request_tuples, summarize
 from kvsim.sim.step_timer import StepTimer, StepTiming
 from kvsim.traces.schema import Trace
 
@@ -62,6 +63,9 @@ class SimRun:
 
     def request_rows(self) -> list[dict]:
         return request_rows(self.requests, self.times)
+
+    def request_tuples(self) -> list[tuple]:
+        return request_tuples(self.requests, self.times)
 
 
 class Simulation:
@@ -98,22 +102,43 @@ class Simulation:
                 self._wake.succeed()
 
     def _engine_process(self):
-        engine, n = self.engine, len(self._arrivals)
+        """Admit what has arrived, run one step, repeat; with nothing to run, sleep until an arrival.
+
+        A step is schedule -> step timer -> (swap on the host link) -> timeout -> commit, written
+        out here rather than in nested generators: a generator a step is a visible share of the
+        simulator's time on long traces.
+        """
+        engine, env, arrivals, n = self.engine, self.env, self._arrivals, len(self._arrivals)
+        schedule, timer_step = engine.schedule, self.timer.step
         while True:
-            self._admit_arrivals()
+            if self.next_index < n and arrivals[self.next_index] <= self.clock:
+                self._admit_arrivals()
             if not engine.has_unfinished():
                 if self.next_index >= n:
                     return
-                upcoming = self._arrivals[self.next_index]
-                if upcoming > self.env.now:  # else the arrival process has already passed it
-                    self._wake = self.env.event()
+                upcoming = arrivals[self.next_index]
+                if upcoming > env.now:  # else the arrival process has already passed it
+                    self._wake = env.event()
                     yield self._wake
                     self._wake = None
                 self.clock = max(self.clock, upcoming)
                 continue
-            yield from self._step()
-            if self.options.max_steps and len(self.steps) > self.options.max_steps:
-                raise RuntimeError(f"simulation exceeded {self.options.max_steps} steps")
+            start = self.clock
+            plan = schedule(start)
+            timing: StepTiming | None = None
+            duration = 0.0
+            if not plan.is_empty:
+                timing = timer_step(plan)
+                duration = timing.duration_s
+                swap_s = timing.operators.get("swap", 0.0)
+                if swap_s > 0:
+                    with self.host_link.request() as link:
+                        yield link
+                        yield env.timeout(swap_s)
+            now = self.clock = start + duration
+            if now > env.now:
+                yield env.timeout(now - env.now)
+            self._commit(plan, start, duration, timing)
 
     # --- pieces of the loop ----------------------------------------------------------------
     def _admit_arrivals(self) -> None:
@@ -123,39 +148,21 @@ class Simulation:
             self.timer.add_request(request)
             self.next_index += 1
 
-    def _advance_to(self, target: float):
-        self.clock = target
-        if target > self.env.now:
-            yield self.env.timeout(target - self.env.now)
-
-    def _step(self):
-        engine, start = self.engine, self.clock
-        plan = engine.schedule(start)
-        timing: StepTiming | None = None
-        duration = 0.0
-        if not plan.is_empty:
-            timing = self.timer.step(plan)
-            duration = timing.duration_s
-            swap_s = timing.operators.get("swap", 0.0)
-            if swap_s > 0:
-                with self.host_link.request() as link:
-                    yield link
-                    yield self.env.timeout(swap_s)
-        yield from self._advance_to(start + duration)
-        now = self.clock
+    def _commit(self, plan: StepPlan, start: float, duration: float, timing: StepTiming | None) -> None:
+        """The step's results at its end (``self.clock``): the engine's commit and every record of the step."""
+        engine, now, options = self.engine, self.clock, self.options
         self.times.step_ended(now)
         ended = engine.commit(plan, now)
         self.steps.add_step(plan, start, duration, engine.kv_counts(), timing)
-        if self.options.decisions is not None:
-            self.options.decisions.plan(plan)
-        if self.options.check:
+        if options.decisions is not None:
+            options.decisions.plan(plan)
+        if options.check:
             engine.check_invariants()
             plan.check(engine.config.block_size)
-        self._progress(len(ended) + len(plan.rejected))
-
-    def _progress(self, ended: int) -> None:
-        if ended and self.options.on_progress is not None:
-            self.options.on_progress(ended)
+        if options.max_steps and len(self.steps) > options.max_steps:
+            raise RuntimeError(f"simulation exceeded {options.max_steps} steps")
+        if options.on_progress is not None and (ended or plan.rejected):
+            options.on_progress(len(ended) + len(plan.rejected))
 
     def run(self) -> SimRun:
         started = time.perf_counter()
