@@ -198,11 +198,6 @@ def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
     )
 
 
-def _on(x: Num) -> Num:
-    """1 where the operator runs at all (x > 0), else 0: gates launch counts and weight reads."""
-    return x > 0
-
-
 class CostModel:
     """Per-operator rooflines for one model on one device at one block size and KV dtype."""
 
@@ -286,7 +281,7 @@ class CostModel:
         kv, h, vocab = m.kv_size, m.hidden_size, m.vocab_size
         Tp = self._padded(T)
         half_tokens = self._half_tokens
-        on_T, on_S = _on(T), _on(S)
+        on_T, on_S = T > 0, S > 0  # 1 where the operator runs at all: gates launches and weight reads
         P = self._layer_matmul_params
         # Below gemv_rows a matrix product runs one matrix-vector product per row: the weights stream
         # once per row and the small-M efficiency loss does not apply (a GEMV runs at bandwidth).
@@ -313,7 +308,7 @@ class CostModel:
 
     def _context_rows(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
         """The rows that depend on the batch's shape: attn_prefill, attn_decode, paged_gather,
-        block_copy, swap, host_step, host_seq."""
+        block_copy, swap, host_step, host_seq. ``x > 0`` gates an operator's launches (1 where it runs at all)."""
         m, L, a, c = self.model, self._L, self._a, self._kv_token_layer
         q = m.q_size
         half_context, score_bytes = self._half_context, self._score_bytes
@@ -335,22 +330,22 @@ class CostModel:
             (
                 4 * q * L * pairs,
                 L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens + score_bytes * m.num_heads * pairs),
-                L * _on(f.prefill_tokens),
+                L * (f.prefill_tokens > 0),
             ),
             # attn_decode
             (
                 4 * q * L * decode_ctx,
                 L * ((decode_ctx + half_context * f.decode_seqs) * c + 2 * q * a * f.decode_seqs),
-                L * _on(f.decode_seqs),
+                L * (f.decode_seqs > 0),
             ),
             # paged_gather
             (0.0, 0.0, L * blocks),
             # block_copy
-            (0.0, 2 * f.copy_blocks * self._block_bytes, 2 * L * _on(f.copy_blocks)),
+            (0.0, 2 * f.copy_blocks * self._block_bytes, 2 * L * (f.copy_blocks > 0)),
             # swap
-            (0.0, f.swap_blocks * self._block_bytes, 2 * L * _on(f.swap_blocks)),
+            (0.0, f.swap_blocks * self._block_bytes, 2 * L * (f.swap_blocks > 0)),
             # host_step, host_seq
-            (0.0, 0.0, _on(f.num_seqs)),
+            (0.0, 0.0, (f.num_seqs > 0)),
             (0.0, 0.0, f.num_seqs),
         )
 
