@@ -211,36 +211,41 @@ REQUEST_COLUMNS = (
 
 
 def request_rows(requests: list[Request], times: TokenTimes) -> list[dict]:
-    """One row per sequence (samples of n > 1 requests are rows of their own)."""
+    """One row per sequence (samples of n > 1 requests are rows of their own), keyed by ``REQUEST_COLUMNS``."""
+    return [dict(zip(REQUEST_COLUMNS, row)) for row in request_tuples(requests, times)]
+
+
+def request_tuples(requests: list[Request], times: TokenTimes) -> list[tuple]:
+    """:func:`request_rows` as tuples in ``REQUEST_COLUMNS`` order: what requests.csv writes, without a dict a row."""
+    first_scheduled, max_gap = times.first_scheduled, times.max_gap
     rows = []
     for r in requests:
-        sched = times.first_scheduled.get(r.request_id)
+        rid, arrival = r.request_id, r.arrival_s
+        sched = first_scheduled.get(rid)
         first, fin = r.first_token_s, r.finish_s
-        rows.append(
-            {
-                "request_id": r.request_id,
-                "trace_index": r.trace_index,
-                "parent": r.parent.request_id if r.parent is not None else "",
-                "status": r.status.value,
-                "reject_reason": r.reject_reason or "",
-                "arrival_s": r.arrival_s,
-                "prompt_tokens": r.prompt_tokens,
-                "output_tokens": r.output_tokens,
-                "generated_tokens": r.num_output_tokens,
-                "first_scheduled_s": sched,
-                "first_token_s": first,
-                "finish_s": fin,
-                "queue_s": None if sched is None else sched - r.arrival_s,
-                "ttft_s": None if first is None else first - r.arrival_s,
-                "tpot_s": (fin - first) / (r.num_output_tokens - 1)
-                if fin is not None and first is not None and r.num_output_tokens > 1
-                else None,
-                "e2e_s": None if fin is None else fin - r.arrival_s,
-                "max_itl_s": times.max_gap.get(r.request_id),
-                "preemptions": r.num_preemptions,
-                "prefix_hit_tokens": r.prefix_hit_tokens,
-            }
-        )
+        rows.append((
+            rid,
+            r.trace_index,
+            r.parent.request_id if r.parent is not None else "",
+            r.status.value,
+            r.reject_reason or "",
+            arrival,
+            r.prompt_tokens,
+            r.output_tokens,
+            r.num_output_tokens,  # generated_tokens
+            sched,  # first_scheduled_s
+            first,  # first_token_s
+            fin,  # finish_s
+            None if sched is None else sched - arrival,  # queue_s
+            None if first is None else first - arrival,  # ttft_s
+            (fin - first) / (r.num_output_tokens - 1)  # tpot_s
+            if fin is not None and first is not None and r.num_output_tokens > 1
+            else None,
+            None if fin is None else fin - arrival,  # e2e_s
+            max_gap.get(rid),  # max_itl_s
+            r.num_preemptions,
+            r.prefix_hit_tokens,
+        ))  # fmt: skip
     return rows
 
 

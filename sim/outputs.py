@@ -13,7 +13,6 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from operator import itemgetter
 from pathlib import Path
 from typing import TextIO
 
@@ -54,21 +53,34 @@ def write_summary(out_dir: Path, summary: dict) -> Path:
     return path
 
 
-def write_requests(out_dir: Path, rows: list[dict]) -> Path:
+def write_requests(out_dir: Path, rows: list[tuple]) -> Path:
+    """``rows`` in ``REQUEST_COLUMNS`` order (``SimRun.request_tuples``)."""
     path = out_dir / REQUESTS
     with atomic_open(path) as fh:
         writer = csv.writer(fh)
         writer.writerow(REQUEST_COLUMNS)
-        writer.writerows(map(itemgetter(*REQUEST_COLUMNS), rows))  # csv writes None as an empty field
+        writer.writerows(rows)  # csv writes None as an empty field
     return path
+
+
+# A simulated step's row (no measured fields) as the csv module writes it: ints by str, floats by
+# repr, a kind that needs no quoting, three empty cells. One format a row takes two thirds of
+# the csv module's time (57,000 rows: 0.15 -> 0.10 s), what a long trace's run is otherwise waiting on.
+_SIMULATED_STEP_ROW = ",".join(["%d", "%r", "%r", "%d", "%s"] + ["%d"] * 10) + ",,,\r\n"
+_MEASURED_FIELDS = len(STEP_COLUMNS) - 3  # where device_s, host_s, memory_bytes start
+_NOT_MEASURED = (None, None, None)
 
 
 def write_steps(out_dir: Path, steps: StepLog) -> Path:
     path = out_dir / STEPS
+    measured = _MEASURED_FIELDS
     with atomic_open(path) as fh:
         writer = csv.writer(fh)
         writer.writerow(STEP_COLUMNS)
-        writer.writerows(steps.rows)
+        if all(row[measured:] == _NOT_MEASURED for row in steps.rows):
+            fh.write("".join([_SIMULATED_STEP_ROW % row[:measured] for row in steps.rows]))
+        else:
+            writer.writerows(steps.rows)
     return path
 
 

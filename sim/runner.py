@@ -60,7 +60,7 @@ def run_trace(
         summary["warnings"] = run_warnings(resolved, trace, summary, run.requests, run.times.first_scheduled)
         if out_dir is not None:
             write_summary(out_dir, summary)
-            write_requests(out_dir, run.request_rows())
+            write_requests(out_dir, run.request_tuples())
             write_steps(out_dir, run.steps)
     return run, summary
 

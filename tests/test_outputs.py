@@ -3,6 +3,8 @@ and an old run being overwritten stays whole until the new one replaces it."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import signal
 import subprocess
@@ -12,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.sim.outputs import SUMMARY, atomic_open, format_summary
+from kvsim import traces
+from kvsim.sim.cost_model import CostModelTimer
+from kvsim.sim.metrics import STEP_COLUMNS, StepLog
+from kvsim.sim.outputs import STEPS, SUMMARY, atomic_open, format_summary, write_steps
+from kvsim.sim.run_config import RunConfig, resolve
+from kvsim.sim.simulator import SimOptions, simulate
 from kvsim.sim.run_dir import COMPLETE, is_complete, staged_dir
 
 # --check makes the run slow enough (seconds of CPU) to be killed in the middle
@@ -124,3 +131,31 @@ def test_distribution_partitions_only_arrays_it_owns_or_is_handed():
     assert distribution(given) == expected and np.array_equal(given, values)  # sorted into a copy
     assert distribution(list(values)) == expected
     assert distribution(ordered.copy(), ascending=True, consume=True) == expected
+
+
+def _csv_module_steps(rows: list[tuple]) -> str:
+    buffer = io.StringIO(newline="")
+    writer = csv.writer(buffer)
+    writer.writerow(STEP_COLUMNS)
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def test_steps_csv_is_what_the_csv_module_writes(tmp_path):
+    """steps.csv of a simulated run is formatted row by row without the csv module; the bytes must
+    be the module's: a demo run (every step kind), an idle step, floats that repr in exponent form,
+    and a log with measured fields (which the module writes itself)."""
+    resolved = resolve(RunConfig(trace="demo"))
+    run = simulate(traces.load_named("demo"), resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions())
+    rows = run.steps.rows + [(len(run.steps), 1e-05, 0.0, 0, "idle", 0, 0, 0, 0, 0, 64, 0, 0, 0, 0, None, None, None),
+                             (len(run.steps) + 1, 12345678.9, 1.5e-07, 1, "decode", 1, 0, 1, 1, 0, 63, 127, 0, 0, 0, None, None, None)]
+    assert {row[4] for row in rows} >= {"prefill", "decode", "mixed", "idle"}
+    simulated = tmp_path / "simulated"
+    simulated.mkdir()
+    write_steps(simulated, StepLog(rows))
+    assert (simulated / STEPS).read_bytes().decode() == _csv_module_steps(rows)
+    measured_rows = rows[:3] + [(*rows[3][:15], 0.004, 0.001, 123456)]
+    measured = tmp_path / "measured"
+    measured.mkdir()
+    write_steps(measured, StepLog(measured_rows))
+    assert (measured / STEPS).read_bytes().decode() == _csv_module_steps(measured_rows)
