@@ -111,8 +111,7 @@ class Simulation:
         engine, env, arrivals, n = self.engine, self.env, self._arrivals, len(self._arrivals)
         schedule, timer_step = engine.schedule, self.timer.step
         while True:
-            if self.next_index < n and arrivals[self.next_index] <= self.clock:
-                self._admit_arrivals()
+            self._admit_arrivals()
             if not engine.has_unfinished():
                 if self.next_index >= n:
                     return
