@@ -19,8 +19,8 @@ from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.metrics import STEP_COLUMNS, StepLog
 from kvsim.sim.outputs import STEPS, SUMMARY, atomic_open, format_summary, write_steps
 from kvsim.sim.run_config import RunConfig, resolve
-from kvsim.sim.simulator import SimOptions, simulate
 from kvsim.sim.run_dir import COMPLETE, is_complete, staged_dir
+from kvsim.sim.simulator import SimOptions, simulate
 
 # --check makes the run slow enough (seconds of CPU) to be killed in the middle
 SLOW_RUN = ["simulate", "--trace", "mooncake_500", "--check", "--quiet"]
