@@ -60,41 +60,76 @@ def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 _QK_GAIN = 2.0
 
 
-def _random_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor of the seeded init, keyed on (seed, name).
+# Seeded weights are windows of one Gaussian tile: drawing a 7B model's 6.7 billion values one by
+# one from a CPU generator took over 200 s (docs/benchmarks.md), while copying windows of a tile of
+# about a million values costs what writing the weights costs, on any device. TILE_VALUES is prime,
+# so the rows of a matrix (windows starting ``columns`` apart) are distinct windows for any shape
+# with fewer than TILE_VALUES columns, and no row repeats a value pattern within itself.
+TILE_VALUES = 1_048_573  # the largest prime below 2**20
+_TILE_STREAM = 3  # an RNG domain of its own (realexec.prompts uses 0 and 1, the int8 calibration 2)
+
+
+def gaussian_tile(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The run's fp32 unit Gaussian tile, drawn on the CPU (the same values everywhere), then moved."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + _TILE_STREAM)
+    return torch.randn(TILE_VALUES, generator=gen, dtype=torch.float32).to(device)
+
+
+def tile_window(tile: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``prod(shape)`` consecutive values of the cyclic ``tile`` from ``offset``, as a new tensor of ``shape``.
+
+    Copied a tile's length at a time, so memory grows by the result alone.
+    """
+    numel, period = math.prod(shape), tile.numel()
+    out = torch.empty(numel, dtype=tile.dtype, device=tile.device)
+    done, start = 0, offset % period
+    while done < numel:
+        n = min(period - start, numel - done)
+        out[done : done + n].copy_(tile[start : start + n])
+        done, start = done + n, 0
+    return out.view(shape)
+
+
+def init_std(spec: ModelSpec, name: str, shape: tuple[int, ...]) -> float:
+    """The standard deviation of one seeded tensor (norm weights are constants: :func:`_random_tensor`).
 
     Pre-norm keeps each layer's input at unit RMS whatever the stream's scale, so only the
     shares matter: every linear gets std 1/sqrt(fan_in) (unit-variance outputs), the two residual
     writers (o_proj, down_proj) a further 1/sqrt(2 * layers), and the embedding the share of one
     such writer. The stream then ends near RMS 1 at any depth, every layer and the context shape
     the output (not just the current token's embedding), and fp32 logits have well-separated
-    maxima, so greedy argmax ties are practically impossible. Norm weights are ones.
+    maxima, so greedy argmax ties are practically impossible.
     """
-    if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return torch.full(shape, _QK_GAIN, dtype=dtype)  # the per-head norm would erase the projections' gain
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=dtype)
     residual_share = 1.0 / math.sqrt(2 * spec.num_layers)
     if name == "model.embed_tokens.weight":
-        std = residual_share
-    else:
-        std = 1.0 / math.sqrt(shape[1])
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            std *= residual_share
-        elif name.endswith(("q_proj.weight", "k_proj.weight")) and not spec.qk_norm:
-            std *= _QK_GAIN
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    return torch.randn(shape, generator=gen, dtype=dtype).mul_(std)
+        return residual_share
+    std = 1.0 / math.sqrt(shape[1])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std *= residual_share
+    elif name.endswith(("q_proj.weight", "k_proj.weight")) and not spec.qk_norm:
+        std *= _QK_GAIN
+    return std
+
+
+def _random_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], tile: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of the seeded init: a window of ``tile`` chosen by the tensor's name, scaled by :func:`init_std`."""
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return torch.full(shape, _QK_GAIN, dtype=dtype, device=tile.device)  # the per-head norm would erase the projections' gain
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=tile.device)
+    return tile_window(tile, zlib.crc32(name.encode()), shape).mul_(init_std(spec, name, shape))
 
 
 def random_weights(spec: ModelSpec, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Seeded Gaussian weights (see ``_random_tensor``), by checkpoint name, on ``device``.
+    """Seeded weights (see ``_random_tensor``), by checkpoint name, made on ``device``.
 
-    Generated on the CPU so the same seed gives the same values on every device, and one
-    tensor at a time so host memory peaks at the largest tensor, not the model.
+    The same seed gives the same values on every device: the tile is drawn on the CPU, and
+    each tensor is a copy of a window of it made where the tensor lives, so memory peaks at
+    the weights plus one tensor's copy of the tile.
     """
     dtype = dtype or torch_dtype(spec.weight_dtype)
-    return {name: _random_tensor(spec, name, shape, seed, dtype).to(device) for name, shape in weight_shapes(spec).items()}
+    tile = gaussian_tile(seed, device).to(dtype)
+    return {name: _random_tensor(spec, name, shape, tile, dtype) for name, shape in weight_shapes(spec).items()}
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

@@ -186,3 +186,23 @@ def test_given_token_ids_are_used_and_checked() -> None:
         prompt_tokens(_request("t", 0, 3, token_ids=(5, 9999, 7)), 4096, 0)
     with pytest.raises(ValueError, match="request t: 2 token_ids but prompt_tokens = 3"):
         prompt_tokens(_request("t", 0, 3, token_ids=(5, 6)), 4096, 0)
+
+
+def test_tile_windows_wrap_around_the_tile():
+    from kvsim.realexec.weights import tile_window
+
+    tile = torch.arange(11, dtype=torch.float32)
+    window = tile_window(tile, 30, (4, 7))  # starts at 30 % 11 = 8 and wraps twice
+    assert window.flatten().tolist() == [float((30 + i) % 11) for i in range(28)]
+
+
+def test_seeded_weights_are_scaled_windows_with_distinct_rows():
+    from kvsim.realexec.weights import init_std
+
+    spec = load_model("small")
+    weights = random_weights(spec, 3)
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.o_proj.weight", "model.embed_tokens.weight"):
+        w = weights[name]
+        assert w.std().item() == pytest.approx(init_std(spec, name, tuple(w.shape)), rel=0.02), name
+        assert torch.unique(w[:, :8], dim=0).shape[0] == w.shape[0], f"{name}: two rows start alike"
+    assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"][:4], weights["model.layers.1.mlp.up_proj.weight"][:4])
