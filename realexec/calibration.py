@@ -63,7 +63,7 @@ def calibrated_profile(
     say = echo or (lambda _: None)
     kv_dtype = kv_dtype or load_model(model).kv_dtype
     parts = fingerprint_parts(backend, kv_dtype)
-    stem = f"{backend.name}-{Path(model).stem}-{kv_dtype}"
+    stem = f"{backend.name}-{Path(model).stem}-{kv_dtype}{'-graphs' if backend.capture_sizes else ''}"
     path = cache_dir() / f"{stem}-{machine_fingerprint(backend, kv_dtype)}.toml"
     if path.exists() and not refresh:
         say(f"using the calibrated profile {path}")
@@ -73,7 +73,8 @@ def calibrated_profile(
         f"{Path(model).stem} model's operators and whole steps (KV cache in {kv_dtype}) on {backend.clock}, so the simulator can predict "
         f"its step times; the profile is cached as {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    run_profile(backend.name, model, path, quick=True, torch_device=str(backend.device), kv_dtype=kv_dtype, echo=echo,
+    run_profile(backend.name, model, path, quick=True, torch_device=str(backend.device), kv_dtype=kv_dtype,
+                enforce_eager=not backend.capture_sizes, echo=echo,
                 progress=echo is not None)
     path.with_suffix(".json").write_text(json.dumps(parts) + "\n")
     return Calibrated(path, cached=False)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
+from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable, KernelBackend, get_backend
 from kvsim.realexec.executor import Executor
 from kvsim.sim.cli_options import decisions_option, run_config_from, run_options
-from kvsim.sim.errors import user_errors
+from kvsim.sim.errors import UserError, user_errors
 from kvsim.sim.outputs import format_summary
 from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
 from kvsim.sim.runner import run_trace
@@ -50,6 +50,14 @@ REAL_DEFAULTS = RunConfig(
     swap_space_gb=0.05,
     rate_scale=3.0,
 )
+
+
+def open_backend(name: str, enforce_eager: bool = False) -> KernelBackend:
+    """The backend by name; one that cannot run here is the user's choice to change (exit 2, its reason)."""
+    try:
+        return get_backend(name, enforce_eager=enforce_eager)
+    except BackendUnavailable as exc:
+        raise UserError(str(exc)) from None
 
 
 def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
@@ -109,16 +117,18 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
 @click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
 @click.option("--weights", type=click.Path(exists=True, path_type=Path), help="safetensors file or directory (default: seeded random weights).")
 @click.option("--check", is_flag=True, help="Verify every plan and the engine's invariants (slower; not for timing).")
+@click.option("--enforce-eager", is_flag=True,
+              help="Run every step eagerly, as vLLM's --enforce-eager: no captured graphs (cpu and npu always run eagerly).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Run directory.")
 @click.option("--quiet", is_flag=True)
 @decisions_option("summary")
-def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quiet: bool, decisions: str,
-            **options) -> None:
+def execute(backend: str, weights: Path | None, check: bool, enforce_eager: bool, out_dir: Path, quiet: bool,
+            decisions: str, **options) -> None:
     """Run a trace on a real device; write the same files as simulate, with measured times."""
     with user_errors():  # what the user chose: config, trace, backend (exit 2)
         config = run_config_from(options, base=REAL_DEFAULTS)
         trace = load_run_trace(config)
-        kernels = get_backend(backend)
+        kernels = open_backend(backend, enforce_eager)
     try:
         _, summary = execute_run(config, kernels, out_dir, trace=trace, weights=weights, check=check, progress=not quiet,
                                  decisions=decisions)

@@ -9,15 +9,18 @@ request re-planned from position 0 after a recompute preemption is fed the very 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import PlanEntry, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.kv_quant import KVScales
+from kvsim.realexec.graphs import GraphInputs, StepGraphs
 from kvsim.realexec.model import Attend, DecoderModel, calibrate_kv_scales, kv_cache_dtypes
 from kvsim.realexec.prompts import prompt_tokens
 from kvsim.sim.model_spec import ModelSpec
@@ -35,6 +38,18 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # int64 [S]: the last new token of each sampling entry
     sampling_ids: list[str]  # request id of each sample row
+
+
+@dataclass
+class HostInputs:
+    """A step's inputs as host lists: what both the eager path and a graph's buffers are built from."""
+
+    graph_inputs: GraphInputs
+    query_start: list[int]  # cumulative query lengths, [B + 1]
+    seq_lens: list[int]
+    query_lens: list[int]
+    sample_rows: list[int]
+    sampling_ids: list[str]
 
 
 @dataclass
@@ -64,6 +79,10 @@ class Executor:
     (docs/benchmarks.md); the median of the repeats is the estimate the profiler fits its cases on.
     Block moves (swap, copy) run once: they are not idempotent when a plan reuses a block.
     The first run's time alone is kept in ``single_run_s``.
+
+    ``capture_sizes`` (None: the backend's) replays every step of at most the largest size as a
+    captured graph padded to the next size, as vLLM does (``realexec/graphs.py``); empty, or an
+    int8 cache (the graph's attention path takes float caches): every step runs eagerly.
     """
 
     def __init__(
@@ -78,6 +97,7 @@ class Executor:
         kv_dtype: str | None = None,
         check: bool = False,
         timing_repeats: int | None = None,
+        capture_sizes: Sequence[int] | None = None,
     ) -> None:
         self.spec = spec
         self.backend = backend
@@ -101,6 +121,12 @@ class Executor:
         self.kv_caches: KVCaches = backend.allocate_kv_cache(*shape)
         host_shape = (spec.num_layers, num_host_blocks, *shape[2:])
         self.host_caches: KVCaches = backend.allocate_host_cache(*host_shape) if num_host_blocks else []
+        capture_sizes = backend.capture_sizes if capture_sizes is None else capture_sizes
+        self.graphs = (
+            StepGraphs(backend, self.model, self._paged_attend, capture_sizes,
+                       min(num_blocks, cdiv(spec.max_position, block_size)), block_size)
+            if capture_sizes and backend.supports_graphs and self.kv_dtype != torch.int8 else None
+        )
         self._tokens: dict[str, list[int]] = {}  # prompt + generated, per request
         self._prompt_lens: dict[str, int] = {}
         self.wall_s: list[float] = []  # wall-clock seconds of every step run, in order (first run of its pass)
@@ -183,47 +209,69 @@ class Executor:
         return known[entry.first_position : entry.end_position]
 
     def _timed_pass(self, plan: StepPlan) -> TimedPass:
-        """Build the inputs (host time) and run the forward pass and sampling (device time) once."""
+        """Build the inputs (host time) and run the forward pass and sampling (device time) once.
+
+        A step a captured size holds replays its graph (captured first, untimed, at a size's first step).
+        """
+        size = self.graphs.size_for(plan.num_tokens) if self.graphs is not None else None
         clock = self.backend.host_time
         start = clock()
-        inputs = self._build_inputs(plan)
+        step = self._host_inputs(plan)
+        if size is None:
+            inputs = self._device_inputs(step)
+            host_s = clock() - start
+            sampled, forward_s = self.backend.elapsed(lambda: self._forward_and_sample(inputs))
+            return TimedPass(sampled, inputs.sampling_ids, host_s, forward_s)
+        self.graphs.load(step.graph_inputs, size)
+        sample_rows = torch.tensor(step.sample_rows, dtype=torch.int64).to(self.backend.device, non_blocking=True)
         host_s = clock() - start
-        sampled, forward_s = self.backend.elapsed(lambda: self._forward_and_sample(inputs))
-        return TimedPass(sampled, inputs.sampling_ids, host_s, forward_s)
+        self.graphs.ensure_captured(size)
+        sampled, forward_s = self.backend.elapsed(lambda: self._replay_and_sample(size, sample_rows))
+        return TimedPass(sampled, step.sampling_ids, host_s, forward_s)
 
-    def _build_inputs(self, plan: StepPlan) -> StepInputs:
+    def _host_inputs(self, plan: StepPlan) -> HostInputs:
         if len(plan.slot_mapping) != plan.num_tokens:
             raise ValueError(f"step {plan.step}: {len(plan.slot_mapping)} slots for {plan.num_tokens} tokens")
         ids: list[int] = []
         positions: list[int] = []
+        token_seq: list[int] = []
         query_start = [0]
         sample_rows: list[int] = []
         sampling_ids: list[str] = []
-        for entry in plan.entries:
+        for b, entry in enumerate(plan.entries):
             ids += self._entry_tokens(entry)
             positions += range(entry.first_position, entry.end_position)
+            token_seq += [b] * entry.num_tokens
             query_start.append(query_start[-1] + entry.num_tokens)
             if entry.samples:
                 sample_rows.append(query_start[-1] - 1)
                 sampling_ids.append(entry.request_id)
         tables = [plan.block_tables[e.request_id] for e in plan.entries]
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        seq_lens = [e.end_position for e in plan.entries]
+        return HostInputs(
+            GraphInputs(ids, positions, list(plan.slot_mapping), token_seq, tables),
+            query_start, [e.end_position for e in plan.entries], [e.num_tokens for e in plan.entries],
+            sample_rows, sampling_ids,
+        )
+
+    def _device_inputs(self, step: HostInputs) -> StepInputs:
+        tokens = step.graph_inputs
+        width = max(len(t) for t in tokens.block_tables)
+        padded = [t + [0] * (width - len(t)) for t in tokens.block_tables]
 
         def dev(values, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(self.backend.device, non_blocking=True)
 
         meta = AttentionMetadata(
-            query_start_loc=dev(query_start, torch.int32),
-            seq_lens=dev(seq_lens, torch.int32),
+            query_start_loc=dev(step.query_start, torch.int32),
+            seq_lens=dev(step.seq_lens, torch.int32),
             block_tables=dev(padded, torch.int32),
-            slot_mapping=dev(plan.slot_mapping, torch.int64),
-            query_lens_list=[e.num_tokens for e in plan.entries],
-            seq_lens_list=seq_lens,
+            slot_mapping=dev(tokens.slots, torch.int64),
+            query_lens_list=step.query_lens,
+            seq_lens_list=step.seq_lens,
             block_size=self.block_size,
         )
-        return StepInputs(dev(ids, torch.int64), dev(positions, torch.int64), meta, dev(sample_rows, torch.int64), sampling_ids)
+        return StepInputs(dev(tokens.input_ids, torch.int64), dev(tokens.positions, torch.int64), meta,
+                          dev(step.sample_rows, torch.int64), step.sampling_ids)
 
     def _paged_attend(self, meta: AttentionMetadata) -> Attend:
         """Write the layer's new K/V into its paged cache, then attend over the cache."""
@@ -242,6 +290,12 @@ class Executor:
         if not inputs.sampling_ids:
             return inputs.sample_rows
         return self.model.logits(hidden[inputs.sample_rows]).argmax(dim=-1)
+
+    def _replay_and_sample(self, size: int, sample_rows: torch.Tensor) -> torch.Tensor:
+        hidden = self.graphs.replay(size)
+        if not sample_rows.numel():
+            return sample_rows
+        return self.model.logits(hidden[sample_rows]).argmax(dim=-1)
 
     def _swap(self, plan: StepPlan) -> None:
         if plan.swap_out:

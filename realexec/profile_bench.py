@@ -26,6 +26,7 @@ from kvsim.policies.request import Request
 from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.backends.base import AttentionMetadata
 from kvsim.realexec.executor import Executor
+from kvsim.realexec.graphs import StepGraph
 from kvsim.realexec.profile_shapes import StepShape, Sweep, decode, prefill, shape_features, step_kind
 from kvsim.sim.cost_model import StepFeatures, features_from_plan
 from kvsim.sim.simulator import simulate
@@ -169,14 +170,32 @@ class OperatorBenches:
         x = torch.randn(*shape, generator=self.gen, dtype=torch.float32)
         return x.to(device=self.backend.device, dtype=dtype or self.ex.model.dtype)
 
-    def _timed(self, fn: Callable[[], object]) -> float:
+    def _timed(self, fn: Callable[[], object], in_graph: bool = True) -> float:
+        """Seconds ``fn`` takes on the backend's clock: replayed as a graph of its own when the executor
+        replays its steps as graphs and ``fn`` runs inside a step's forward pass (``in_graph``), so the
+        operators' costs are fitted without the per-kernel launches a graph step does not pay."""
+        if in_graph and self.ex.graphs is not None:
+            return self._graph_timed(self._captured(fn))
         return self.backend.elapsed(fn)[1]
 
-    def _same(self, fn: Callable[[], object]) -> Case:
-        """A case with nothing to lay out: every instance times ``fn``."""
+    def _captured(self, fn: Callable[[], object]) -> StepGraph:
+        graph = self.backend.new_graph()
+        graph.capture(fn)
+        return graph
+
+    def _graph_timed(self, graph: StepGraph) -> float:
+        return self.backend.elapsed(graph.replay)[1]
+
+    def _same(self, fn: Callable[[], object], in_graph: bool = True) -> Case:
+        """A case with nothing to lay out: every instance times ``fn`` (captured once, where graphs run)."""
+        graph: list[StepGraph] = []
 
         def run() -> float:
-            return self._timed(fn)
+            if not in_graph or self.ex.graphs is None:
+                return self._timed(fn, in_graph=False)
+            if not graph:
+                graph.append(self._captured(fn))
+            return self._graph_timed(graph[0])
 
         return lambda: run
 
@@ -238,19 +257,20 @@ class OperatorBenches:
 
     def lm_head(self, rows: int) -> Sample:
         hidden = self._randn(rows, self.spec.hidden_size)
-        return Sample("lm_head", "lm_head", self._features(decode(rows, 1)), self._same(lambda: self.ex.model.logits(hidden)),
-                      WEIGHT_PRIMING_RUNS)
+        # The LM head and sampling run outside a step's graph (the executor's sampler), so they are timed eagerly.
+        return Sample("lm_head", "lm_head", self._features(decode(rows, 1)),
+                      self._same(lambda: self.ex.model.logits(hidden), in_graph=False), WEIGHT_PRIMING_RUNS)
 
     def sampling(self, rows: int) -> Sample:
         """Greedy sampling, as the executor samples: an argmax over the fp32 logits."""
         logits = self.ex.model.logits(self._randn(rows, self.spec.hidden_size))
-        return Sample("sampling", "sampling", self._features(decode(rows, 1)), self._same(lambda: logits.argmax(dim=-1)))
+        return Sample("sampling", "sampling", self._features(decode(rows, 1)), self._same(lambda: logits.argmax(dim=-1), in_graph=False))
 
     def block_copy(self, blocks: int) -> Sample:
         def case() -> Run:
             ids = self.rng.permutation(self.ex.num_blocks)[: 2 * blocks].tolist()
             pairs = list(zip(ids[:blocks], ids[blocks:]))
-            return lambda: self._timed(lambda: self.backend.copy_blocks(self.ex.kv_caches, pairs))
+            return lambda: self._timed(lambda: self.backend.copy_blocks(self.ex.kv_caches, pairs), in_graph=False)
 
         return Sample("block_copy", "block_copy", _only("copy_blocks", blocks), case)
 
@@ -260,7 +280,7 @@ class OperatorBenches:
             host = self.rng.permutation(self.ex.num_host_blocks)[:blocks].tolist()
             pairs = list(zip(device, host)) if out else list(zip(host, device))
             src, dst = (self.ex.kv_caches, self.ex.host_caches) if out else (self.ex.host_caches, self.ex.kv_caches)
-            return lambda: self._timed(lambda: self.backend.swap(src, dst, pairs))
+            return lambda: self._timed(lambda: self.backend.swap(src, dst, pairs), in_graph=False)
 
         return Sample("swap", "swap out" if out else "swap in", _only("swap_blocks", blocks), case)
 

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from kvsim.realexec.backends import KernelBackend, get_backend
 from kvsim.realexec.executor import Executor
+from kvsim.realexec.graphs import engine_of
 from kvsim.realexec.profile_bench import KVPool, OperatorBenches, StepRecords, engine_run, measure, sweep_samples
 from kvsim.realexec.profile_fit import FitError, Measurements, fit_groups, stack
 from kvsim.realexec.profile_shapes import StepShape, Sweep, footprint, sweep_for
@@ -133,10 +134,11 @@ def profile(
     for i, rate in enumerate(sweep.engine_rates):
         data.add_once(engine_run(executor, sweep, seed + 1 + i, rate))
     held_out = engine_run(executor, sweep, seed, sweep.engine_rates[0])
+    engine = engine_of(executor.graphs)  # the cost model must run steps as the executor ran them
     del executor, pools, samples  # the speed check's reference steps run on an executor of their own, as validate runs them
     references = reference_steps(backend, spec, first, kv_dtype, seed)
 
-    device, errors = fit_groups(spec, base, first, data, kv_dtype)
+    device, errors = fit_groups(spec, replace(base, engine=engine), first, data, kv_dtype)
     device = replace(device, reference_steps_s=references)
     predicted = CostModel(spec, device, first, kv_dtype).predict(stack(held_out.features))
     seconds, kinds = np.array(held_out.seconds), np.array(held_out.kinds)
@@ -163,6 +165,7 @@ def run_profile(
     echo: Echo | None = None,
     progress: bool = False,
     kv_dtype: str | None = None,
+    enforce_eager: bool = False,
 ) -> Profile:
     """``kvsim profile``: profile ``backend`` running ``model``, write the calibrated profile to ``out``.
 
@@ -170,7 +173,7 @@ def run_profile(
     cache dtype to profile (None: the model's), named in the profile's ``source``.
     """
     spec = load_model(model)
-    kernels = get_backend(backend, torch_device)
+    kernels = get_backend(backend, torch_device, enforce_eager=enforce_eager)
     base = load_device(base_device or kernels.default_profile(), search_dirs=[Path.cwd()])
     sweep = sweep or sweep_for(kernels, quick)
     if echo:
@@ -178,7 +181,7 @@ def run_profile(
              f"{'quick' if quick else 'full'} sweep, {kv_dtype or spec.kv_dtype} KV cache, starting from the {base.name} profile")
     result = profile(kernels, spec, base, sweep, seed, echo, progress, kv_dtype)
     command = (f"kvsim profile --backend {backend} --model {model} --kv-cache-dtype {result.kv_dtype}"
-               f"{' --quick' if quick else ''} --seed {seed}")
+               f"{' --quick' if quick else ''}{' --enforce-eager' if enforce_eager else ''} --seed {seed}")
     held = result.error("held-out steps")
     source = (
         f"{command} on {kernels.machine_name()}, torch {torch.__version__} with num_threads={torch.get_num_threads()}, "

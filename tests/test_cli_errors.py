@@ -79,6 +79,24 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     }
 
 
+def _no_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return True
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _no_cuda(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("command", ["validate", "execute"])
+def test_the_cuda_backend_without_cuda_is_one_line_exit_2(command, tmp_path):
+    pytest.importorskip("torch")
+    result = CliRunner().invoke(main, [command, "--backend", "cuda", "--quiet", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [result.output.strip()] and "cuda backend unavailable" in result.output
+    assert not (tmp_path / "run").exists()
+
+
 def _case_names() -> list[str]:
     import tempfile
 

@@ -34,9 +34,19 @@ def backend_class(name: str) -> type[KernelBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
-def get_backend(name: str, device: str | None = None) -> KernelBackend:
-    """The named backend on ``device`` (its default device when None).
+def get_backend(name: str, device: str | None = None, enforce_eager: bool = False) -> KernelBackend:
+    """The named backend on ``device`` (its default device when None), running steps as graphs where it can.
 
-    Raises ``BackendUnavailable`` with a one-line reason when the backend cannot run here.
+    A backend that ``supports_graphs`` replays steps at the capture sizes of its bundled profile's
+    ``[engine]`` (vLLM's, for the GPUs), the same list the simulator pads graph steps to, unless
+    ``enforce_eager`` (vLLM's ``--enforce-eager``). Raises ``BackendUnavailable`` with a one-line
+    reason when the backend cannot run here.
     """
-    return backend_class(name)(device)
+    backend = backend_class(name)(device)
+    if backend.supports_graphs and not enforce_eager:
+        from kvsim.sim.device import load_device
+
+        engine = load_device(backend.default_profile()).engine
+        if engine is not None and engine.mode == "graph":
+            backend.capture_sizes = engine.capture_sizes
+    return backend

@@ -46,6 +46,9 @@ class AttentionMetadata:
     # plans). Every layer attends with the same metadata, so deriving them once per step instead
     # of once per layer is where the per-layer cost goes down; backends key it by their own name.
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # A captured graph's metadata (``realexec/graphs.py``): its device tensors are static buffers refilled
+    # before each replay and its host lists are empty, so attention must read the device tensors alone.
+    captured: bool = False
 
     @classmethod
     def build(
@@ -134,6 +137,15 @@ class KernelBackend(ABC):
     # Runs of each step's forward pass the executor times, keeping the median (``Executor``):
     # device events time one run precisely; a shared CPU does not.
     timing_repeats: int = 1
+    # Whether ``new_graph`` captures steps (CUDA graphs); where not, the executor runs every step eagerly.
+    supports_graphs: ClassVar[bool] = False
+    # Token counts whose steps replay as captured graphs (``realexec/graphs.py``); empty: every step runs
+    # eagerly. ``get_backend`` sets vLLM's sizes from the backend's bundled profile unless told --enforce-eager.
+    capture_sizes: tuple[int, ...] = ()
+
+    def new_graph(self) -> Any:
+        """An empty ``realexec.graphs.StepGraph`` to capture one step's forward pass in."""
+        raise NotImplementedError(f"the {self.name} backend captures no graphs")
 
     def host_time(self) -> float:
         """Seconds on the clock host overhead (building inputs, Python) is timed with."""
@@ -149,7 +161,12 @@ class KernelBackend(ABC):
 
     def fingerprint_parts(self) -> list[str]:
         """What must match for a profile measured earlier to describe this machine now."""
-        return [self.name, self.machine_name(), torch.__version__, f"{torch.get_num_threads()} torch threads"]
+        return [self.name, self.machine_name(), torch.__version__, f"{torch.get_num_threads()} torch threads",
+                *self.mode_parts()]
+
+    def mode_parts(self) -> list[str]:
+        """How steps run, for the fingerprint: graphs at which sizes (nothing when eager, as before graphs existed)."""
+        return [f"graphs at {len(self.capture_sizes)} sizes up to {self.capture_sizes[-1]}"] if self.capture_sizes else []
 
     @abstractmethod
     def allocate_kv_cache(

@@ -106,7 +106,7 @@ class CpuBackend(TorchBackend):
 
     def fingerprint_parts(self) -> list[str]:
         return [self.name, platform.machine(), self.machine_name(), torch.__version__, f"{self.threads} torch threads",
-                f"median of {self.timing_repeats} timed runs per step"]
+                f"median of {self.timing_repeats} timed runs per step", *self.mode_parts()]
 
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype

@@ -1,12 +1,14 @@
-"""The cuda backend: portable paged kernels, with FlashInfer's paged attention when it is installed.
+"""The cuda backend: paged attention by FlashInfer when installed, else by a Triton kernel, else portable PyTorch.
 
 FlashInfer (``BatchPrefillWithPagedKVCacheWrapper``) reads our ND cache directly as its "NHD"
 paged layout, takes any page size, handles prefill, chunked prefill, decode and mixed batches in
 one call with the query aligned to the end of the context (its causal mask is bottom-right), and
 plans once per step for all layers. flash-attn's paged KV would need a page size that is a
 multiple of 256, which rules out the block sizes kvsim studies, so it is not used.
-FlashInfer runs fp16/bf16; fp32, int8 (C8) caches and anything it cannot take fall back to the
-portable path.
+FlashInfer runs fp16/bf16; without it the Triton kernel (``triton_attention.py``) takes float
+caches; int8 (C8) caches and anything neither takes fall back to the portable path. A step
+captured in a CUDA graph (``realexec/graphs.py``) attends through the token-addressed path
+(Triton, or its PyTorch reference), whose shapes do not change between replays.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, swap_bl
 from kvsim.realexec.backends.errors import BackendUnavailable
 from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.backends.portable import TorchBackend
+from kvsim.realexec.backends.token_attention import TokenMetadata, token_paged_attention
+from kvsim.realexec.backends.triton_attention import supports as triton_supports
+from kvsim.realexec.backends.triton_attention import token_paged_attention_triton
 
 R = TypeVar("R")
 
@@ -34,28 +39,59 @@ FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split
 CUDA_PROFILES = (("H200", "h200"), ("H100", "h100-sxm"))
 
 
+class CudaStepGraph:
+    """A ``realexec.graphs.StepGraph`` on a CUDA graph; every graph of a backend shares one memory pool."""
+
+    WARMUP_RUNS = 2  # on a side stream before capture, as PyTorch's capture recipe asks (lazy init, Triton JIT)
+
+    def __init__(self, pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP_RUNS):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class CudaBackend(TorchBackend):
     name = "cuda"
+    supports_graphs = True
 
     def __init__(self, device: str | None = None, paged_kernel: str = "auto") -> None:
-        """``paged_kernel``: "auto" (FlashInfer if importable), "flashinfer" (required) or "torch"."""
+        """``paged_kernel``: "auto" (FlashInfer if importable, else Triton), "flashinfer" (required), "triton" or "torch"."""
         if not torch.cuda.is_available():
             raise BackendUnavailable(
                 f"cuda backend unavailable: torch {torch.__version__} sees no CUDA device"
                 + ("" if torch.version.cuda else " (this torch build has no CUDA support)")
             )
-        if paged_kernel not in ("auto", "flashinfer", "torch"):
-            raise ValueError(f"paged_kernel must be 'auto', 'flashinfer' or 'torch', got {paged_kernel!r}")
+        if paged_kernel not in ("auto", "flashinfer", "triton", "torch"):
+            raise ValueError(f"paged_kernel must be 'auto', 'flashinfer', 'triton' or 'torch', got {paged_kernel!r}")
         self.device = torch.device(device or "cuda")
         self._flashinfer = (
-            None if paged_kernel == "torch" else _import_flashinfer(required=paged_kernel == "flashinfer")
+            _import_flashinfer(required=paged_kernel == "flashinfer") if paged_kernel in ("auto", "flashinfer") else None
         )
-        self.paged_kernel = "flashinfer" if self._flashinfer is not None else "torch"
+        self._triton = paged_kernel in ("auto", "triton")
+        self.paged_kernel = "flashinfer" if self._flashinfer is not None else "triton" if self._triton else "torch"
         self._wrapper: Any = None
         self._planned_for: tuple[weakref.ref[AttentionMetadata], tuple] | None = None
+        self._graph_pool: Any = None
 
     def machine_name(self) -> str:
         return torch.cuda.get_device_name(self.device)
+
+    def new_graph(self) -> CudaStepGraph:
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return CudaStepGraph(self._graph_pool)
 
     def default_profile(self) -> str:
         name = self.machine_name()
@@ -83,6 +119,13 @@ class CudaBackend(TorchBackend):
         scale: float,
         kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
+        if meta.captured:  # a graph's static metadata: only the token-addressed path keeps its shapes
+            tokens = TokenMetadata.of_step(meta)
+            if self._triton_takes(query, key_cache, kv_scales):
+                return token_paged_attention_triton(query, key_cache, value_cache, tokens, scale)
+            return token_paged_attention(query, key_cache, value_cache, tokens, scale, kv_scales)
+        if self._flashinfer is None and self._triton_takes(query, key_cache, kv_scales):
+            return token_paged_attention_triton(query, key_cache, value_cache, TokenMetadata.of_step(meta), scale)
         if (
             self._flashinfer is None
             or query.dtype not in FLASHINFER_DTYPES
@@ -92,6 +135,9 @@ class CudaBackend(TorchBackend):
             return super().attention(query, key_cache, value_cache, meta, scale, kv_scales)
         self._plan_flashinfer(query, key_cache, meta, scale)
         return self._wrapper.run(query.contiguous(), (key_cache, value_cache))
+
+    def _triton_takes(self, query: torch.Tensor, key_cache: torch.Tensor, kv_scales: KVScales | None) -> bool:
+        return self._triton and kv_scales is None and triton_supports(query, key_cache)
 
     def _plan_flashinfer(
         self, query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata, scale: float

@@ -28,6 +28,7 @@ from kvsim.policies.blocks import cdiv, slot
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
 from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize, require_scales
+from kvsim.realexec.backends.token_attention import TokenMetadata, token_paged_attention
 
 QUERY_TILE = 128  # query tokens per SDPA call within a prefill batch
 DECODE_BUCKETS = 4  # decode sequences are split into at most this many batches by context length
@@ -237,6 +238,8 @@ class TorchBackend(KernelBackend):
         scale: float,
         kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
+        if meta.captured:  # a graph's static metadata (realexec/graphs.py): device tensors only
+            return token_paged_attention(query, key_cache, value_cache, TokenMetadata.of_step(meta), scale, kv_scales)
         compute_dtype = self.compute_dtypes.get(query.dtype)
         return paged_attention(query, key_cache, value_cache, meta, scale, compute_dtype, kv_scales)
 

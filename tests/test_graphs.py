@@ -1,0 +1,160 @@
+"""Steps replayed as captured graphs, and the token-addressed attention they run.
+
+A CPU has no CUDA graphs, so the executor's graph path is driven here through a stand-in graph
+that reruns the captured function on replay: what that checks is everything around the graph
+(static buffers refilled per step, padding rows, sizes, the attention path that reads device
+tensors only). The CUDA graphs and the Triton kernel themselves run in the tests marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvsim.realexec.backends import get_backend  # noqa: E402
+from kvsim.realexec.backends.base import AttentionMetadata  # noqa: E402
+from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
+from kvsim.realexec.backends.portable import paged_attention  # noqa: E402
+from kvsim.realexec.backends.token_attention import TokenMetadata, token_paged_attention  # noqa: E402
+from kvsim.realexec.graphs import GraphInputs, StepGraphs, engine_of  # noqa: E402
+from kvsim.realexec.model import DecoderModel  # noqa: E402
+from kvsim.sim.device import load_device  # noqa: E402
+from kvsim.sim.model_spec import load_model  # noqa: E402
+
+SPEC = load_model("tiny")
+VLLM_SIZES = load_device("h200").engine.capture_sizes
+
+
+class RerunGraph:
+    """A StepGraph stand-in: capture runs the function once (the warm-up) and replay reruns it."""
+
+    def __init__(self) -> None:
+        self.fn = None
+        self.replays = 0
+
+    def capture(self, fn) -> None:
+        fn()
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.fn()
+
+
+class GraphingCpuBackend(CpuBackend):
+    """The cpu backend with stand-in graphs at vLLM's capture sizes."""
+
+    supports_graphs = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.capture_sizes = VLLM_SIZES
+        self.graphs: list[RerunGraph] = []
+
+    def new_graph(self) -> RerunGraph:
+        self.graphs.append(RerunGraph())
+        return self.graphs[-1]
+
+
+def random_batch(rng: np.random.Generator, block_size: int, num_blocks: int, query_lens: list[int], context: list[int]):
+    """Metadata of a mixed batch on shuffled blocks, and random caches and queries (fp32)."""
+    seq_lens = [c + q for c, q in zip(context, query_lens)]
+    order = rng.permutation(num_blocks).tolist()
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(order[:n])
+        order = order[n:]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    kc, vc = (torch.randn(num_blocks, block_size, 2, 32, generator=gen) for _ in range(2))
+    q = torch.randn(sum(query_lens), 4, 32, generator=gen)
+    return meta, kc, vc, q
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_attention_equals_the_portable_kernels(seed):
+    rng = np.random.default_rng(seed)
+    meta, kc, vc, q = random_batch(rng, 16, 64, [1, 7, 1, 33, 1], [40, 0, 3, 20, 90])
+    expected = paged_attention(q, kc, vc, meta, 0.2)
+    got = token_paged_attention(q, kc, vc, TokenMetadata.from_meta(meta), 0.2)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_token_attention_ignores_table_entries_past_a_tokens_position():
+    rng = np.random.default_rng(7)
+    meta, kc, vc, q = random_batch(rng, 16, 64, [1, 3], [17, 5])
+    tokens = TokenMetadata.from_meta(meta)
+    widened = TokenMetadata(tokens.token_seq, tokens.positions,
+                            torch.cat([tokens.block_tables, torch.full((2, 3), 63, dtype=torch.int32)], dim=1))
+    kc[63], vc[63] = 1e4, 1e4  # a block no token may see
+    assert torch.equal(token_paged_attention(q, kc, vc, widened, 0.2), token_paged_attention(q, kc, vc, tokens, 0.2))
+
+
+def test_a_step_replays_at_the_smallest_capture_size_that_holds_it():
+    backend = GraphingCpuBackend()
+    model = DecoderModel.build(SPEC, "cpu", seed=0)
+    graphs = StepGraphs(backend, model, lambda meta: None, VLLM_SIZES, 8, 16)
+    assert [graphs.size_for(n) for n in (1, 3, 5, 8, 9, 250, 257, 512)] == [1, 4, 8, 8, 16, 256, 272, 512]
+    assert graphs.size_for(513) is None and graphs.size_for(0) is None
+    with pytest.raises(ValueError, match="increasing"):
+        StepGraphs(backend, model, lambda meta: None, (4, 2), 8, 16)
+
+
+def test_loaded_steps_pad_with_their_last_token():
+    backend = GraphingCpuBackend()
+    graphs = StepGraphs(backend, DecoderModel.build(SPEC, "cpu", seed=0), lambda meta: None, (1, 2, 4, 8), 4, 16)
+    graphs.load(GraphInputs([5, 6, 7], [10, 11, 3], [170, 171, 35], [0, 0, 1], [[3, 10], [2]]), 8)
+    assert graphs.input_ids.tolist() == [5, 6, 7, 7, 7, 7, 7, 7]
+    assert graphs.positions.tolist() == [10, 11, 3, 3, 3, 3, 3, 3]
+    assert graphs.slots.tolist() == [170, 171, 35, 35, 35, 35, 35, 35]
+    assert graphs.token_seq.tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert graphs.block_tables[:2, :2].tolist() == [[3, 10], [2, 0]]
+    with pytest.raises(ValueError, match="does not fit"):
+        graphs.load(GraphInputs([1] * 3, [0] * 3, [0] * 3, [0] * 3, [[0] * 5]), 4)
+
+
+def test_a_graphing_executor_describes_itself_as_graph_mode_without_dispatch():
+    from kvsim.realexec.executor import Executor
+
+    backend = GraphingCpuBackend()
+    executor = Executor(SPEC, backend, num_blocks=16, block_size=16)
+    engine = engine_of(executor.graphs)
+    assert engine.mode == "graph" and engine.dispatch_s == 0.0 and engine.capture_sizes == VLLM_SIZES
+    assert engine_of(Executor(SPEC, get_backend("cpu"), num_blocks=16, block_size=16).graphs) is None
+    assert Executor(SPEC, backend, num_blocks=16, block_size=16, kv_dtype="int8").graphs is None  # int8: eager
+
+
+def test_the_cpu_backend_runs_eagerly_and_keeps_its_fingerprint():
+    backend = get_backend("cpu")
+    assert backend.capture_sizes == () and not any("graphs" in part for part in backend.fingerprint_parts())
+    assert any("graphs at 51 sizes up to 512" == part for part in GraphingCpuBackend().fingerprint_parts())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_kernel_equals_the_token_reference(dtype):
+    from kvsim.realexec.backends import triton_attention
+
+    if not triton_attention.available():
+        pytest.skip("triton is not installed")
+    rng = np.random.default_rng(3)
+    meta, kc, vc, q = random_batch(rng, 16, 64, [1, 7, 1, 33, 1], [40, 0, 3, 20, 90])
+    kc, vc, q = (x.to("cuda", dtype) for x in (kc, vc, q))
+    tokens = TokenMetadata.from_meta(meta)
+    tokens = TokenMetadata(*(t.to("cuda") for t in (tokens.token_seq, tokens.positions, tokens.block_tables)))
+    assert triton_attention.supports(q, kc)
+    got = triton_attention.token_paged_attention_triton(q, kc, vc, tokens, 0.2).float()
+    expected = token_paged_attention(q.double(), kc.double(), vc.double(), tokens, 0.2).float()
+    tolerance = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert ((got - expected).norm() / expected.norm()).item() < tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_backend_replays_steps_as_graphs_unless_eager():
+    assert get_backend("cuda").capture_sizes == VLLM_SIZES
+    assert get_backend("cuda", enforce_eager=True).capture_sizes == ()
