@@ -13,6 +13,8 @@ Where it differs from vLLM, and why:
   before capture write the very K/V into the very slots the replay then writes again.
 - Padding rows repeat the step's last token (its id, position, slot and sequence), so they write
   identical values into a slot the step writes anyway; vLLM points them at a slot its kernels skip.
+  Their attention is skipped, as vLLM's kernels skip padded rows (the cost model pads the
+  GEMMs, not attention).
 - The LM head and the argmax run outside the graph, on the sampling rows only, as vLLM's sampler does.
 
 Attention inside a graph reads only device tensors (``AttentionMetadata.captured``): the
@@ -75,6 +77,7 @@ class StepGraphs:
         self.slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.token_seq = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.num_real = torch.zeros(1, dtype=torch.int32, device=device)  # tokens of the loaded step before its padding
         self.hidden = torch.zeros(n, model.spec.hidden_size, dtype=model.dtype, device=device)
         self._graphs: dict[int, StepGraph] = {}
 
@@ -101,6 +104,7 @@ class StepGraphs:
         fill(self.positions, step.positions)
         fill(self.slots, step.slots)
         fill(self.token_seq, step.token_seq)
+        self.num_real.fill_(len(step.input_ids))
         tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32)
         self.block_tables[: len(tables), :width].copy_(tables, non_blocking=True)
 
@@ -127,7 +131,7 @@ class StepGraphs:
             block_size=self.block_size,
             captured=True,
         )
-        meta.scratch[TOKENS_KEY] = TokenMetadata(self.token_seq[:size], self.positions[:size], self.block_tables)
+        meta.scratch[TOKENS_KEY] = TokenMetadata(self.token_seq[:size], self.positions[:size], self.block_tables, self.num_real)
         attend = self.attend(meta)
         ids, positions, hidden = self.input_ids[:size], self.positions[:size], self.hidden[:size]
 

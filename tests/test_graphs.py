@@ -110,7 +110,7 @@ def test_loaded_steps_pad_with_their_last_token():
     assert graphs.input_ids.tolist() == [5, 6, 7, 7, 7, 7, 7, 7]
     assert graphs.positions.tolist() == [10, 11, 3, 3, 3, 3, 3, 3]
     assert graphs.slots.tolist() == [170, 171, 35, 35, 35, 35, 35, 35]
-    assert graphs.token_seq.tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert graphs.token_seq.tolist() == [0, 0, 1, 1, 1, 1, 1, 1] and graphs.num_real.item() == 3
     assert graphs.block_tables[:2, :2].tolist() == [[3, 10], [2, 0]]
     with pytest.raises(ValueError, match="does not fit"):
         graphs.load(GraphInputs([1] * 3, [0] * 3, [0] * 3, [0] * 3, [[0] * 5]), 4)
@@ -151,6 +151,11 @@ def test_triton_kernel_equals_the_token_reference(dtype):
     expected = token_paged_attention(q.double(), kc.double(), vc.double(), tokens, 0.2).float()
     tolerance = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     assert ((got - expected).norm() / expected.norm()).item() < tolerance
+    # A captured batch's padding rows (from num_real on) attend to nothing; the real rows do not change.
+    padded = TokenMetadata(tokens.token_seq, tokens.positions, tokens.block_tables,
+                           num_real=torch.tensor([40], dtype=torch.int32, device="cuda"))
+    with_padding = triton_attention.token_paged_attention_triton(q, kc, vc, padded, 0.2).float()
+    assert torch.equal(with_padding[:40], got[:40]) and not with_padding[40:].any()
 
 
 @pytest.mark.gpu

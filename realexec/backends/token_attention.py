@@ -31,6 +31,9 @@ class TokenMetadata:
     token_seq: torch.Tensor  # int32 [T]: row of block_tables
     positions: torch.Tensor  # int32 [T]: the token's position; it sees cache positions [0, position]
     block_tables: torch.Tensor  # int32 [B, W]: blocks of each sequence, in order (padding never read)
+    # int32 [1] or None: tokens from this index on pad a captured graph's batch; the Triton kernel skips
+    # their attention (as vLLM's kernels skip padded rows) and the PyTorch form computes it (their rows are dropped)
+    num_real: torch.Tensor | None = None
 
     @classmethod
     def from_meta(cls, meta: AttentionMetadata) -> TokenMetadata:

@@ -51,10 +51,11 @@ if triton is not None:
 
     @triton.jit
     def _token_attention_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, token_seq_ptr, positions_ptr, scale,
+        out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, token_seq_ptr, positions_ptr, num_real_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
         GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+        PADDED: tl.constexpr,
     ):
         token = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -69,7 +70,10 @@ if triton is not None:
         m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_ROWS], tl.float32)
         acc = tl.zeros([GROUP_ROWS, HEAD], tl.float32)
-        for i in range(0, position // BLOCK + 1):
+        num_blocks = position // BLOCK + 1
+        if PADDED:  # a padding row of a captured batch attends to nothing (its output row is dropped)
+            num_blocks = tl.where(token < tl.load(num_real_ptr), num_blocks, 0)
+        for i in range(0, num_blocks):
             block = tl.load(tables_ptr + row * stride_table + i).to(tl.int64)
             k = tl.load(k_ptr + block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh + d[None, :])
             if IEEE:
@@ -87,7 +91,7 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             total = total * alpha + tl.sum(p, axis=1)
             m = m_new
-        out = acc / total[:, None]
+        out = acc / tl.maximum(total, 1e-30)[:, None]
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=real[:, None])
 
@@ -103,11 +107,12 @@ def token_paged_attention_triton(
     out = torch.empty_like(query)
     tables = tokens.block_tables
     _token_attention_kernel[(num_tokens, num_kv_heads)](
-        out, query, key_cache, value_cache, tables, tokens.token_seq, tokens.positions, scale,
+        out, query, key_cache, value_cache, tables, tokens.token_seq, tokens.positions,
+        tokens.positions if tokens.num_real is None else tokens.num_real, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tables.stride(0),
         GROUP=group, GROUP_ROWS=max(MIN_DOT, triton.next_power_of_2(group)), HEAD=head_size, BLOCK=block_size,
-        IEEE=query.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32, PADDED=tokens.num_real is not None,
     )
     return out
