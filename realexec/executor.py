@@ -117,15 +117,19 @@ class Executor:
         self.kv_scales: list[KVScales | None] = (
             calibrate_kv_scales(self.model, seed) if self.kv_dtype == torch.int8 else [None] * spec.num_layers
         )
-        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, self.kv_dtype)
-        self.kv_caches: KVCaches = backend.allocate_kv_cache(*shape)
+        capture_sizes = backend.capture_sizes if capture_sizes is None else capture_sizes
+        graphs = bool(capture_sizes) and backend.supports_graphs and self.kv_dtype != torch.int8
+        # With graphs, one block past the engine's takes the K/V of a graph's padding rows (vLLM's V1
+        # reserves a null block likewise); everything else sees the engine's blocks alone.
+        shape = (spec.num_layers, num_blocks + graphs, block_size, spec.num_kv_heads, spec.head_dim, self.kv_dtype)
+        self._all_caches: KVCaches = backend.allocate_kv_cache(*shape)
+        self.kv_caches: KVCaches = [(k[:num_blocks], v[:num_blocks]) for k, v in self._all_caches]
         host_shape = (spec.num_layers, num_host_blocks, *shape[2:])
         self.host_caches: KVCaches = backend.allocate_host_cache(*host_shape) if num_host_blocks else []
-        capture_sizes = backend.capture_sizes if capture_sizes is None else capture_sizes
         self.graphs = (
-            StepGraphs(backend, self.model, self._paged_attend, capture_sizes,
-                       min(num_blocks, cdiv(spec.max_position, block_size)), block_size)
-            if capture_sizes and backend.supports_graphs and self.kv_dtype != torch.int8 else None
+            StepGraphs(backend, self.model, lambda meta: self._paged_attend(meta, self._all_caches), capture_sizes,
+                       min(num_blocks, cdiv(spec.max_position, block_size)), block_size, pad_slot=num_blocks * block_size)
+            if graphs else None
         )
         self._tokens: dict[str, list[int]] = {}  # prompt + generated, per request
         self._prompt_lens: dict[str, int] = {}
@@ -273,11 +277,12 @@ class Executor:
         return StepInputs(dev(tokens.input_ids, torch.int64), dev(tokens.positions, torch.int64), meta,
                           dev(step.sample_rows, torch.int64), step.sampling_ids)
 
-    def _paged_attend(self, meta: AttentionMetadata) -> Attend:
-        """Write the layer's new K/V into its paged cache, then attend over the cache."""
+    def _paged_attend(self, meta: AttentionMetadata, caches: KVCaches | None = None) -> Attend:
+        """Write the layer's new K/V into its paged cache (``caches``, default the engine's blocks), then attend over it."""
+        caches = self.kv_caches if caches is None else caches
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            key_cache, value_cache = self.kv_caches[layer]
+            key_cache, value_cache = caches[layer]
             scales, dtype = self.kv_scales[layer], self.attention_dtype
             self.backend.write_kv(k.to(dtype), v.to(dtype), key_cache, value_cache, meta.slot_mapping, scales)
             return self.backend.attention(q.to(dtype), key_cache, value_cache, meta, self.model.scale, scales)

@@ -11,10 +11,11 @@ Where it differs from vLLM, and why:
 - A size is captured at its first step, on that step's own inputs, not at start-up on dummy
   ones: a forward pass is a pure function of the plan and the tokens so far, so the warm-up runs
   before capture write the very K/V into the very slots the replay then writes again.
-- Padding rows repeat the step's last token (its id, position, slot and sequence), so they write
-  identical values into a slot the step writes anyway; vLLM points them at a slot its kernels skip.
-  Their attention is skipped, as vLLM's kernels skip padded rows (the cost model pads the
-  GEMMs, not attention).
+- Padding rows repeat the step's last token (its id, position and sequence) and write their K/V
+  into a slot of one block past the engine's (``pad_slot``); vLLM points them at a slot its
+  kernels skip. Their attention is skipped, as vLLM's kernels skip padded rows (the cost model
+  pads the GEMMs, not attention), so from the second layer on they no longer compute what the
+  last token computes: their K/V must not land in its slot.
 - The LM head and the argmax run outside the graph, on the sampling rows only, as vLLM's sampler does.
 
 Attention inside a graph reads only device tensors (``AttentionMetadata.captured``): the
@@ -65,12 +66,14 @@ class StepGraphs:
         capture_sizes: Sequence[int],
         max_blocks_per_seq: int,
         block_size: int,
+        pad_slot: int,
     ) -> None:
         if not capture_sizes or list(capture_sizes) != sorted(set(capture_sizes)) or capture_sizes[0] < 1:
             raise ValueError(f"capture sizes must be positive, increasing and distinct, got {list(capture_sizes)}")
         self.backend, self.model, self.attend = backend, model, attend
         self.capture_sizes = tuple(capture_sizes)
         self.block_size = block_size
+        self.pad_slot = pad_slot  # where padding rows write their K/V: a slot no block table names
         n, device = self.capture_sizes[-1], backend.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -90,20 +93,20 @@ class StepGraphs:
         return sorted(self._graphs)
 
     def load(self, step: GraphInputs, size: int) -> None:
-        """Copy a step's inputs into the static buffers, padded to ``size`` with its last token."""
+        """Copy a step's inputs into the static buffers, padded to ``size`` with its last token (its K/V to ``pad_slot``)."""
         pad = size - len(step.input_ids)
         width = max(len(t) for t in step.block_tables)
         if pad < 0 or width > self.block_tables.shape[1] or len(step.block_tables) > size:
             raise ValueError(f"a step of {len(step.input_ids)} tokens and {width} blocks a sequence does not fit graph size {size}")
 
-        def fill(buffer: torch.Tensor, values: list[int]) -> None:
-            host = torch.tensor(values + values[-1:] * pad, dtype=buffer.dtype)
+        def fill(buffer: torch.Tensor, values: list[int], padding: int) -> None:
+            host = torch.tensor(values + [padding] * pad, dtype=buffer.dtype)
             buffer[:size].copy_(host, non_blocking=True)
 
-        fill(self.input_ids, step.input_ids)
-        fill(self.positions, step.positions)
-        fill(self.slots, step.slots)
-        fill(self.token_seq, step.token_seq)
+        fill(self.input_ids, step.input_ids, step.input_ids[-1])
+        fill(self.positions, step.positions, step.positions[-1])
+        fill(self.slots, step.slots, self.pad_slot)
+        fill(self.token_seq, step.token_seq, step.token_seq[-1])
         self.num_real.fill_(len(step.input_ids))
         tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32)
         self.block_tables[: len(tables), :width].copy_(tables, non_blocking=True)

@@ -96,20 +96,20 @@ def test_token_attention_ignores_table_entries_past_a_tokens_position():
 def test_a_step_replays_at_the_smallest_capture_size_that_holds_it():
     backend = GraphingCpuBackend()
     model = DecoderModel.build(SPEC, "cpu", seed=0)
-    graphs = StepGraphs(backend, model, lambda meta: None, VLLM_SIZES, 8, 16)
+    graphs = StepGraphs(backend, model, lambda meta: None, VLLM_SIZES, 8, 16, pad_slot=999)
     assert [graphs.size_for(n) for n in (1, 3, 5, 8, 9, 250, 257, 512)] == [1, 4, 8, 8, 16, 256, 272, 512]
     assert graphs.size_for(513) is None and graphs.size_for(0) is None
     with pytest.raises(ValueError, match="increasing"):
-        StepGraphs(backend, model, lambda meta: None, (4, 2), 8, 16)
+        StepGraphs(backend, model, lambda meta: None, (4, 2), 8, 16, pad_slot=999)
 
 
-def test_loaded_steps_pad_with_their_last_token():
+def test_loaded_steps_pad_with_their_last_token_writing_to_the_pad_slot():
     backend = GraphingCpuBackend()
-    graphs = StepGraphs(backend, DecoderModel.build(SPEC, "cpu", seed=0), lambda meta: None, (1, 2, 4, 8), 4, 16)
+    graphs = StepGraphs(backend, DecoderModel.build(SPEC, "cpu", seed=0), lambda meta: None, (1, 2, 4, 8), 4, 16, pad_slot=64)
     graphs.load(GraphInputs([5, 6, 7], [10, 11, 3], [170, 171, 35], [0, 0, 1], [[3, 10], [2]]), 8)
     assert graphs.input_ids.tolist() == [5, 6, 7, 7, 7, 7, 7, 7]
     assert graphs.positions.tolist() == [10, 11, 3, 3, 3, 3, 3, 3]
-    assert graphs.slots.tolist() == [170, 171, 35, 35, 35, 35, 35, 35]
+    assert graphs.slots.tolist() == [170, 171, 35, 64, 64, 64, 64, 64]
     assert graphs.token_seq.tolist() == [0, 0, 1, 1, 1, 1, 1, 1] and graphs.num_real.item() == 3
     assert graphs.block_tables[:2, :2].tolist() == [[3, 10], [2, 0]]
     with pytest.raises(ValueError, match="does not fit"):

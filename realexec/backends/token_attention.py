@@ -31,8 +31,8 @@ class TokenMetadata:
     token_seq: torch.Tensor  # int32 [T]: row of block_tables
     positions: torch.Tensor  # int32 [T]: the token's position; it sees cache positions [0, position]
     block_tables: torch.Tensor  # int32 [B, W]: blocks of each sequence, in order (padding never read)
-    # int32 [1] or None: tokens from this index on pad a captured graph's batch; the Triton kernel skips
-    # their attention (as vLLM's kernels skip padded rows) and the PyTorch form computes it (their rows are dropped)
+    # int32 [1] or None: tokens from this index on pad a captured graph's batch; they attend to nothing
+    # (output zeros), as vLLM's kernels skip padded rows: the Triton kernel reads no block for them
     num_real: torch.Tensor | None = None
 
     @classmethod
@@ -85,4 +85,6 @@ def token_paged_attention(
     visible = torch.arange(num_blocks_row * block_size, device=query.device)[None, :] <= tokens.positions.long()[:, None]
     q = query.view(num_tokens, num_kv_heads, group, head_size)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], scale=scale)
+    if tokens.num_real is not None:  # padding rows: zeros, as the Triton kernel leaves them
+        out = out * (torch.arange(num_tokens, device=query.device) < tokens.num_real)[:, None, None, None]
     return out.reshape(num_tokens, num_heads, head_size)
