@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvsim.realexec.backends import KernelBackend
-from kvsim.sim.model_spec import load_model
+from kvsim.sim.perf.model_spec import load_model
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
 # by an older profiler are not reused (2: every timed run primed by a run of the same case;

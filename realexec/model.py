@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.weights import load_weights, random_weights, torch_dtype
-from kvsim.sim.model_spec import ModelSpec
+from kvsim.sim.perf.model_spec import ModelSpec
 
 # attend(layer, q [T, heads, head_dim], k [T, kv_heads, head_dim], v [T, kv_heads, head_dim])
 #   -> attention output [T, heads, head_dim]

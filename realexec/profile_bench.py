@@ -27,9 +27,9 @@ from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.backends.base import AttentionMetadata
 from kvsim.realexec.executor import Executor
 from kvsim.realexec.profile_shapes import StepShape, Sweep, decode, prefill, shape_features, step_kind
-from kvsim.sim.cost_model import StepFeatures, features_from_plan
-from kvsim.sim.simulator import simulate
-from kvsim.sim.step_timer import StepTiming
+from kvsim.sim.perf.cost_model import StepFeatures, features_from_plan
+from kvsim.sim.run.simulator import simulate
+from kvsim.sim.perf.step_timer import StepTiming
 from kvsim.traces.synth import Uniform, synthesize
 
 # Untimed runs before the timed one of a case that streams the model's weights on its own (GEMMs,

@@ -8,9 +8,9 @@ from typing import Sequence
 import numpy as np
 
 from kvsim.realexec.profile_bench import Measured, Sample, StepRecords
-from kvsim.sim.cost_model import STEP_OPERATORS, CostModel, StepFeatures
-from kvsim.sim.device import DeviceProfile
-from kvsim.sim.model_spec import ModelSpec
+from kvsim.sim.perf.cost_model import STEP_OPERATORS, CostModel, StepFeatures
+from kvsim.sim.perf.device import DeviceProfile
+from kvsim.sim.perf.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

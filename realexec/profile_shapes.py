@@ -10,7 +10,7 @@ import numpy as np
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import PlanEntry, StepPlan
 from kvsim.realexec.backends import KernelBackend
-from kvsim.sim.cost_model import StepFeatures, features_from_plan
+from kvsim.sim.perf.cost_model import StepFeatures, features_from_plan
 
 @dataclass(frozen=True)
 class SeqShape:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.sim.simulator import SimRun
+from kvsim.sim.run.simulator import SimRun
 from kvsim.sim.toml_io import load_toml
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvsim.sim.model_spec import ModelSpec
+from kvsim.sim.perf.model_spec import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

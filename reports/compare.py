@@ -22,7 +22,7 @@ from plotly.subplots import make_subplots
 from kvsim.reports.figures import cdf_figure, latency_cdfs, palette, series_data, styled
 from kvsim.reports.page import Cell, Page
 from kvsim.reports.runs import ReportInputError, Run, default_labels, load_run
-from kvsim.sim.sweep import SWEEP_CSV, point_dir_name
+from kvsim.sim.studies.sweep import SWEEP_CSV, point_dir_name
 
 WASTE_NOTE = (
     "steps.csv records KV blocks (in use, cached, free) but not the tokens they hold, so internal waste "

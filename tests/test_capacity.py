@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvsim.sim.capacity import MAX_RANGE, Slo, SloWatch, evaluate, gallop, probe
-from kvsim.sim.cli import main
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
-from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.studies.capacity import MAX_RANGE, Slo, SloWatch, evaluate, gallop, probe
+from kvsim.cli.main import main
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.simulator import SimOptions, simulate
 
 SMALL = 'trace = "azure_conv_10min"\nmax_requests = 200\n'
 SLO = Slo(ttft_s=1.5, tpot_s=0.2, percentile=95)

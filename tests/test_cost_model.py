@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsim.policies.plan import PlanEntry, StepPlan
-from kvsim.sim.cost_model import (
+from kvsim.sim.perf.cost_model import (
     OPERATORS,
     CostModel,
     CostModelTimer,
@@ -19,8 +19,8 @@ from kvsim.sim.cost_model import (
     features_from_plan,
     in_order_sum,
 )
-from kvsim.sim.device import OperatorCoefficients, load_device
-from kvsim.sim.model_spec import load_model
+from kvsim.sim.perf.device import OperatorCoefficients, load_device
+from kvsim.sim.perf.model_spec import load_model
 
 FEATURE_NAMES = [f.name for f in dataclasses.fields(StepFeatures)]
 

@@ -15,16 +15,16 @@ from click.testing import CliRunner  # noqa: E402
 
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from torch_npu_standin import make_torch_npu_standin  # noqa: E402
-from kvsim.realexec.cli_profile import profile as profile_command  # noqa: E402
+from kvsim.cli.profile import profile as profile_command  # noqa: E402
 from kvsim.realexec.executor import Executor  # noqa: E402
 from kvsim.realexec.profile_bench import KVPool, Measured, OperatorBenches, Sample, measure  # noqa: E402
 from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups, stack  # noqa: E402
 from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_decode, shape_features, sweep_for  # noqa: E402
 from kvsim.realexec.profiler import run_profile  # noqa: E402
 from kvsim.realexec.speed_check import REFERENCE_SHAPES  # noqa: E402
-from kvsim.sim.cost_model import CostModel  # noqa: E402
-from kvsim.sim.device import OperatorCoefficients, load_device, save_device  # noqa: E402
-from kvsim.sim.model_spec import load_model  # noqa: E402
+from kvsim.sim.perf.cost_model import CostModel  # noqa: E402
+from kvsim.sim.perf.device import OperatorCoefficients, load_device, save_device  # noqa: E402
+from kvsim.sim.perf.model_spec import load_model  # noqa: E402
 
 TINY = load_model("tiny")
 BS = 16

@@ -20,8 +20,8 @@ from kvsim.reports.downsample import even_indices, minmax_indices
 from kvsim.reports.render_check import CHROMIUM, decode_png, render_check
 from kvsim.reports.runs import ReportInputError, default_labels, load_run
 from kvsim.reports.validation import step_pairs, write_validation_report
-from kvsim.sim.cli import main as kvsim
-from kvsim.sim.decisions import read_decisions
+from kvsim.cli.main import main as kvsim
+from kvsim.sim.run.decisions import read_decisions
 
 DEMO_RUNS = {
     # two devices: the CPU run stands in for the measured world, the 910B3 one for the prediction

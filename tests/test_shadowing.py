@@ -34,7 +34,7 @@ def test_decoy_modules_in_the_working_directory_do_not_break_simulate(decoys: Pa
         kvsim = shutil.which("kvsim") or str(Path(sys.executable).with_name("kvsim"))
         command = [kvsim]
     else:  # ``python -c`` (as ``-m`` and scripts) puts the working directory first on sys.path
-        command = [sys.executable, "-c", "from kvsim.sim.cli import main; main()"]
+        command = [sys.executable, "-c", "from kvsim.cli.main import main; main()"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
         [*command, "simulate", "--trace", "demo", "--out", "run", "--quiet"],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.sim.device import (
+from kvsim.sim.perf.device import (
     DEVICES_DIR,
     OPERATOR_KEYS,
     OperatorCoefficients,
@@ -16,7 +16,7 @@ from kvsim.sim.device import (
     load_device,
     save_device,
 )
-from kvsim.sim.model_spec import MODELS_DIR, load_model
+from kvsim.sim.perf.model_spec import MODELS_DIR, load_model
 
 # Published parameter counts (model cards / HF "model size").
 KNOWN_SIZES = {

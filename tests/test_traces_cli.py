@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
-from kvsim.sim.cli import main as kvsim
-from kvsim.traces.cli import trace
+from kvsim.cli.main import main as kvsim
+from kvsim.cli.trace import trace
 
 STATS_KEYS = {"rows", "duration_s", "rate_rps", "interarrival_cv", "prompt_tokens", "output_tokens", "prefix_reuse_bound"}
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
-from kvsim.traces.cli import trace
+from kvsim.cli.trace import trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 

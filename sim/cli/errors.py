@@ -3,7 +3,7 @@
 Commands turn what a user can get wrong (paths, names, values, trace contents) into
 :class:`UserError` where they read it; :func:`user_errors` does that for the exceptions
 loaders and validators raise. Anything else that escapes a command is a bug in kvsim or in a
-plugin: the root group (``sim.cli``) prints it short and says how to see the traceback.
+plugin: the root group (``kvsim.cli.main``) prints it short and says how to see the traceback.
 """
 
 from __future__ import annotations

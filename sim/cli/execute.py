@@ -13,11 +13,11 @@ import click
 
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
 from kvsim.realexec.executor import Executor
-from kvsim.sim.cli_options import decisions_option, run_config_from, run_options
-from kvsim.sim.errors import user_errors
-from kvsim.sim.outputs import format_summary
-from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
-from kvsim.sim.runner import run_trace
+from kvsim.cli.options import decisions_option, run_config_from, run_options
+from kvsim.cli.errors import user_errors
+from kvsim.sim.run.outputs import format_summary
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.runner import run_trace
 from kvsim.traces.schema import Trace
 
 # What `kvsim execute` / `validate` run when not told otherwise: the small model on the CPU and
@@ -29,7 +29,7 @@ from kvsim.traces.schema import Trace
 # step become tens of per cent of latency. At 3x (about two thirds busy with the small model on
 # the 2-core development VM) most decode steps run one to three sequences: two and three are
 # where this CPU's GEMM kernels cost more than a roofline says, which the profile's row-count
-# terms measure (sim/device.py). A pool of 64 blocks (1,024 tokens, about two of the demo's
+# terms measure (sim/perf/device.py). A pool of 64 blocks (1,024 tokens, about two of the demo's
 # longest requests) forces preemptions; prefixes are still hit.
 WORKLOAD = (
     "the bundled demo trace (41 requests of 17 Mooncake conversations: prompts of about 430 "

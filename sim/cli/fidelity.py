@@ -1,4 +1,4 @@
-"""``kvsim fidelity``: predicted vs published serving figures, with signed errors (sim/fidelity.py)."""
+"""``kvsim fidelity``: predicted vs published serving figures, with signed errors (sim/studies/fidelity.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvsim.sim.fidelity import (
+from kvsim.sim.studies.fidelity import (
     HAND_FITTED,
     PUBLISHED,
     PARAMETERS,

@@ -1,7 +1,8 @@
 """The ``kvsim`` command line: one root group whose subcommands load lazily.
 
-Each subcommand lives beside the package it drives; importing ``kvsim trace`` must not
-import torch, so subcommands are resolved by dotted name only when invoked.
+Each subcommand's module sits beside this one in ``kvsim.cli`` (``doctor``'s in realexec, with the
+checks it runs); importing ``kvsim trace`` must not import torch, so subcommands are resolved
+by dotted name only when invoked.
 """
 
 from __future__ import annotations
@@ -13,26 +14,27 @@ import sys
 
 import click
 
-from kvsim.sim.errors import BUG_EXIT, UserError, bug_message, debug_enabled, describe_os_error
+from kvsim.cli.errors import BUG_EXIT, UserError, bug_message, debug_enabled, describe_os_error
 
 # name -> (module:attribute, one-line help shown without importing the module)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "trace": ("kvsim.traces.cli:trace", "Inspect, synthesise and convert request traces."),
-    "simulate": ("kvsim.sim.cli_simulate:simulate", "Replay a trace through the SimPy simulator."),
-    "memory": ("kvsim.sim.cli_memory:memory", "HBM breakdown and KV block count for a model on a device."),
-    "fidelity": ("kvsim.sim.fidelity_cli:fidelity", "Predicted vs published vLLM / vllm-ascend serving figures."),
-    "sweep": ("kvsim.sim.cli_sweep:sweep", "Run many what-if simulations (local processes or Ray)."),
-    "capacity": ("kvsim.sim.cli_capacity:capacity", "Highest request rate each configuration serves within SLOs."),
+    "trace": ("kvsim.cli.trace:trace", "Inspect, synthesise and convert request traces."),
+    "simulate": ("kvsim.cli.simulate:simulate", "Replay a trace through the SimPy simulator."),
+    "memory": ("kvsim.cli.memory:memory", "HBM breakdown and KV block count for a model on a device."),
+    "fidelity": ("kvsim.cli.fidelity:fidelity", "Predicted vs published vLLM / vllm-ascend serving figures."),
+    "sweep": ("kvsim.cli.sweep:sweep", "Run many what-if simulations (local processes or Ray)."),
+    "capacity": ("kvsim.cli.capacity:capacity", "Highest request rate each configuration serves within SLOs."),
     "doctor": ("kvsim.realexec.doctor:doctor", "Check every kernel of a backend against the CPU reference."),
-    "execute": ("kvsim.realexec.cli:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
-    "profile": ("kvsim.realexec.cli_profile:profile", "Measure a backend and fit the cost model's coefficients."),
-    "validate": ("kvsim.realexec.cli_validate:validate", "Cross-validate the simulator against the real executor."),
-    "decisions": ("kvsim.sim.cli_decisions:decisions", "Print a run's decision log (expanded) or its digest."),
-    "report": ("kvsim.reports.cli:report", "HTML reports from simulate/execute runs."),
+    "execute": ("kvsim.cli.execute:execute", "Replay a trace on a real device (npu, cuda or cpu)."),
+    "profile": ("kvsim.cli.profile:profile", "Measure a backend and fit the cost model's coefficients."),
+    "validate": ("kvsim.cli.validate:validate", "Cross-validate the simulator against the real executor."),
+    "decisions": ("kvsim.cli.decisions:decisions", "Print a run's decision log (expanded) or its digest."),
+    "report": ("kvsim.cli.report:report", "HTML reports from simulate/execute runs."),
 }
 
-# The real executor's commands, which run torch.
-_TORCH_COMMANDS = frozenset(name for name, (target, _) in SUBCOMMANDS.items() if target.startswith("kvsim.realexec."))
+# The commands that drive the real executor, which runs torch (tests/test_layers.py checks the
+# list against what each command's module imports).
+TORCH_COMMANDS = frozenset({"doctor", "execute", "profile", "validate"})
 
 
 class LazyGroup(click.Group):
@@ -104,7 +106,7 @@ def run() -> None:
     squares, so commands that do not run torch (which may use OpenBLAS too) keep BLAS on one
     thread unless the environment says otherwise.
     """
-    if not _TORCH_COMMANDS.intersection(sys.argv[1:]):
+    if not TORCH_COMMANDS.intersection(sys.argv[1:]):
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         main()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from kvsim.sim.cli_aliases import AliasedOption
-from kvsim.sim.device import load_device
-from kvsim.sim.errors import UserError
-from kvsim.sim.memory import (
+from kvsim.cli.aliases import AliasedOption
+from kvsim.sim.perf.device import load_device
+from kvsim.cli.errors import UserError
+from kvsim.sim.perf.memory import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -18,7 +18,7 @@ from kvsim.sim.memory import (
     MemoryPlan,
     plan_memory,
 )
-from kvsim.sim.model_spec import load_model
+from kvsim.sim.perf.model_spec import load_model
 
 
 

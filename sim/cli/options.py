@@ -1,6 +1,6 @@
 """Command-line options shared by ``kvsim simulate``, ``execute`` and ``validate``.
 
-Every option maps onto a :class:`sim.run_config.RunConfig` field; an option left unset keeps
+Every option maps onto a :class:`sim.run.config.RunConfig` field; an option left unset keeps
 the value from ``--config`` (or the default), so a TOML file and flags compose. Where vLLM
 has an engine argument for a setting, the option has vLLM's name (``--gpu-memory-utilization``,
 ``--kv-cache-dtype``, ...; ``--request-rate`` is vLLM bench's); kvsim's earlier names still
@@ -15,9 +15,9 @@ from typing import Callable
 
 import click
 
-from kvsim.sim.cli_aliases import AliasedOption
-from kvsim.sim.errors import user_errors
-from kvsim.sim.run_config import KV_DTYPES, RunConfig, load_run_config
+from kvsim.cli.aliases import AliasedOption
+from kvsim.cli.errors import user_errors
+from kvsim.sim.run.config import KV_DTYPES, RunConfig, load_run_config
 
 
 def _switch(name: str) -> str:
@@ -95,7 +95,7 @@ def run_config_from(options: dict, base: RunConfig | None = None) -> RunConfig:
 
 
 def decisions_option(default: str) -> Callable:
-    """``--decisions off|summary|full``: what of the decision log a run keeps (see ``sim.decisions``)."""
+    """``--decisions off|summary|full``: what of the decision log a run keeps (see ``sim.run.decisions``)."""
     return click.option("--decisions", type=click.Choice(["off", "summary", "full"]), default=default, show_default=True,
                         help="Decision log: off, summary (a digest to compare runs by) or full (diff-encoded, "
                              "compressed; `kvsim decisions show` expands it).")

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 
 from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable
-from kvsim.realexec.cli import REAL_DEFAULTS
+from kvsim.cli.execute import REAL_DEFAULTS
 from kvsim.realexec.profiler import run_profile
-from kvsim.sim.errors import UserError
-from kvsim.sim.run_config import KV_DTYPES
+from kvsim.cli.errors import UserError
+from kvsim.sim.run.config import KV_DTYPES
 
 
 @click.command()

@@ -9,7 +9,7 @@ import click
 from kvsim.reports.compare import Slo, write_compare_report
 from kvsim.reports.runs import ReportInputError, read_json
 from kvsim.reports.validation import RUN_NAMES, missing_keys, write_validation_report
-from kvsim.sim.errors import UserError
+from kvsim.cli.errors import UserError
 
 
 @click.group("report")

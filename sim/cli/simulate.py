@@ -6,14 +6,14 @@ from pathlib import Path
 
 import click
 
-from kvsim.sim.cli_options import decisions_option, run_config_from, run_options
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.errors import user_errors
-from kvsim.sim.outputs import format_summary
-from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
-from kvsim.sim.run_dir import check_out_dir, staged_dir
-from kvsim.sim.run_warnings import format_warnings
-from kvsim.sim.runner import run_trace
+from kvsim.cli.options import decisions_option, run_config_from, run_options
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.cli.errors import user_errors
+from kvsim.sim.run.outputs import format_summary
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.run_dir import check_out_dir, staged_dir
+from kvsim.sim.run.run_warnings import format_warnings
+from kvsim.sim.run.runner import run_trace
 from kvsim.traces.schema import Trace
 
 

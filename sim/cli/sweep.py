@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from kvsim.sim.errors import user_errors
-from kvsim.sim.run_dir import check_out_dir
-from kvsim.sim.sweep import expand_grid, load_sweep, run_sweep
+from kvsim.cli.errors import user_errors
+from kvsim.sim.run.run_dir import check_out_dir
+from kvsim.sim.studies.sweep import expand_grid, load_sweep, run_sweep
 
 
 @click.command()

@@ -16,8 +16,8 @@ from pathlib import Path
 import click
 
 from kvsim import traces
-from kvsim.sim.cli_aliases import AliasedOption
-from kvsim.sim.errors import UserError
+from kvsim.cli.aliases import AliasedOption
+from kvsim.cli.errors import UserError
 from kvsim.traces.formats import FORMAT_ALIASES, FORMATS, TICKS_PER_SECOND
 from kvsim.traces.schema import Trace
 from kvsim.traces.stats import Summary, TraceStats

@@ -13,18 +13,18 @@ import click
 
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
 from kvsim.realexec.calibration import calibrated_profile
-from kvsim.realexec.cli import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend
+from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend
 from kvsim.realexec.speed_check import speed_check
 from kvsim.realexec.validation import Thresholds, compare_decisions, reference_ratios, step_errors, validate_runs
-from kvsim.sim.cli_options import run_config_from, run_options
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.device import load_device
-from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
-from kvsim.sim.runner import run_trace
-from kvsim.sim.decisions import DecisionLog, read_decisions
-from kvsim.sim.errors import user_errors
-from kvsim.sim.simulator import SimOptions, simulate
-from kvsim.sim.step_timer import ReplayTimer
+from kvsim.cli.options import run_config_from, run_options
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.perf.device import load_device
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.runner import run_trace
+from kvsim.sim.run.decisions import DecisionLog, read_decisions
+from kvsim.cli.errors import user_errors
+from kvsim.sim.run.simulator import SimOptions, simulate
+from kvsim.sim.perf.step_timer import ReplayTimer
 
 WALL_CLOCK = "wall clock (time.perf_counter), recorded beside the device clock, not compared"
 

@@ -88,9 +88,9 @@ import numpy as np
 
 from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
-from kvsim.sim.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
-from kvsim.sim.model_spec import DTYPE_BYTES, ModelSpec
-from kvsim.sim.step_timer import StepTiming
+from kvsim.sim.perf.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
+from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
+from kvsim.sim.perf.step_timer import StepTiming
 
 Num = Union[float, np.ndarray]
 

@@ -36,7 +36,7 @@ Layout::
     step_s = 1e-4                     # seconds of host work per step that runs the model
 
     [engine]                          # optional: how the serving engine runs a step
-    mode = "graph"                    # (sim/engine_overhead.py; without it, kernels and host
+    mode = "graph"                    # (sim/perf/engine_overhead.py; without it, kernels and host
     dispatch_s = 3e-5                 #  terms simply add up, as for the CPU executor)
     capture_sizes = [1, 2, 4, 8]
 
@@ -51,14 +51,14 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable
 
-from kvsim.sim.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
+from kvsim.sim.perf.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
 from kvsim.sim.toml_io import load_toml
 
-DEVICES_DIR = Path(__file__).parent / "devices"
+DEVICES_DIR = Path(__file__).parents[1] / "devices"  # sim/devices/, the data beside the rooms
 
 MATRIX_DTYPES = ("fp16", "bf16", "fp32", "int8")
 
-# Operator class -> the coefficients its formula reads (see sim/cost_model.py).
+# Operator class -> the coefficients its formula reads (see sim/perf/cost_model.py).
 # ``launch_s`` is optional everywhere it appears and defaults to the device's launch_overhead_s.
 OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
@@ -159,7 +159,7 @@ class DeviceProfile:
     # compares what they take now with these, so a change of the machine's speed is told apart
     # from the model's error on those steps. Empty for profiles not measured.
     reference_steps_s: dict[str, float] = field(default_factory=dict)
-    # How the serving engine runs steps (sim/engine_overhead.py); None: kernels and host terms add up.
+    # How the serving engine runs steps (sim/perf/engine_overhead.py); None: kernels and host terms add up.
     engine: EngineProfile | None = None
 
     def matrix_peak(self, dtype: str) -> float:

@@ -22,7 +22,7 @@ time, so a burst of prompts queues there; and ``request_s``, latency every reque
 parallel (HTTP, hand-over to the engine process, detokenising and streaming the first token).
 Both add to a served request's time to first token, not to any step. On vLLM's V1 engine the same
 server process also detokenises and streams every token, ``stream_s`` each, in one queue with
-the admissions (sim/api_server.py).
+the admissions (sim/perf/api_server.py).
 
 vLLM's V0 engine (``vllm/engine/llm_engine.py``, ``LLMEngine.step``; vllm-ascend v0.7.x runs it)
 adds host work per sequence per step on the thread that also dispatches the kernels: the

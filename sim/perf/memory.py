@@ -33,8 +33,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from kvsim.policies.blocks import cdiv
-from kvsim.sim.device import DeviceProfile
-from kvsim.sim.model_spec import DTYPE_BYTES, ModelSpec
+from kvsim.sim.perf.device import DeviceProfile
+from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 128  # the Ascend paged kernels' recommended size (vllm-ascend forces it)
 DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default

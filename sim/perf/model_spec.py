@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvsim.sim.toml_io import load_toml
 
-MODELS_DIR = Path(__file__).parent / "models"
+MODELS_DIR = Path(__file__).parents[1] / "models"  # sim/models/, the data beside the rooms
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 # int8 KV ("C8", as Ascend runs it and realexec.backends.kv_quant implements it) uses static

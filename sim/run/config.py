@@ -23,10 +23,10 @@ from kvsim import traces
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.hashing import check_block_size_compatible
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.device import DeviceProfile, load_device
-from kvsim.sim.memory import MemoryPlan, plan_memory
-from kvsim.sim.model_spec import ModelSpec, load_model
+from kvsim.sim.perf.cost_model import CostModel
+from kvsim.sim.perf.device import DeviceProfile, load_device
+from kvsim.sim.perf.memory import MemoryPlan, plan_memory
+from kvsim.sim.perf.model_spec import ModelSpec, load_model
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.schema import Trace
 

@@ -1,7 +1,7 @@
 """A run's files (summary.json, requests.csv, steps.csv) and its printed summary table.
 
 ``kvsim simulate`` and ``kvsim execute`` write the same files, so reports and scripts read
-either world the same way. The decision log is streamed during the run (``sim.decisions``). Each file is
+either world the same way. The decision log is streamed during the run (``sim.run.decisions``). Each file is
 written under a temporary name and renamed, so a reader never sees half of one.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from kvsim.sim.metrics import REQUEST_COLUMNS, STEP_COLUMNS, StepLog
+from kvsim.sim.run.metrics import REQUEST_COLUMNS, STEP_COLUMNS, StepLog
 
 SUMMARY = "summary.json"
 REQUESTS = "requests.csv"

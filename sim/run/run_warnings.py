@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvsim.policies.request import Request
-from kvsim.sim.run_config import ResolvedRun
+from kvsim.sim.run.config import ResolvedRun
 from kvsim.traces.schema import Trace
 
 OVERLOAD_FACTOR = 2.0  # the run lasts this many times the trace's span, or more

@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from kvsim.sim.decisions import DecisionLog
-from kvsim.sim.outputs import write_requests, write_steps, write_summary
-from kvsim.sim.run_config import ResolvedRun
-from kvsim.sim.run_warnings import run_warnings
-from kvsim.sim.simulator import SimOptions, SimRun, cyclic_gc_paused, simulate
-from kvsim.sim.step_timer import StepTimer
+from kvsim.sim.run.decisions import DecisionLog
+from kvsim.sim.run.outputs import write_requests, write_steps, write_summary
+from kvsim.sim.run.config import ResolvedRun
+from kvsim.sim.run.run_warnings import run_warnings
+from kvsim.sim.run.simulator import SimOptions, SimRun, cyclic_gc_paused, simulate
+from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.traces.schema import Trace
 
 
@@ -33,7 +33,7 @@ def run_trace(
     """Replay ``trace`` with ``timer``; with ``out_dir``, write summary/requests/steps/decisions there.
 
     ``summary_extras`` adds what only the caller knows (e.g. measured memory) to the summary.
-    ``decisions``: off | summary (a digest) | full (the diff-encoded log), see ``sim.decisions``.
+    ``decisions``: off | summary (a digest) | full (the diff-encoded log), see ``sim.run.decisions``.
     """
     engine = resolved.new_engine()
     log = None

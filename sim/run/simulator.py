@@ -29,9 +29,9 @@ from kvsim.policies.engine import EngineCore
 from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import add_trace_request
-from kvsim.sim.decisions import DecisionSink
-from kvsim.sim.metrics import StepLog, TokenTimes, request_rows, request_tuples, summarize
-from kvsim.sim.step_timer import StepTimer, StepTiming
+from kvsim.sim.run.decisions import DecisionSink
+from kvsim.sim.run.metrics import StepLog, TokenTimes, request_rows, request_tuples, summarize
+from kvsim.sim.perf.step_timer import StepTimer, StepTiming
 from kvsim.traces.schema import Trace
 
 

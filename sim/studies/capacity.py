@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvsim.policies.request import Request, Status
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
-from kvsim.sim.simulator import SimRun, simulate
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.simulator import SimRun, simulate
 from kvsim.traces.schema import Trace
 
 LOAD_REJECTIONS = frozenset({"queue_full", "unschedulable"})  # a lighter load would have served them

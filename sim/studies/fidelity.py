@@ -1,6 +1,6 @@
 """Published serving measurements replayed through the simulator: how far kvsim is from real engines.
 
-Each row of ``sim/published/serving.toml`` is one figure a public source measured on vLLM or
+Each row of ``sim/studies/published/serving.toml`` is one figure a public source measured on vLLM or
 vllm-ascend (a TTFT, a TPOT, a throughput, a KV block count), with the configuration it was
 measured under. :func:`predict_row` rebuilds that configuration (model, device, engine mode,
 prompt and output lengths, number of prompts, arrival rate or client concurrency) and predicts
@@ -12,7 +12,7 @@ Each row runs the scheduler its source's engine ran (``scheduler``): ``fcfs`` fo
 chunked steps; ``vllm-v0`` (policies/v0_scheduler.py) for vLLM V0 and vllm-ascend's AscendScheduler,
 which run whole prompts in prefill-only steps. Rows of vLLM's V0 engine (``engine_core = "v0"``)
 also pay the device's V0 host time per sequence per step (``[engine] v0_seq_s``,
-sim/engine_overhead.py).
+sim/perf/engine_overhead.py).
 
 Benchmark clients are reproduced as follows (vLLM ``benchmarks/`` and ``vllm bench``):
 ``batch`` = every prompt at t = 0 inside the engine (offline latency / throughput tests, no API
@@ -21,9 +21,9 @@ server); ``burst`` = every prompt at t = 0 through the API server (``--request-r
 ``concurrency`` clients, each sending its next prompt when the previous one finishes, solved as
 a fixed point (the arrivals of one simulation are the finishes of the previous one).
 Served requests (not ``batch``) pass the API server first, one at a time, ``admit_s`` each, and
-reach the engine ``request_s`` after that (both the engine profile's, sim/engine_overhead.py): at
+reach the engine ``request_s`` after that (both the engine profile's, sim/perf/engine_overhead.py): at
 low load a fixed delay, at a burst of many prompts a queue. On V1 rows the same server also
-streams every token, ``stream_s`` each, in that queue (sim/api_server.py): clients see tokens
+streams every token, ``stream_s`` each, in that queue (sim/perf/api_server.py): clients see tokens
 when it has sent them. Where a source gives only totals of a dataset's lengths (ShareGPT), lengths are drawn lognormal (cv
 ``length_cv``), kept inside vLLM's ShareGPT filter (prompt 4..1024 tokens, prompt + output <=
 2048) and scaled so their sums equal the published totals: per-request lengths are an
@@ -39,14 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.policies.registry import SCHEDULERS
-from kvsim.sim.api_server import serve_queue
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.device import SHAPE_KEYS, DeviceProfile, OperatorCoefficients, load_device
-from kvsim.sim.engine_overhead import EngineProfile
-from kvsim.sim.memory import plan_memory
-from kvsim.sim.model_spec import load_model
-from kvsim.sim.run_config import ResolvedRun, RunConfig, resolve
-from kvsim.sim.runner import run_trace
+from kvsim.sim.perf.api_server import serve_queue
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.perf.device import SHAPE_KEYS, DeviceProfile, OperatorCoefficients, load_device
+from kvsim.sim.perf.engine_overhead import EngineProfile
+from kvsim.sim.perf.memory import plan_memory
+from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
+from kvsim.sim.run.runner import run_trace
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.schema import Trace
 from kvsim.traces.synth import poisson_arrivals
@@ -76,7 +76,7 @@ PARAMETERS: dict[str, tuple[float, float]] = {
 }
 # Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
 # row is still reported as a fit row, never as accuracy.
-HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.memory.HIDDEN_BUFFERS"}
+HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS"}
 FIXED_POINT_ROUNDS = 6  # closed-loop clients: simulations until the send times settle
 # vLLM's ShareGPT sampling keeps prompts of 4..1024 tokens and prompt + output <= 2048
 # (vllm/benchmarks/datasets.py, is_valid_sequence).
@@ -423,7 +423,7 @@ def predict_row(row: Row, device: DeviceProfile) -> float:
     resolved = _resolved(row, device)
     prompts, outputs = row_lengths(row)
     front = device.engine if row.workload != "batch" else None  # offline tests have no API server
-    # V1's API server detokenises and streams every token (sim/api_server.py); V0 detokenises in
+    # V1's API server detokenises and streams every token (sim/perf/api_server.py); V0 detokenises in
     # the engine (its v0_seq_s), so its server's share is not modelled apart
     stream_s = front.stream_s if front is not None and row.engine_core == "v1" else 0.0
     n = row.num_prompts

@@ -26,8 +26,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Iterator
 
-from kvsim.sim.run_config import VLLM_KEYS, RunConfig, config_fields
-from kvsim.sim.run_dir import staged_dir
+from kvsim.sim.run.config import VLLM_KEYS, RunConfig, config_fields
+from kvsim.sim.run.run_dir import staged_dir
 from kvsim.sim.toml_io import load_toml
 
 HEADLINE = ("requests_completed", "requests_rejected", "throughput_tok_s", "preemptions", "prefix_hit_rate",
@@ -77,9 +77,9 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
     A point that fails (bad combination, plugin error) is recorded with its error; the
     sweep goes on.
     """
-    from kvsim.sim.cost_model import CostModelTimer
-    from kvsim.sim.run_config import load_run_trace, resolve
-    from kvsim.sim.runner import run_trace
+    from kvsim.sim.perf.cost_model import CostModelTimer
+    from kvsim.sim.run.config import load_run_trace, resolve
+    from kvsim.sim.run.runner import run_trace
 
     row: dict = {"name": name, **settings}
     try:
