@@ -29,9 +29,9 @@ import numpy as np
 
 from kvsim import traces
 from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, resolve
 from kvsim.sim.run.decisions import DecisionLog
 from kvsim.sim.run.outputs import write_requests, write_steps
-from kvsim.sim.run.config import RunConfig, resolve
 from kvsim.sim.run.simulator import SimOptions, simulate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"

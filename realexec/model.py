@@ -9,9 +9,9 @@ the KV paths.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ class DecoderModel:
     @classmethod
     def build(
         cls, spec: ModelSpec, device: torch.device | str = "cpu", seed: int = 0, weights_path: str | Path | None = None
-    ) -> "DecoderModel":
+    ) -> DecoderModel:
         """Seeded random weights, or a safetensors checkpoint, on ``device`` in ``spec.weight_dtype``."""
         dtype = torch_dtype(spec.weight_dtype)
         if weights_path is None:

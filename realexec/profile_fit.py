@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Sequence
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class FitError:
     max_error: float
 
     @classmethod
-    def of(cls, name: str, predicted: np.ndarray, measured: np.ndarray) -> "FitError":
+    def of(cls, name: str, predicted: np.ndarray, measured: np.ndarray) -> FitError:
         errors = np.abs(np.asarray(predicted) / np.asarray(measured) - 1.0)
         return cls(name, int(errors.size), float(errors.mean()), float(errors.max()))
 

@@ -30,9 +30,9 @@ Which cached profile fits a machine is ``calibration``'s job.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

@@ -53,7 +53,9 @@ class SpeedCheck:
                 "profiled_s": self.profiled_s, "ratio": self.ratio}
 
 
-def reference_times(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0) -> tuple[list[float], list[Sample]]:
+def reference_times(
+    backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0
+) -> tuple[list[float], list[Sample]]:
     """The reference steps timed on ``backend`` as the profiler times whole steps (its clock): each one's median seconds, and its sample."""
     blocks = 2 * max(footprint(shape, block_size) for _, shape in REFERENCE_SHAPES)  # room for spread-out tables
     executor = Executor(spec, backend, num_blocks=blocks, block_size=block_size, seed=seed, kv_dtype=kv_dtype)

@@ -35,7 +35,7 @@ class Thresholds:
     kv_pool_bytes: float = 0.01
 
     @classmethod
-    def from_toml(cls, path: Path | None) -> "Thresholds":
+    def from_toml(cls, path: Path | None) -> Thresholds:
         if path is None:
             return cls()
         table = load_toml(path).get("validation", {})

@@ -87,7 +87,9 @@ def _random_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int
     return torch.randn(shape, generator=gen, dtype=dtype).mul_(std)
 
 
-def random_weights(spec: ModelSpec, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def random_weights(
+    spec: ModelSpec, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Seeded Gaussian weights (see ``_random_tensor``), by checkpoint name, on ``device``.
 
     Generated on the CPU so the same seed gives the same values on every device, and one
@@ -108,7 +110,9 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return [path]
 
 
-def load_weights(path: str | Path, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_weights(
+    path: str | Path, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Weights from a safetensors file, or a directory of shards, checked against ``spec``.
 
     Every expected tensor must be present with its exact shape; any unknown tensor (an
@@ -130,7 +134,8 @@ def load_weights(path: str | Path, spec: ModelSpec, device: torch.device | str =
                     raise ValueError(f"{file}: tensor {name!r} is not part of model {spec.name!r} (a different architecture or shape?)")
                 tensor = fh.get_tensor(name)
                 if tuple(tensor.shape) != expected[name]:
-                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, model {spec.name!r} expects {expected[name]}")
+                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"model {spec.name!r} expects {expected[name]}")
                 weights[name] = tensor.to(device=device, dtype=dtype)
     missing = [name for name in expected if name not in weights]
     if missing:

@@ -10,11 +10,19 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
-from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
 from kvsim.cli.main import main
+from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
 from kvsim.sim.perf.cost_model import CostModelTimer
-from kvsim.sim.run.decisions import DIGEST, FULL_LOG, DecisionLog, DiffEncoder, decode_records, read_decisions, read_digest
 from kvsim.sim.run.config import RunConfig, resolve
+from kvsim.sim.run.decisions import (
+    DIGEST,
+    FULL_LOG,
+    DecisionLog,
+    DiffEncoder,
+    decode_records,
+    read_decisions,
+    read_digest,
+)
 from kvsim.sim.run.simulator import SimOptions, simulate
 
 

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim.cli.main import main
-from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.api_server import serve_queue
+from kvsim.sim.perf.device import load_device
 from kvsim.sim.studies.fidelity import (
     PUBLISHED,
     Result,

@@ -16,9 +16,9 @@ import pytest
 
 from kvsim import traces
 from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, resolve
 from kvsim.sim.run.metrics import STEP_COLUMNS, StepLog
 from kvsim.sim.run.outputs import STEPS, SUMMARY, atomic_open, format_summary, write_steps
-from kvsim.sim.run.config import RunConfig, resolve
 from kvsim.sim.run.run_dir import COMPLETE, is_complete, staged_dir
 from kvsim.sim.run.simulator import SimOptions, simulate
 
@@ -101,7 +101,7 @@ def test_itl_gaps_sorted_before_expansion_equal_the_sorted_expansion():
     from kvsim.sim.run.metrics import TokenTimes
 
     times = TokenTimes()
-    for step, end in enumerate([0.5, 0.75, 1.0, 1.5, 1.75, 2.5, 2.625, 3.0]):
+    for end in [0.5, 0.75, 1.0, 1.5, 1.75, 2.5, 2.625, 3.0]:
         times.step_ended(end)
     times.batch_tokens("a", 0, 6)
     times.batch_tokens("b", 2, 7)

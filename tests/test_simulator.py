@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
+from kvsim.cli.main import main
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.schedulers import FCFSPolicy, PriorityPolicy
-from kvsim.cli.main import main
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, resolve
 from kvsim.sim.run.simulator import SimOptions, simulate

@@ -7,8 +7,8 @@ import json
 
 from click.testing import CliRunner
 
-from kvsim.reports.compare import seconds
 from kvsim.cli.main import main
+from kvsim.reports.compare import seconds
 from kvsim.sim.run.config import RunConfig
 from kvsim.sim.studies.sweep import expand_grid
 

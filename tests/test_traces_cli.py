@@ -92,7 +92,8 @@ def test_convert_applies_transforms_in_order(tmp_path: Path) -> None:
     t = traces.load(out)
     expected = traces.bundled("mooncake_500")
     e = traces.spread_buckets(traces.load(expected))
-    e = traces.clamp(traces.shrink_lengths(traces.scale_rate(traces.sample(traces.first(traces.window(e, 30, 90), 100), 50, 1), 2), 8), 2048)
+    e = traces.sample(traces.first(traces.window(e, 30, 90), 100), 50, 1)
+    e = traces.clamp(traces.shrink_lengths(traces.scale_rate(e, 2), 8), 2048)
     assert t.equals(e)
     assert t.hash_block_size == 64 and max(t.prompt_tokens + t.output_tokens) <= 2048
 

@@ -18,14 +18,14 @@ pytest.importorskip("plotly")
 
 from click.testing import CliRunner  # noqa: E402
 
-from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.cli.execute import REAL_DEFAULTS  # noqa: E402
-from kvsim.cli.validate import cross_validate  # noqa: E402
-from kvsim.realexec.validation import Thresholds, compare_decisions, step_errors  # noqa: E402
 from kvsim.cli.main import main  # noqa: E402
-from kvsim.sim.run.decisions import read_decisions  # noqa: E402
+from kvsim.cli.validate import cross_validate  # noqa: E402
+from kvsim.realexec.backends import get_backend  # noqa: E402
+from kvsim.realexec.validation import Thresholds, compare_decisions, step_errors  # noqa: E402
 from kvsim.sim.perf.device import DEVICES_DIR, load_device, save_device  # noqa: E402
 from kvsim.sim.run.config import load_run_trace  # noqa: E402
+from kvsim.sim.run.decisions import read_decisions  # noqa: E402
 
 TINY = REAL_DEFAULTS.updated(model="tiny")  # the tests run the defaults on the fastest model
 

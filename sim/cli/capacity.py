@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from kvsim.sim.studies.capacity import Capacity, Slo, search
 from kvsim.cli.errors import user_errors
 from kvsim.sim.run.run_dir import check_out_dir, staged_dir
+from kvsim.sim.studies.capacity import Capacity, Slo, search
 from kvsim.sim.studies.sweep import expand_grid, load_grid_file, parallel_map
 
 SLO_KEYS = ("ttft_s", "tpot_s", "e2e_s", "percentile")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from kvsim.sim.run.decisions import read_decisions, read_digest
 from kvsim.cli.errors import UserError
+from kvsim.sim.run.decisions import read_decisions, read_digest
 
 
 @click.group()

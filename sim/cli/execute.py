@@ -11,12 +11,12 @@ from pathlib import Path
 
 import click
 
+from kvsim.cli.errors import user_errors
+from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
 from kvsim.realexec.executor import Executor
-from kvsim.cli.options import decisions_option, run_config_from, run_options
-from kvsim.cli.errors import user_errors
-from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.runner import run_trace
 from kvsim.traces.schema import Trace
 
@@ -107,7 +107,8 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
 @click.command()
 @run_options(defaults=REAL_DEFAULTS)
 @click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
-@click.option("--weights", type=click.Path(exists=True, path_type=Path), help="safetensors file or directory (default: seeded random weights).")
+@click.option("--weights", type=click.Path(exists=True, path_type=Path),
+              help="safetensors file or directory (default: seeded random weights).")
 @click.option("--check", is_flag=True, help="Verify every plan and the engine's invariants (slower; not for timing).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Run directory.")
 @click.option("--quiet", is_flag=True)

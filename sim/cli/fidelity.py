@@ -9,8 +9,8 @@ import click
 
 from kvsim.sim.studies.fidelity import (
     HAND_FITTED,
-    PUBLISHED,
     PARAMETERS,
+    PUBLISHED,
     SUMMARIES,
     Result,
     bundled_devices_for,
@@ -24,9 +24,12 @@ from kvsim.sim.studies.fidelity import (
 
 
 @click.command()
-@click.option("--data", "data_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=PUBLISHED, show_default=True, help="Published-figures TOML.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("fidelity"), show_default=True, help="Where fidelity.json and fidelity.html go.")
-@click.option("--fit/--no-fit", default=True, show_default=True, help="Solve the fit rows' parameters first (else: the device profiles as they are).")
+@click.option("--data", "data_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=PUBLISHED,
+              show_default=True, help="Published-figures TOML.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("fidelity"),
+              show_default=True, help="Where fidelity.json and fidelity.html go.")
+@click.option("--fit/--no-fit", default=True, show_default=True,
+              help="Solve the fit rows' parameters first (else: the device profiles as they are).")
 @click.option("--only", default="", help="Only rows whose id starts with this.")
 def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str) -> None:
     """Replay published vLLM / vllm-ascend measurements; print predicted vs measured and signed errors."""
@@ -112,8 +115,9 @@ def write_html(results: list[Result], fitted_runs: set, summary: dict, fitted: d
         for r in (x for x in results if split_label(x, fitted_runs) == split):
             err = r.signed_error
             css = "pass" if abs(err) <= 0.10 else "diff" if abs(err) <= 0.25 else "fail"
+            configuration = f"{r.row.model} on {r.row.device}, {r.row.engine}, {r.row.workload}"
             rows.append([r.row.id, Cell(r.row.metric, "text"), f"{r.row.measured:.4g}", f"{r.predicted:.4g}", Cell(f"{err:+.1%}", css),
-                         Cell(f"{r.row.model} on {r.row.device}, {r.row.engine}, {r.row.workload}", "text"), Cell(r.row.source, "text"), Cell(r.row.fits, "text")])  # fmt: skip
+                         Cell(configuration, "text"), Cell(r.row.source, "text"), Cell(r.row.fits, "text")])  # fmt: skip
         page.table(["row", "metric", "measured", "predicted", "signed error", "configuration", "source", "fits"], rows)
     page.heading("fitted parameters")
     page.table(["parameter", "value", "fitted on row"], [[name, f"{f['value']:.4g}", f["row"]] for name, f in fitted.items()])

@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from kvsim.cli.aliases import AliasedOption
-from kvsim.sim.perf.device import load_device
 from kvsim.cli.errors import UserError
+from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.memory import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -21,7 +21,6 @@ from kvsim.sim.perf.memory import (
 from kvsim.sim.perf.model_spec import load_model
 
 
-
 @click.command()
 @click.option("--model", "model_name", required=True, help="Bundled model name or a model .toml path.")
 @click.option("--device", "device_name", required=True, help="Bundled device, NAME.toml in the working directory, or a .toml path.")
@@ -29,9 +28,11 @@ from kvsim.sim.perf.model_spec import load_model
               help="KV cache dtype [default: the model's].")
 @click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True)
 @click.option("--max-model-len", type=click.IntRange(min=1), help="Longest sequence to serve [default: the model's max position].")
-@click.option("--gpu-memory-utilization", "--memory-utilization", "memory_utilization", cls=AliasedOption, type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_MEMORY_UTILIZATION, show_default=True)
+@click.option("--gpu-memory-utilization", "--memory-utilization", "memory_utilization", cls=AliasedOption,
+              type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_MEMORY_UTILIZATION, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS, show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, show_default=True, help="Rows sampled in the largest step.")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, show_default=True,
+              help="Rows sampled in the largest step.")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Report how many sequences of this length fit [default: max-model-len].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def memory(
@@ -82,7 +83,8 @@ def format_plan(plan: MemoryPlan, seq_len: int) -> str:
         ("device memory", plan.total_bytes, ""),
         (f"budget (x{plan.memory_utilization:g})", plan.budget_bytes, ""),
         ("  weights", plan.weight_bytes, ""),
-        ("  activations", plan.activation_bytes, f"{plan.max_num_batched_tokens} tokens, {min(plan.max_num_seqs, plan.max_num_batched_tokens)} sampled rows"),
+        ("  activations", plan.activation_bytes,
+         f"{plan.max_num_batched_tokens} tokens, {min(plan.max_num_seqs, plan.max_num_batched_tokens)} sampled rows"),
         ("  runtime reserve", plan.reserve_bytes, ""),
         ("  KV pool", plan.kv_pool_bytes, kv_note),
         ("  unused", plan.unused_bytes, "less than one block" if plan.fits else ""),

@@ -9,9 +9,9 @@ work for one release but are left out of ``--help``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import click
 
@@ -28,12 +28,16 @@ def _switch(name: str) -> str:
 RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--trace",), "trace", {"help": "Trace file, or a bundled sample name (demo, azure_conv_10min, mooncake_500)."}),
     (("--format",), "trace_format", {"help": "Trace format. [default: detected from content]"}),
-    (("--request-rate",), "request_rate", {"type": float, "help": "Mean arrival rate (req/s) the trace's arrivals are scaled to, as vLLM bench's. [default: the trace's own]"}),
+    (("--request-rate",), "request_rate",
+     {"type": float, "help": "Mean arrival rate (req/s) the trace's arrivals are scaled to, as vLLM bench's. "
+                             "[default: the trace's own]"}),
     (("--rate-scale", "--scale-rate"), "rate_scale", {"type": float, "help": "Or: arrivals this many times as frequent as in the trace."}),
     (("--max-requests",), "max_requests", {"type": int, "help": "Replay only the first N requests (0: all)."}),
     (("--model",), "model", {"help": "Model name (sim/models) or TOML path."}),
     (("--device",), "device", {"help": "Device name (sim/devices, or NAME.toml in the working directory) or TOML path."}),
-    (("--scheduler",), "scheduler", {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's AscendScheduler) | module:Class."}),
+    (("--scheduler",), "scheduler",
+     {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's "
+              "AscendScheduler) | module:Class."}),
     (("--block-manager",), "block_manager", {"help": "prefix | paged | contiguous | module:Class."}),
     ((_switch("enable-prefix-caching"),), "enable_prefix_caching",
      {"help": "vLLM's switch: on = block manager prefix, off = paged. [default: follows --block-manager]"}),
@@ -41,10 +45,12 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"help": "vLLM's switch: whether prefills may be split across steps (the scheduler's chunked_prefill; "
               "kvsim's `chunked` scheduler is Sarathi-style decode-first and always chunks). [default: on]"}),
     (("--block-size",), "block_size", {"type": int, "help": "Tokens per KV block."}),
-    (("--kv-cache-dtype", "--kv-dtype"), "kv_dtype", {"type": click.Choice(["auto", *KV_DTYPES]), "help": "KV cache dtype (auto: the model's). [default: auto]"}),
+    (("--kv-cache-dtype", "--kv-dtype"), "kv_dtype",
+     {"type": click.Choice(["auto", *KV_DTYPES]), "help": "KV cache dtype (auto: the model's). [default: auto]"}),
     (("--gpu-memory-utilization", "--memory-utilization"), "memory_utilization",
      {"type": float, "help": "Fraction of device (NPU/GPU) memory the engine may use."}),
-    (("--num-gpu-blocks-override", "--num-blocks"), "num_blocks", {"type": int, "help": "KV blocks, overriding the memory model (0: sized by it)."}),
+    (("--num-gpu-blocks-override", "--num-blocks"), "num_blocks",
+     {"type": int, "help": "KV blocks, overriding the memory model (0: sized by it)."}),
     (("--max-model-len",), "max_model_len", {"type": int, "help": "Longest prompt + output accepted. [default: the model's]"}),
     (("--max-num-seqs",), "max_num_seqs", {"type": int, "help": "Running requests at most."}),
     (("--max-num-batched-tokens",), "max_num_batched_tokens", {"type": int, "help": "Token budget per step."}),

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable
-from kvsim.cli.execute import REAL_DEFAULTS
-from kvsim.realexec.profiler import run_profile
 from kvsim.cli.errors import UserError
+from kvsim.cli.execute import REAL_DEFAULTS
+from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable
+from kvsim.realexec.profiler import run_profile
 from kvsim.sim.run.config import KV_DTYPES
 
 
@@ -23,7 +23,8 @@ from kvsim.sim.run.config import KV_DTYPES
 @click.option("--device", "torch_device", default=None, help="Torch device, e.g. cuda:1 [default: the backend's].")
 @click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
               help="KV cache dtype to profile (auto: the model's); int8 times the quantised cache's writes and attention.")
-@click.option("--quick", is_flag=True, help="A small sweep: about three minutes for the small model on a 2-core CPU, one for the tiny model.")
+@click.option("--quick", is_flag=True,
+              help="A small sweep: about three minutes for the small model on a 2-core CPU, one for the tiny model.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Fixes the sweep's order, block ids, inputs and held-out trace.")
 @click.option("--quiet", is_flag=True, help="Only the path written.")
 def profile(backend: str, model: str, out_path: Path, base_device: str | None, torch_device: str | None, kv_dtype: str,

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
+from kvsim.cli.errors import UserError
 from kvsim.reports.compare import Slo, write_compare_report
 from kvsim.reports.runs import ReportInputError, read_json
 from kvsim.reports.validation import RUN_NAMES, missing_keys, write_validation_report
-from kvsim.cli.errors import UserError
 
 
 @click.group("report")
@@ -20,7 +20,8 @@ def report() -> None:
 @report.command("compare")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--label", "labels", multiple=True, help="A name per run, in order (default: the config fields that differ).")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Writes compare.html and compare.json here.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Writes compare.html and compare.json here.")
 @click.option("--slo-ttft", type=float, default=Slo.ttft_s, show_default=True, help="TTFT objective (s) for goodput.")
 @click.option("--slo-tpot", type=float, default=Slo.tpot_s, show_default=True, help="TPOT objective (s) for goodput.")
 def compare(run_dirs: tuple[Path, ...], labels: tuple[str, ...], out_dir: Path, slo_ttft: float, slo_tpot: float) -> None:

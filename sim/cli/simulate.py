@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
+from kvsim.cli.errors import user_errors
 from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.sim.perf.cost_model import CostModelTimer
-from kvsim.cli.errors import user_errors
-from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.run_dir import check_out_dir, staged_dir
 from kvsim.sim.run.run_warnings import format_warnings
 from kvsim.sim.run.runner import run_trace

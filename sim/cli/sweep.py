@@ -14,7 +14,8 @@ from kvsim.sim.studies.sweep import expand_grid, load_sweep, run_sweep
 
 @click.command()
 @click.argument("sweep_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Sweep directory (sweep.csv, one run directory per point).")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
+              help="Sweep directory (sweep.csv, one run directory per point).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists and is not empty.")
 @click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--jobs", type=int, default=None, help="Local worker processes [default: one per core].")

@@ -143,7 +143,8 @@ def _describe(stats: TraceStats, block: int | None) -> str:
 @click.option("--samples", type=int, default=1, show_default=True, help="Parallel samples per request (n).")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per prefix hash.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(out_path, rate, duration, count, arrival, cv, prompt_spec, output_spec, system_prompt, turns, think_time, samples, block_size, seed) -> None:
+def synth(out_path, rate, duration, count, arrival, cv, prompt_spec, output_spec, system_prompt, turns, think_time, samples,
+          block_size, seed) -> None:
     """Generate a synthetic trace (seeded, so the same options give the same file)."""
     if (duration is None) == (count is None):
         raise click.UsageError("give exactly one of --duration and --count")

@@ -11,20 +11,20 @@ from pathlib import Path
 
 import click
 
+from kvsim.cli.errors import user_errors
+from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend
+from kvsim.cli.options import run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend, get_backend
 from kvsim.realexec.calibration import calibrated_profile
-from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend
 from kvsim.realexec.speed_check import speed_check
 from kvsim.realexec.validation import Thresholds, compare_decisions, reference_ratios, step_errors, validate_runs
-from kvsim.cli.options import run_config_from, run_options
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.device import load_device
-from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
-from kvsim.sim.run.runner import run_trace
-from kvsim.sim.run.decisions import DecisionLog, read_decisions
-from kvsim.cli.errors import user_errors
-from kvsim.sim.run.simulator import SimOptions, simulate
 from kvsim.sim.perf.step_timer import ReplayTimer
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.decisions import DecisionLog, read_decisions
+from kvsim.sim.run.runner import run_trace
+from kvsim.sim.run.simulator import SimOptions, simulate
 
 WALL_CLOCK = "wall clock (time.perf_counter), recorded beside the device clock, not compared"
 
@@ -182,6 +182,6 @@ def format_checks(validation: dict) -> str:
                  + (f", against their times when profiled {reference_ratios(speed, 'profiled_s')}" if speed.get("profiled_s") else "")
                  + hint)
     decisions = validation["decision_identity"]
-    lines.append(f"decision logs: {'identical' if decisions['identical'] else 'DIVERGE at step ' + str(decisions['first_divergence']['step'])}"
-                 f" over {decisions['steps_compared']} steps")
+    verdict = "identical" if decisions["identical"] else f"DIVERGE at step {decisions['first_divergence']['step']}"
+    lines.append(f"decision logs: {verdict} over {decisions['steps_compared']} steps")
     return "\n".join(lines)

@@ -79,10 +79,11 @@ traffic crosses the host link and the simulator accounts for it separately throu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import reduce
 from operator import add, itemgetter
-from typing import NamedTuple, Sequence, Union
+from typing import NamedTuple, Union
 
 import numpy as np
 

@@ -47,9 +47,9 @@ operator's formula does with them.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Iterable
 
 from kvsim.sim.perf.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
 from kvsim.sim.toml_io import load_toml

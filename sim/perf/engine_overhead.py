@@ -38,11 +38,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
-Num = Union[float, np.ndarray]
+Num = float | np.ndarray
 
 MODES = ("eager", "graph")
 

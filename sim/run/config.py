@@ -63,14 +63,14 @@ class RunConfig:
     enable_prefix_caching: bool | None = None  # vLLM's switch: True = block manager prefix, False = paged
     enable_chunked_prefill: bool | None = None  # vLLM's switch: the scheduler's chunked_prefill parameter
 
-    def updated(self, **overrides) -> "RunConfig":
+    def updated(self, **overrides) -> RunConfig:
         """A copy with every override that is not None applied."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def normalized(self) -> "RunConfig":
+    def normalized(self) -> RunConfig:
         """The config with vLLM's two switches applied to the block manager and scheduler.
 
         ``enable_prefix_caching``: True needs the ``prefix`` manager, False turns ``prefix``
@@ -86,12 +86,13 @@ class RunConfig:
             out = replace(out, block_manager="paged")
         if self.enable_chunked_prefill is not None:
             if self.scheduler in ("chunked", "static") and not self.enable_chunked_prefill:
-                raise ValueError(f"scheduler {self.scheduler!r} always chunks prefills; enable_chunked_prefill = false needs fcfs, priority or sjf")
+                raise ValueError(f"scheduler {self.scheduler!r} always chunks prefills; "
+                                 "enable_chunked_prefill = false needs fcfs, priority or sjf")
             if self.scheduler not in ("chunked", "static"):
                 out = replace(out, scheduler_params={**self.scheduler_params, "chunked_prefill": self.enable_chunked_prefill})
         return out
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         """Check value ranges, naming the key (vLLM's name where it has one); returns self."""
         problems = [(name, rule) for name, rule, ok in _range_rules(self) if not ok]
         if problems:

@@ -15,8 +15,9 @@ stored only when they differ. In the simulator the engine hands over the changes
 themselves (``StepPlan.changes``) in every step they tell, so the encoder's work and the
 engine's are what changed, not the batch: the encoder keeps the previous entries with each
 request's next position as an offset from the step, which a decoding request never updates.
-Records are gzip-compressed by a background thread (zlib releases the GIL). ``read_decisions`` expands a full log back to the reference lines byte
-for byte, by rebuilding each plan and calling its own ``to_json``.
+Records are gzip-compressed by a background thread (zlib releases the GIL). ``read_decisions``
+expands a full log back to the reference lines byte for byte, by rebuilding each plan and
+calling its own ``to_json``.
 
 The summary is a digest: record and step counts and the SHA-256 of the uncompressed
 record stream. The encoding is a deterministic function of the reference lines and the
@@ -30,11 +31,12 @@ import json
 import queue
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import count
 from operator import add, attrgetter
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from kvsim.policies.blocks import batch_slots
 from kvsim.policies.plan import (

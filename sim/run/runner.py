@@ -6,15 +6,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+from kvsim.sim.perf.step_timer import StepTimer
+from kvsim.sim.run.config import ResolvedRun
 from kvsim.sim.run.decisions import DecisionLog
 from kvsim.sim.run.outputs import write_requests, write_steps, write_summary
-from kvsim.sim.run.config import ResolvedRun
 from kvsim.sim.run.run_warnings import run_warnings
 from kvsim.sim.run.simulator import SimOptions, SimRun, cyclic_gc_paused, simulate
-from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.traces.schema import Trace
 
 

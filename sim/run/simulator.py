@@ -19,9 +19,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable
 
 import simpy
 
@@ -29,9 +28,9 @@ from kvsim.policies.engine import EngineCore
 from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import add_trace_request
+from kvsim.sim.perf.step_timer import StepTimer, StepTiming
 from kvsim.sim.run.decisions import DecisionSink
 from kvsim.sim.run.metrics import StepLog, TokenTimes, request_rows, request_tuples, summarize
-from kvsim.sim.perf.step_timer import StepTimer, StepTiming
 from kvsim.traces.schema import Trace
 
 

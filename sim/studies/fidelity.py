@@ -130,7 +130,7 @@ class Row:
     notes: str = ""
 
     @property
-    def run(self) -> "Row":
+    def run(self) -> Row:
         """The measured run this figure comes from: the row with only what names the figure blanked.
 
         Two figures of one benchmark run (its TTFT and TPOT, its ITL and output throughput)
@@ -183,7 +183,8 @@ def load_published(path: str | Path = PUBLISHED) -> Published:
         unknown = sorted(set(raw) - allowed)
         if unknown:
             raise ValueError(f"{path}: {where}: unknown field(s) {unknown}")
-        _require(raw, ("id", "source", "split", "metric", "measured", "model", "device", "engine", "parallelism", "workload", "wording"), path, where)
+        required = ("id", "source", "split", "metric", "measured", "model", "device", "engine", "parallelism", "workload", "wording")
+        _require(raw, required, path, where)
         row = Row(**raw)
         _check_row(row, sources, path, where)
         rows.append(row)
@@ -477,8 +478,8 @@ def fit_parameters(rows: list[Row], devices: dict[str, DeviceProfile], steps: in
         lo, hi = PARAMETERS[row.fits]
         device = devices[row.device]
 
-        def error(value: float) -> float:
-            return predict_row(row, set_parameter(device, row.fits, value)) / row.measured - 1.0
+        def error(value: float) -> float:  # called within this iteration only
+            return predict_row(row, set_parameter(device, row.fits, value)) / row.measured - 1.0  # noqa: B023
 
         e_lo, e_hi = error(lo), error(hi)
         if e_lo * e_hi > 0:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import csv
 import itertools
 import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, Iterator
 
 from kvsim.sim.run.config import VLLM_KEYS, RunConfig, config_fields
 from kvsim.sim.run.run_dir import staged_dir
