@@ -23,6 +23,7 @@ type-only one breaks no import order, and the layer rule already bounds where it
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -288,3 +289,11 @@ def test_the_scan_reads_lazy_relative_and_type_only_imports(tmp_path: Path):
     found = {(i.target, i.runs_on_import) for i in imports_of("kvsim.sim.run.mod", source, known)}
     assert found == {("kvsim.traces", True), ("kvsim.sim.run.sibling", True),
                      ("kvsim.policies.engine", False), ("kvsim.reports.page", False)}
+
+
+def test_the_architecture_doc_names_files_that_exist():
+    """docs/architecture.md's map and its "where new things go" point at real files and folders."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:traces|policies|sim|realexec|reports|examples|tests)/[\w/.]*)`", text))
+    assert len(named) > 20
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
