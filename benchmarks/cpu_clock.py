@@ -29,7 +29,7 @@ from kvsim.realexec.executor import Executor
 from kvsim.realexec.profile_bench import OperatorBenches
 from kvsim.realexec.profile_shapes import decode
 from kvsim.realexec.speed_check import REFERENCE_SHAPES
-from kvsim.sim.model_spec import load_model
+from kvsim.sim.perf.model_spec import load_model
 
 GEMM_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 

@@ -21,7 +21,7 @@ from kvsim.realexec.backends import get_backend
 from kvsim.realexec.executor import Executor
 from kvsim.realexec.profile_bench import OperatorBenches
 from kvsim.realexec.profile_shapes import decode
-from kvsim.sim.model_spec import load_model
+from kvsim.sim.perf.model_spec import load_model
 
 
 def phase(name: str, run, seconds: float) -> None:

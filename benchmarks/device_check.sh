@@ -41,7 +41,7 @@ part() {  # part LIMIT_S RESERVE_S NAME COMMAND...: run within LIMIT_S and what 
 checks() {  # checks RUN_DIR: the checks table a validate run printed, into the summary
     python3 - "$1" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
-from kvsim.realexec.cli_validate import format_checks
+from kvsim.cli.validate import format_checks
 print(format_checks(json.load(open(sys.argv[1] + "/validation.json"))))
 EOF
 }
@@ -53,7 +53,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || { say "install failed"; exit 1; }
 if ! command -v kvsim >/dev/null; then  # the console script went where PATH does not look
     mkdir -p "$WORK/bin"
-    printf '#!/bin/sh\nexec python3 -c "import sys; from kvsim.sim.cli import run; sys.argv[0] = \\"kvsim\\"; run()" "$@"\n' >"$WORK/bin/kvsim"
+    printf '#!/bin/sh\nexec python3 -c "import sys; from kvsim.cli.main import run; sys.argv[0] = \\"kvsim\\"; run()" "$@"\n' >"$WORK/bin/kvsim"
     chmod +x "$WORK/bin/kvsim"
     export PATH="$WORK/bin:$PATH"
 fi

@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from kvsim import traces
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.decisions import DecisionLog
-from kvsim.sim.outputs import write_requests, write_steps
-from kvsim.sim.run_config import RunConfig, resolve
-from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, resolve
+from kvsim.sim.run.decisions import DecisionLog
+from kvsim.sim.run.outputs import write_requests, write_steps
+from kvsim.sim.run.simulator import SimOptions, simulate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 CASES = {

@@ -26,7 +26,7 @@ from kvsim.realexec.executor import Executor
 from kvsim.realexec.profile_bench import OperatorBenches, measure
 from kvsim.realexec.profile_shapes import decode, footprint, prefill
 from kvsim.realexec.speed_check import REPEATS
-from kvsim.sim.model_spec import ModelSpec, load_model
+from kvsim.sim.perf.model_spec import ModelSpec, load_model
 
 SHAPES = (("decode 1 x 128", decode(1, 128)), ("decode 4 x 256", decode(4, 256)), ("prefill 256", prefill(256)))
 BLOCK_SIZE = 16

@@ -19,7 +19,6 @@ from kvsim.policies.hashing import check_block_size_compatible, extend_block_has
 from kvsim.policies.registry import register_block_manager
 from kvsim.policies.request import Request
 
-
 _num_computed = attrgetter("num_computed_tokens")
 
 

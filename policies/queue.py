@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvsim.policies.request import Request
 

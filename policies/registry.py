@@ -8,7 +8,8 @@ This module imports no policy: the built-ins register when ``kvsim.policies`` is
 from __future__ import annotations
 
 import importlib
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T", bound=type)
 

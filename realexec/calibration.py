@@ -14,12 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from kvsim.realexec.backends import KernelBackend
-from kvsim.sim.model_spec import load_model
+from kvsim.sim.perf.model_spec import load_model
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
 # by an older profiler are not reused (2: every timed run primed by a run of the same case;
@@ -69,7 +69,8 @@ def calibrated_profile(
         say(f"using the calibrated profile {path}")
         return Calibrated(path, cached=True)
     reason = refresh or why_not_cached(path.parent, stem, parts)
-    say(f"{reason}: profiling now (kvsim profile --quick: about three minutes for the small model on a 2-core CPU, one for the tiny model): timing how fast this machine runs the "
+    say(f"{reason}: profiling now (kvsim profile --quick: about three minutes for the small model on a 2-core CPU, "
+        f"one for the tiny model): timing how fast this machine runs the "
         f"{Path(model).stem} model's operators and whole steps (KV cache in {kv_dtype}) on {backend.clock}, so the simulator can predict "
         f"its step times; the profile is cached as {path}")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,8 @@ from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.graphs import GraphInputs, StepGraphs
 from kvsim.realexec.model import Attend, DecoderModel, calibrate_kv_scales, kv_cache_dtypes
 from kvsim.realexec.prompts import prompt_tokens
-from kvsim.sim.model_spec import ModelSpec
-from kvsim.sim.step_timer import StepTiming
+from kvsim.sim.perf.model_spec import ModelSpec
+from kvsim.sim.perf.step_timer import StepTiming
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -63,7 +63,7 @@ class TimedPass:
 
 
 class Executor:
-    """Implements ``sim.step_timer.StepTimer`` on a real device.
+    """Implements ``sim.perf.step_timer.StepTimer`` on a real device.
 
     ``check=True`` verifies each plan against the block tables it carries (slot mapping, block
     ids in range) before running it; off by default so it never inflates measured host time.

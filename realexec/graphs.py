@@ -33,7 +33,7 @@ import torch
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.token_attention import TOKENS_KEY, TokenMetadata
 from kvsim.realexec.model import Attend, DecoderModel
-from kvsim.sim.engine_overhead import EngineProfile
+from kvsim.sim.perf.engine_overhead import EngineProfile
 
 
 class StepGraph(Protocol):

@@ -9,9 +9,9 @@ the KV paths.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.weights import load_weights, random_weights, torch_dtype
-from kvsim.sim.model_spec import ModelSpec
+from kvsim.sim.perf.model_spec import ModelSpec
 
 # attend(layer, q [T, heads, head_dim], k [T, kv_heads, head_dim], v [T, kv_heads, head_dim])
 #   -> attention output [T, heads, head_dim]
@@ -62,7 +62,7 @@ class DecoderModel:
     @classmethod
     def build(
         cls, spec: ModelSpec, device: torch.device | str = "cpu", seed: int = 0, weights_path: str | Path | None = None
-    ) -> "DecoderModel":
+    ) -> DecoderModel:
         """Seeded random weights, or a safetensors checkpoint, on ``device`` in ``spec.weight_dtype``."""
         dtype = torch_dtype(spec.weight_dtype)
         if weights_path is None:

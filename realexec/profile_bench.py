@@ -12,8 +12,8 @@ error against single runs cannot go much below it. Everything is timed on the ba
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,9 +28,9 @@ from kvsim.realexec.backends.base import AttentionMetadata
 from kvsim.realexec.executor import Executor
 from kvsim.realexec.graphs import StepGraph
 from kvsim.realexec.profile_shapes import StepShape, Sweep, decode, prefill, shape_features, step_kind
-from kvsim.sim.cost_model import StepFeatures, features_from_plan
-from kvsim.sim.simulator import simulate
-from kvsim.sim.step_timer import StepTiming
+from kvsim.sim.perf.cost_model import StepFeatures, features_from_plan
+from kvsim.sim.perf.step_timer import StepTiming
+from kvsim.sim.run.simulator import simulate
 from kvsim.traces.synth import Uniform, synthesize
 
 # Untimed runs before the timed one of a case that streams the model's weights on its own (GEMMs,
@@ -52,7 +52,7 @@ class Measured:
     runs: np.ndarray  # [cases, repeats]
 
 
-def measure(samples: Sequence["Sample"], repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
+def measure(samples: Sequence[Sample], repeats: int, rng: np.random.Generator, tick: Callable[[], None] | None = None) -> Measured:
     """Time ``repeats`` rounds, each visiting the cases in a fresh shuffled order, every timed run primed.
 
     Each round makes a fresh instance of every case (a new block layout), runs it untimed
@@ -237,7 +237,8 @@ class OperatorBenches:
         return Sample("kv_write", "kv_write", self._features(shape), case)
 
     def attention(self, shape: StepShape, pool: KVPool) -> Sample:
-        """Paged attention over every layer of ``pool``, in the executor's attention dtype (an int8 cache dequantised with the layer's scales)."""
+        """Paged attention over every layer of ``pool``, in the executor's attention dtype (an int8 cache
+        dequantised with the layer's scales)."""
         s = self.spec
         q = self._randn(sum(x.new for x in shape), s.num_heads, s.head_dim, dtype=self.ex.attention_dtype)
         scale = self.ex.model.scale

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Sequence
 
 import numpy as np
 
 from kvsim.realexec.profile_bench import Measured, Sample, StepRecords
-from kvsim.sim.cost_model import STEP_OPERATORS, CostModel, StepFeatures
-from kvsim.sim.device import DeviceProfile
-from kvsim.sim.model_spec import ModelSpec
+from kvsim.sim.perf.cost_model import STEP_OPERATORS, CostModel, StepFeatures
+from kvsim.sim.perf.device import DeviceProfile
+from kvsim.sim.perf.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class FitError:
     max_error: float
 
     @classmethod
-    def of(cls, name: str, predicted: np.ndarray, measured: np.ndarray) -> "FitError":
+    def of(cls, name: str, predicted: np.ndarray, measured: np.ndarray) -> FitError:
         errors = np.abs(np.asarray(predicted) / np.asarray(measured) - 1.0)
         return cls(name, int(errors.size), float(errors.mean()), float(errors.max()))
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Sequence
 
 import numpy as np
 
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import PlanEntry, StepPlan
 from kvsim.realexec.backends import KernelBackend
-from kvsim.sim.cost_model import StepFeatures, features_from_plan
+from kvsim.sim.perf.cost_model import StepFeatures, features_from_plan
+
 
 @dataclass(frozen=True)
 class SeqShape:

@@ -30,9 +30,9 @@ Which cached profile fits a machine is ``calibration``'s job.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -45,10 +45,10 @@ from kvsim.realexec.profile_bench import KVPool, OperatorBenches, StepRecords, e
 from kvsim.realexec.profile_fit import FitError, Measurements, fit_groups, stack
 from kvsim.realexec.profile_shapes import StepShape, Sweep, footprint, sweep_for
 from kvsim.realexec.speed_check import reference_steps
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.device import DeviceProfile, load_device, save_device
-from kvsim.sim.memory import plan_memory
-from kvsim.sim.model_spec import ModelSpec, load_model
+from kvsim.sim.perf.cost_model import CostModel
+from kvsim.sim.perf.device import DeviceProfile, load_device, save_device
+from kvsim.sim.perf.memory import plan_memory
+from kvsim.sim.perf.model_spec import ModelSpec, load_model
 
 Echo = Callable[[str], None]
 

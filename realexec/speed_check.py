@@ -9,7 +9,7 @@ time compares with the profile's prediction: a ratio far from 1 means re-profile
 before reading the timing errors as the model's. Profiles from ``kvsim profile`` also record
 what the reference steps took when the machine was profiled: measured now over then is the
 machine's drift alone, and predicted over then the model's own miss on those steps, both
-reported (the decision stays on the prediction: cli_validate.machine_profile says why).
+reported (the decision stays on the prediction: kvsim.cli.validate.machine_profile says why).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.executor import Executor
 from kvsim.realexec.profile_bench import OperatorBenches, Sample, measure
 from kvsim.realexec.profile_shapes import StepShape, decode, footprint, prefill
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.model_spec import ModelSpec
+from kvsim.sim.perf.cost_model import CostModel
+from kvsim.sim.perf.model_spec import ModelSpec
 
 REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
     ("decode 1 x 128", decode(1, 128)),
@@ -53,7 +53,9 @@ class SpeedCheck:
                 "profiled_s": self.profiled_s, "ratio": self.ratio}
 
 
-def reference_times(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0) -> tuple[list[float], list[Sample]]:
+def reference_times(
+    backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0
+) -> tuple[list[float], list[Sample]]:
     """The reference steps timed on ``backend`` as the profiler times whole steps (its clock): each one's median seconds, and its sample."""
     blocks = 2 * max(footprint(shape, block_size) for _, shape in REFERENCE_SHAPES)  # room for spread-out tables
     executor = Executor(spec, backend, num_blocks=blocks, block_size=block_size, seed=seed, kv_dtype=kv_dtype)

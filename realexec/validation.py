@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.sim.simulator import SimRun
+from kvsim.sim.run.simulator import SimRun
 from kvsim.sim.toml_io import load_toml
 
 
@@ -35,7 +35,7 @@ class Thresholds:
     kv_pool_bytes: float = 0.01
 
     @classmethod
-    def from_toml(cls, path: Path | None) -> "Thresholds":
+    def from_toml(cls, path: Path | None) -> Thresholds:
         if path is None:
             return cls()
         table = load_toml(path).get("validation", {})

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvsim.sim.model_spec import ModelSpec
+from kvsim.sim.perf.model_spec import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -120,7 +120,9 @@ def _random_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], tile: tor
     return tile_window(tile, zlib.crc32(name.encode()), shape).mul_(init_std(spec, name, shape))
 
 
-def random_weights(spec: ModelSpec, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def random_weights(
+    spec: ModelSpec, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Seeded weights (see ``_random_tensor``), by checkpoint name, made on ``device``.
 
     The same seed gives the same values on every device: the tile is drawn on the CPU, and
@@ -143,7 +145,9 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return [path]
 
 
-def load_weights(path: str | Path, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_weights(
+    path: str | Path, spec: ModelSpec, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Weights from a safetensors file, or a directory of shards, checked against ``spec``.
 
     Every expected tensor must be present with its exact shape; any unknown tensor (an
@@ -165,7 +169,8 @@ def load_weights(path: str | Path, spec: ModelSpec, device: torch.device | str =
                     raise ValueError(f"{file}: tensor {name!r} is not part of model {spec.name!r} (a different architecture or shape?)")
                 tensor = fh.get_tensor(name)
                 if tuple(tensor.shape) != expected[name]:
-                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, model {spec.name!r} expects {expected[name]}")
+                    raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"model {spec.name!r} expects {expected[name]}")
                 weights[name] = tensor.to(device=device, dtype=dtype)
     missing = [name for name in expected if name not in weights]
     if missing:

@@ -22,7 +22,7 @@ from plotly.subplots import make_subplots
 from kvsim.reports.figures import cdf_figure, latency_cdfs, palette, series_data, styled
 from kvsim.reports.page import Cell, Page
 from kvsim.reports.runs import ReportInputError, Run, default_labels, load_run
-from kvsim.sim.sweep import SWEEP_CSV, point_dir_name
+from kvsim.sim.studies.sweep import SWEEP_CSV, point_dir_name
 
 WASTE_NOTE = (
     "steps.csv records KV blocks (in use, cached, free) but not the tokens they hold, so internal waste "
@@ -102,15 +102,18 @@ def compare_data(runs: dict[str, Run], slo: Slo) -> dict:
         "notes": [WASTE_NOTE],
         "runs": list(rows.values()),
         "figures": {
-            "throughput_vs_p99_ttft": {l: {"p99_ttft_s": r["ttft_p99_s"], "throughput_tok_s": r["throughput_tok_s"]} for l, r in rows.items()},
+            "throughput_vs_p99_ttft": {
+                label: {"p99_ttft_s": r["ttft_p99_s"], "throughput_tok_s": r["throughput_tok_s"]} for label, r in rows.items()
+            },
             "goodput": {
-                l: {k: r[k] for k in ("requests", "meeting_slo", "goodput_rps", "request_rate_rps")} for l, r in rows.items()
+                label: {k: r[k] for k in ("requests", "meeting_slo", "goodput_rps", "request_rate_rps")}
+                for label, r in rows.items()
             },
             "kv_usage_pct": kv_usage,
             "kv_blocks_per_sequence": per_sequence,
-            "prefix_hit_rate": {l: r["prefix_hit_rate"] for l, r in rows.items()},
-            "preemptions": {l: r["preemptions"] for l, r in rows.items()},
-            "rejections": {l: r["rejection_reasons"] for l, r in rows.items()},
+            "prefix_hit_rate": {label: r["prefix_hit_rate"] for label, r in rows.items()},
+            "preemptions": {label: r["preemptions"] for label, r in rows.items()},
+            "rejections": {label: r["rejection_reasons"] for label, r in rows.items()},
             "latency_cdfs": latency_cdfs(runs),
         },
     }
@@ -204,7 +207,7 @@ def _goodput(goodput: dict, slo: dict, colors: dict[str, str]) -> go.Figure:
     fig.add_trace(
         go.Bar(
             x=labels, y=[g["goodput_rps"] for g in goodput.values()], name="goodput: requests/s meeting both SLOs",
-            marker={"color": [colors[l] for l in labels]},
+            marker={"color": [colors[label] for label in labels]},
             text=[f"{g['meeting_slo']}/{g['requests']}" for g in goodput.values()], textposition="outside",
         )
     )
@@ -223,11 +226,13 @@ def _kv_timelines(usage: dict, per_sequence: dict, colors: dict[str, str]) -> go
     for row, label in enumerate(labels, start=1):
         u, s = usage[label], per_sequence[label]
         line = {"color": colors[label], "shape": "hv"}
-        fig.add_trace(go.Scatter(x=np.asarray(u["t_used_pct"]), y=np.asarray(u["used_pct"]), mode="lines", name=f"{label}: in use", line=line), row, 1)
+        fig.add_trace(go.Scatter(x=np.asarray(u["t_used_pct"]), y=np.asarray(u["used_pct"]), mode="lines",
+                                 name=f"{label}: in use", line=line), row, 1)
         if any(v > 0 for v in u["cached_pct"]):
-            fig.add_trace(go.Scatter(x=np.asarray(u["t_cached_pct"]), y=np.asarray(u["cached_pct"]), mode="lines", name=f"{label}: cached, unreferenced",
-                                     line={**line, "dash": "dot"}, opacity=0.6), row, 1)
-        fig.add_trace(go.Scatter(x=np.asarray(s["t_blocks"]), y=np.asarray(s["blocks"]), mode="lines", name=f"{label}: blocks per sequence", line=line), row, 2)
+            fig.add_trace(go.Scatter(x=np.asarray(u["t_cached_pct"]), y=np.asarray(u["cached_pct"]), mode="lines",
+                                     name=f"{label}: cached, unreferenced", line={**line, "dash": "dot"}, opacity=0.6), row, 1)
+        fig.add_trace(go.Scatter(x=np.asarray(s["t_blocks"]), y=np.asarray(s["blocks"]), mode="lines",
+                                 name=f"{label}: blocks per sequence", line=line), row, 2)
         fig.update_yaxes(title_text="%", rangemode="tozero", row=row, col=1)
         fig.update_yaxes(title_text="blocks", rangemode="tozero", row=row, col=2)
     fig.update_xaxes(title_text="time (s)", row=len(labels))
@@ -240,12 +245,14 @@ def _kv_timelines(usage: dict, per_sequence: dict, colors: dict[str, str]) -> go
 def _counters(figures: dict, colors: dict[str, str]) -> go.Figure:
     labels = list(figures["preemptions"])
     fig = make_subplots(rows=1, cols=3, subplot_titles=["Prefix cache hit rate", "Preemptions", "Rejected requests by reason"])
-    bar_colors = {"color": [colors[l] for l in labels]}
-    fig.add_trace(go.Bar(x=labels, y=[100 * figures["prefix_hit_rate"][l] for l in labels], marker=bar_colors, showlegend=False), 1, 1)
-    fig.add_trace(go.Bar(x=labels, y=[figures["preemptions"][l] for l in labels], marker=bar_colors, showlegend=False), 1, 2)
+    bar_colors = {"color": [colors[label] for label in labels]}
+    hit_pct = [100 * figures["prefix_hit_rate"][label] for label in labels]
+    fig.add_trace(go.Bar(x=labels, y=hit_pct, marker=bar_colors, showlegend=False), 1, 1)
+    fig.add_trace(go.Bar(x=labels, y=[figures["preemptions"][label] for label in labels], marker=bar_colors, showlegend=False), 1, 2)
     reasons = sorted({r for counts in figures["rejections"].values() for r in counts})
     for reason in reasons:
-        fig.add_trace(go.Bar(x=labels, y=[figures["rejections"][l].get(reason, 0) for l in labels], name=f"rejected: {reason}"), 1, 3)
+        rejected = [figures["rejections"][label].get(reason, 0) for label in labels]
+        fig.add_trace(go.Bar(x=labels, y=rejected, name=f"rejected: {reason}"), 1, 3)
     if not reasons:
         fig.add_annotation(text="no rejections", xref="x3 domain", yref="y3 domain", x=0.5, y=0.5, showarrow=False)
     fig.update_layout(barmode="stack")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.sim.outputs import REQUESTS, STEPS, SUMMARY
+from kvsim.sim.run.outputs import REQUESTS, STEPS, SUMMARY
 
-# the columns reports read (a subset of sim.metrics' STEP_COLUMNS and REQUEST_COLUMNS)
+# the columns reports read (a subset of sim.run.metrics' STEP_COLUMNS and REQUEST_COLUMNS)
 STEP_FIELDS = ("step", "start_s", "duration_s", "kind", "batch_size", "prefill_tokens", "decode_tokens",
                "kv_used", "kv_cached", "kv_free")
 REQUEST_FIELDS = ("request_id", "parent", "status", "reject_reason", "arrival_s", "ttft_s", "tpot_s", "finish_s")

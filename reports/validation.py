@@ -207,7 +207,8 @@ def _timing_section(page: Page, timing: dict, pairs: dict[str, np.ndarray], sour
         if speed.get("profiled_s"):
             page.note(f"Speed check after the real run: reference steps took {reference_ratios(speed, 'profiled_s')} of their times "
                       f"when the machine was profiled (far from 1: the machine's speed changed since), and {reference_ratios(speed)} "
-                      f"of the profile's prediction ({speed['ratio']:.2f}x their median: the machine's change and the model's error together).")
+                      f"of the profile's prediction ({speed['ratio']:.2f}x their median: the machine's change and the "
+                      "model's error together).")
         else:
             page.note(f"Speed check after the real run: reference steps ({reference_ratios(speed)}) took {speed['ratio']:.2f}x the "
                       "profile's prediction (their median); far from 1, the machine's speed changed since it was profiled "
@@ -238,7 +239,7 @@ def step_scatter(pairs: dict[str, np.ndarray]) -> go.Figure:
         lo = float(min(measured[positive].min(), predicted[positive].min()))
         hi = float(max(measured[positive].max(), predicted[positive].max()))
         fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="y = x", line={"color": "black", "dash": "dash"}))
-    thinned = " (at most %d points per kind; extremes kept)" % MAX_POINTS if len(measured) > MAX_POINTS else ""
+    thinned = f" (at most {MAX_POINTS} points per kind; extremes kept)" if len(measured) > MAX_POINTS else ""
     fig = styled(fig, "Per-step duration, predicted (sim) vs measured (real)" + thinned, height=640,
                  xaxis_title="measured step time (s)", yaxis_title="predicted step time (s)")
     fig.update_layout(width=900)  # near-square, so y = x runs at 45 degrees
@@ -294,8 +295,8 @@ def _memory_section(page: Page, memory: dict, runs: dict[str, Run]) -> None:
     for name, run in runs.items():
         steps = run.steps
         data = series_data(steps["start_s"], {"kv_used": steps["kv_used"]})
-        fig.add_trace(go.Scatter(x=np.asarray(data["t_kv_used"]), y=np.asarray(data["kv_used"]), mode="lines", name=f"{name} ({run.num_blocks} blocks)",
-                                 line={"color": RUN_COLORS[name], "shape": "hv"}))
+        fig.add_trace(go.Scatter(x=np.asarray(data["t_kv_used"]), y=np.asarray(data["kv_used"]), mode="lines",
+                                 name=f"{name} ({run.num_blocks} blocks)", line={"color": RUN_COLORS[name], "shape": "hv"}))
     page.figure(styled(fig, "KV blocks in use over time", height=420, xaxis_title="time (s)",
                        yaxis_title="KV blocks in use"))
     rows = []

@@ -9,9 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from click.testing import CliRunner  # noqa: E402
+from torch_npu_standin import make_torch_npu_standin  # noqa: E402
 
 from kvsim.realexec.doctor import doctor  # noqa: E402
-from torch_npu_standin import make_torch_npu_standin  # noqa: E402
 
 CHECKS = ("cache write + gather", "prefill", "chunked prefill (block table)", "paged decode", "mixed batch",
           "block copy", "swap out + in")

@@ -13,12 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch_npu_standin import ContractViolation, make_torch_npu_standin  # noqa: E402
+
 from kvsim.realexec.backends import BackendUnavailable, get_backend  # noqa: E402
 from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
 from kvsim.realexec.backends.npu import NpuBackend, import_torch_npu  # noqa: E402
 from kvsim.realexec.backends.npu_preflight import PreflightWarning  # noqa: E402
 from kvsim.realexec.backends.paged_cases import load_case, random_case  # noqa: E402
-from torch_npu_standin import ContractViolation, make_torch_npu_standin  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::kvsim.realexec.backends.npu_preflight.PreflightWarning")
 

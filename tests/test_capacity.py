@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvsim.sim.capacity import MAX_RANGE, Slo, SloWatch, evaluate, gallop, probe
-from kvsim.sim.cli import main
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.run_config import RunConfig, load_run_trace, resolve
-from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.cli.main import main
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.simulator import SimOptions, simulate
+from kvsim.sim.studies.capacity import MAX_RANGE, Slo, SloWatch, evaluate, gallop, probe
 
 SMALL = 'trace = "azure_conv_10min"\nmax_requests = 200\n'
 SLO = Slo(ttft_s=1.5, tpot_s=0.2, percentile=95)
@@ -41,7 +41,9 @@ def _simulated_latencies(tmp_path, name: str, rate: float) -> tuple[float, float
 def test_capacity_is_checked_by_direct_simulation(tmp_path):
     grid = tmp_path / "grid.toml"
     grid.write_text(SMALL + "[grid]\nblock_size = [16]\n[slo]\nttft_s = 1.5\ntpot_s = 0.2\npercentile = 95\n")
-    result = CliRunner().invoke(main, ["capacity", str(grid), "--out", str(tmp_path / "cap"), "--jobs", "1", "--tolerance", "0.05", "--quiet"])
+    result = CliRunner().invoke(
+        main, ["capacity", str(grid), "--out", str(tmp_path / "cap"), "--jobs", "1", "--tolerance", "0.05", "--quiet"]
+    )
     assert result.exit_code == 0, result.output
     assert "block_size=16" in result.output and "capacity within p95 TTFT <= 1.5 s, TPOT <= 0.2 s" in result.output
     row = next(csv.DictReader((tmp_path / "cap" / "capacity.csv").open()))

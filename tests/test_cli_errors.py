@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvsim.sim.cli import main
+from kvsim.cli.main import main
 
 PLUGIN = "class Boom:\n    def __init__(self, *args, **kwargs):\n        raise RuntimeError('plugin exploded')\n"
 
@@ -123,7 +123,7 @@ def test_a_bug_exits_1_with_a_hint_and_debug_shows_the_traceback(tmp_path, monke
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero somewhere deep")
 
-    monkeypatch.setattr("kvsim.sim.cli_simulate.run_trace", broken)
+    monkeypatch.setattr("kvsim.cli.simulate.run_trace", broken)
     monkeypatch.setenv("KVSIM_DEBUG", "0")  # restored after the test, though --debug sets it
     args = ["simulate", "--quiet", "--max-requests", "3", "--out", str(tmp_path / "run")]
     result = CliRunner().invoke(main, args)

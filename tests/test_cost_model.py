@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsim.policies.plan import PlanEntry, StepPlan
-from kvsim.sim.cost_model import (
+from kvsim.sim.perf.cost_model import (
     OPERATORS,
     CostModel,
     CostModelTimer,
@@ -19,8 +19,8 @@ from kvsim.sim.cost_model import (
     features_from_plan,
     in_order_sum,
 )
-from kvsim.sim.device import OperatorCoefficients, load_device
-from kvsim.sim.model_spec import load_model
+from kvsim.sim.perf.device import OperatorCoefficients, load_device
+from kvsim.sim.perf.model_spec import load_model
 
 FEATURE_NAMES = [f.name for f in dataclasses.fields(StepFeatures)]
 
@@ -288,9 +288,11 @@ def test_fit_recovers_the_coefficients_that_made_the_times(operators: list[str])
             assert (value is None) == (got is None), (op, key)
             if value is not None:
                 assert got == pytest.approx(value, rel=1e-6), (op, key)
-    assert {op for op in operators if np.any(work[op].flops * true_model.unit_costs(op)[0] > work[op].bytes * true_model.unit_costs(op)[1])} == (
-        {"gemm", "attn_prefill"} & set(operators)
-    )
+    compute_bound = {
+        op for op in operators
+        if np.any(work[op].flops * true_model.unit_costs(op)[0] > work[op].bytes * true_model.unit_costs(op)[1])
+    }
+    assert compute_bound == {"gemm", "attn_prefill"} & set(operators)
     calibrated = CostModel(model, default.with_operators(fitted), 128)
     np.testing.assert_allclose(sum(calibrated.operator_times(f)[op] for op in operators), seconds, rtol=1e-6)
 
@@ -371,7 +373,8 @@ NO_HOST = {op: OperatorCoefficients(call_s=0.0) for op in ("host_step", "host_se
 
 def _with_engine(cost: CostModel, **changes) -> CostModel:
     device = cost.device
-    engine = dataclasses.replace(device.engine, **{k: v for k, v in changes.items() if k in ("mode", "dispatch_s", "capture_sizes", "async_scheduling")})
+    engine_keys = ("mode", "dispatch_s", "capture_sizes", "async_scheduling")
+    engine = dataclasses.replace(device.engine, **{k: v for k, v in changes.items() if k in engine_keys})
     ops = {k: v for k, v in changes.items() if k in OPERATORS}
     return CostModel(cost.model, dataclasses.replace(device, engine=engine).with_operators(ops), cost.block_size)
 
@@ -380,7 +383,8 @@ def test_eager_small_decode_is_bound_by_dispatch(llama_910b: CostModel) -> None:
     eager = _with_engine(llama_910b, mode="eager", dispatch_s=1e-4, **NO_HOST)
     f = features_from_plan(decode_plan([500] * 4), 128)
     split = eager.step_split(f)
-    calls = sum(w.calls for op, w in eager.operator_work(f).items() if op not in ("paged_gather", "swap", "host_step", "host_seq", "host_token"))
+    not_kernels = ("paged_gather", "swap", "host_step", "host_seq", "host_token")
+    calls = sum(w.calls for op, w in eager.operator_work(f).items() if op not in not_kernels)
     assert eager.predict(f) == pytest.approx(calls * 1e-4)  # dispatch outlasts the device: it sets the step
     assert split["dispatch_stall"] > 0 and sum(split.values()) == pytest.approx(eager.predict(f))
     big = features_from_plan(prefill_plan(8192), 128)

@@ -10,12 +10,20 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
+from kvsim.cli.main import main
 from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
-from kvsim.sim.cli import main
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.decisions import DIGEST, FULL_LOG, DecisionLog, DiffEncoder, decode_records, read_decisions, read_digest
-from kvsim.sim.run_config import RunConfig, resolve
-from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, resolve
+from kvsim.sim.run.decisions import (
+    DIGEST,
+    FULL_LOG,
+    DecisionLog,
+    DiffEncoder,
+    decode_records,
+    read_decisions,
+    read_digest,
+)
+from kvsim.sim.run.simulator import SimOptions, simulate
 
 
 class Tee:

@@ -15,22 +15,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch_npu_standin import make_torch_npu_standin  # noqa: E402
+
 from kvsim import traces  # noqa: E402
+from kvsim.cli.execute import REAL_DEFAULTS  # noqa: E402
 from kvsim.policies.config import EngineConfig  # noqa: E402
 from kvsim.policies.engine import EngineCore  # noqa: E402
 from kvsim.policies.request import Status  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.backends.npu import NpuBackend  # noqa: E402
-from torch_npu_standin import make_torch_npu_standin  # noqa: E402
-from kvsim.realexec.cli import REAL_DEFAULTS  # noqa: E402
 from kvsim.realexec.executor import Executor  # noqa: E402
 from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
 from kvsim.realexec.reference import greedy_gaps  # noqa: E402
-from kvsim.sim.model_spec import load_model  # noqa: E402
-from kvsim.sim.run_config import load_run_trace, resolve  # noqa: E402
-from kvsim.sim.runner import run_trace  # noqa: E402
-from kvsim.sim.simulator import SimOptions, simulate  # noqa: E402
-from kvsim.sim.step_timer import StepTiming  # noqa: E402
+from kvsim.sim.perf.model_spec import load_model  # noqa: E402
+from kvsim.sim.perf.step_timer import StepTiming  # noqa: E402
+from kvsim.sim.run.config import load_run_trace, resolve  # noqa: E402
+from kvsim.sim.run.runner import run_trace  # noqa: E402
+from kvsim.sim.run.simulator import SimOptions, simulate  # noqa: E402
 
 TINY = REAL_DEFAULTS.updated(model="tiny")  # the tests run the defaults on the fastest model
 

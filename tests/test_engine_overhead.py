@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.sim.device import load_device
-from kvsim.sim.engine_overhead import engine_toml_lines, parse_engine
+from kvsim.sim.perf.device import load_device
+from kvsim.sim.perf.engine_overhead import engine_toml_lines, parse_engine
 from kvsim.sim.toml_io import load_toml
 
 

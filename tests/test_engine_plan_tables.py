@@ -11,11 +11,11 @@ out and the plan derives them on demand (``all_slots``, ``to_json``).
 from __future__ import annotations
 
 from kvsim import traces
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.decisions import DecisionLog
-from kvsim.sim.run_config import RunConfig, resolve
-from kvsim.sim.simulator import SimOptions, simulate
-from kvsim.sim.step_timer import ReplayTimer
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.perf.step_timer import ReplayTimer
+from kvsim.sim.run.config import RunConfig, resolve
+from kvsim.sim.run.decisions import DecisionLog
+from kvsim.sim.run.simulator import SimOptions, simulate
 
 
 def _step_all(engine, workload) -> list:

@@ -19,8 +19,8 @@ from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.executor import Executor  # noqa: E402
 from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
 from kvsim.realexec.reference import dense_generate  # noqa: E402
-from kvsim.sim.model_spec import load_model  # noqa: E402
-from kvsim.sim.step_timer import StepTiming  # noqa: E402
+from kvsim.sim.perf.model_spec import load_model  # noqa: E402
+from kvsim.sim.perf.step_timer import StepTiming  # noqa: E402
 
 TINY = load_model("tiny")
 BS = 16  # block size

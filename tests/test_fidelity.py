@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvsim.sim.cli import main
-from kvsim.sim.device import load_device
-from kvsim.sim.api_server import serve_queue
-from kvsim.sim.fidelity import (
+from kvsim.cli.main import main
+from kvsim.sim.perf.api_server import serve_queue
+from kvsim.sim.perf.device import load_device
+from kvsim.sim.studies.fidelity import (
     PUBLISHED,
     Result,
     Row,

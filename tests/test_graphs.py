@@ -20,8 +20,8 @@ from kvsim.realexec.backends.portable import paged_attention  # noqa: E402
 from kvsim.realexec.backends.token_attention import TokenMetadata, token_paged_attention  # noqa: E402
 from kvsim.realexec.graphs import GraphInputs, StepGraphs, engine_of  # noqa: E402
 from kvsim.realexec.model import DecoderModel  # noqa: E402
-from kvsim.sim.device import load_device  # noqa: E402
-from kvsim.sim.model_spec import load_model  # noqa: E402
+from kvsim.sim.perf.device import load_device  # noqa: E402
+from kvsim.sim.perf.model_spec import load_model  # noqa: E402
 
 SPEC = load_model("tiny")
 VLLM_SIZES = load_device("h200").engine.capture_sizes

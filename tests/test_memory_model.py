@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvsim.sim.cli_memory import memory
-from kvsim.sim.device import DEVICES_DIR, load_device
-from kvsim.sim.memory import ModelDoesNotFit, activation_workspace_bytes, plan_memory
-from kvsim.sim.model_spec import load_model
+from kvsim.cli.memory import memory
+from kvsim.sim.perf.device import DEVICES_DIR, load_device
+from kvsim.sim.perf.memory import ModelDoesNotFit, activation_workspace_bytes, plan_memory
+from kvsim.sim.perf.model_spec import load_model
 
 
 def test_block_count_follows_vllm_sizing_exactly() -> None:

@@ -13,15 +13,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
-from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize  # noqa: E402
-from kvsim.realexec.backends.paged_cases import PagedCase, load_case, random_case  # noqa: E402
 from torch_npu_standin import (  # noqa: E402
     RULES,
     ContractViolation,
     NotModelled,
     make_torch_npu_standin,
 )
+
+from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
+from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize  # noqa: E402
+from kvsim.realexec.backends.paged_cases import PagedCase, load_case, random_case  # noqa: E402
 
 H, HKV, D, BS = 4, 2, 64, 128
 MASK = torch.ones(2048, 2048, dtype=torch.bool).triu(1)

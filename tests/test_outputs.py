@@ -15,19 +15,19 @@ from pathlib import Path
 import pytest
 
 from kvsim import traces
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.metrics import STEP_COLUMNS, StepLog
-from kvsim.sim.outputs import STEPS, SUMMARY, atomic_open, format_summary, write_steps
-from kvsim.sim.run_config import RunConfig, resolve
-from kvsim.sim.run_dir import COMPLETE, is_complete, staged_dir
-from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, resolve
+from kvsim.sim.run.metrics import STEP_COLUMNS, StepLog
+from kvsim.sim.run.outputs import STEPS, SUMMARY, atomic_open, format_summary, write_steps
+from kvsim.sim.run.run_dir import COMPLETE, is_complete, staged_dir
+from kvsim.sim.run.simulator import SimOptions, simulate
 
 # --check makes the run slow enough (seconds of CPU) to be killed in the middle
 SLOW_RUN = ["simulate", "--trace", "mooncake_500", "--check", "--quiet"]
 
 
 def _kvsim(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "from kvsim.sim.cli import main; main()", *args],
+    return subprocess.Popen([sys.executable, "-c", "from kvsim.cli.main import main; main()", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -54,7 +54,7 @@ def test_a_killed_run_leaves_no_directory_marked_complete(tmp_path, sig):
 
 def test_an_interrupted_overwrite_keeps_the_old_run_whole(tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-c", "from kvsim.sim.cli import main; main()", "simulate", "--trace", "demo",
+    done = subprocess.run([sys.executable, "-c", "from kvsim.cli.main import main; main()", "simulate", "--trace", "demo",
                            "--quiet", "--out", str(out)], capture_output=True)
     assert done.returncode == 0, done.stderr.decode()
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -98,10 +98,10 @@ def test_summary_table_switches_to_seconds_for_long_latencies():
 
 
 def test_itl_gaps_sorted_before_expansion_equal_the_sorted_expansion():
-    from kvsim.sim.metrics import TokenTimes
+    from kvsim.sim.run.metrics import TokenTimes
 
     times = TokenTimes()
-    for step, end in enumerate([0.5, 0.75, 1.0, 1.5, 1.75, 2.5, 2.625, 3.0]):
+    for end in [0.5, 0.75, 1.0, 1.5, 1.75, 2.5, 2.625, 3.0]:
         times.step_ended(end)
     times.batch_tokens("a", 0, 6)
     times.batch_tokens("b", 2, 7)
@@ -118,7 +118,7 @@ def test_distribution_partitions_only_arrays_it_owns_or_is_handed():
     (``consume``); the figures equal numpy's on the sorted values either way."""
     import numpy as np
 
-    from kvsim.sim.metrics import distribution
+    from kvsim.sim.run.metrics import distribution
 
     values = np.random.default_rng(3).random(1001)
     ordered = np.sort(values)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import PlanEntry, PlanTotals, StepPlan
-from kvsim.sim.cost_model import StepFeatures, features_from_plan
+from kvsim.sim.perf.cost_model import StepFeatures, features_from_plan
 
 
 def walked_features(plan: StepPlan, block_size: int) -> StepFeatures:

@@ -12,19 +12,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from click.testing import CliRunner  # noqa: E402
-
-from kvsim.realexec.backends import get_backend  # noqa: E402
 from torch_npu_standin import make_torch_npu_standin  # noqa: E402
-from kvsim.realexec.cli_profile import profile as profile_command  # noqa: E402
+
+from kvsim.cli.profile import profile as profile_command  # noqa: E402
+from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.executor import Executor  # noqa: E402
 from kvsim.realexec.profile_bench import KVPool, Measured, OperatorBenches, Sample, measure  # noqa: E402
 from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups, stack  # noqa: E402
 from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_decode, shape_features, sweep_for  # noqa: E402
 from kvsim.realexec.profiler import run_profile  # noqa: E402
 from kvsim.realexec.speed_check import REFERENCE_SHAPES  # noqa: E402
-from kvsim.sim.cost_model import CostModel  # noqa: E402
-from kvsim.sim.device import OperatorCoefficients, load_device, save_device  # noqa: E402
-from kvsim.sim.model_spec import load_model  # noqa: E402
+from kvsim.sim.perf.cost_model import CostModel  # noqa: E402
+from kvsim.sim.perf.device import OperatorCoefficients, load_device, save_device  # noqa: E402
+from kvsim.sim.perf.model_spec import load_model  # noqa: E402
 
 TINY = load_model("tiny")
 BS = 16
@@ -96,7 +96,8 @@ def test_fit_recovers_below_how_many_rows_matrix_products_run_row_by_row(gemv_ro
     three_rows = shape_features(decode(3, 1), 16)
     work = CostModel(TINY, fitted, 16).operator_work(three_rows)["lm_head"]
     weights = TINY.vocab_size * TINY.hidden_size * 4
-    assert work.bytes - three_rows.num_sampled * (TINY.hidden_size * 4 + 4 * TINY.vocab_size) == pytest.approx(weights * (3 if gemv_rows > 3 else 1))
+    sampling = three_rows.num_sampled * (TINY.hidden_size * 4 + 4 * TINY.vocab_size)
+    assert work.bytes - sampling == pytest.approx(weights * (3 if gemv_rows > 3 else 1))
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -300,7 +301,8 @@ def test_an_int8_profile_is_measured_and_fitted_with_int8_and_says_so(tmp_path: 
     fitted_with: list[str | None] = []
     executors: list[Executor] = []
     monkeypatch.setattr("kvsim.realexec.profiler.fit_groups",
-                        lambda spec, base, bs, data, kv_dtype=None: fitted_with.append(kv_dtype) or fit_groups(spec, base, bs, data, kv_dtype))
+                        lambda spec, base, bs, data, kv_dtype=None:
+                            fitted_with.append(kv_dtype) or fit_groups(spec, base, bs, data, kv_dtype))
     for module in ("profiler", "speed_check"):  # the reference steps too
         monkeypatch.setattr(f"kvsim.realexec.{module}.OperatorBenches",
                             lambda ex, rng, seed: executors.append(ex) or OperatorBenches(ex, rng, seed))

@@ -10,8 +10,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from kvsim.sim.cli import main
-from kvsim.sim.run_config import VLLM_KEYS
+from kvsim.cli.main import main
+from kvsim.sim.run.config import VLLM_KEYS
 from kvsim.sim.toml_io import load_toml
 
 ROOT = Path(__file__).resolve().parents[1]

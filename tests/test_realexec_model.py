@@ -14,7 +14,7 @@ from kvsim.realexec.model import DecoderModel  # noqa: E402
 from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
 from kvsim.realexec.reference import causal_attend, dense_generate, greedy_gaps  # noqa: E402
 from kvsim.realexec.weights import load_weights, random_weights, save_weights, weight_shapes  # noqa: E402
-from kvsim.sim.model_spec import load_model  # noqa: E402
+from kvsim.sim.perf.model_spec import load_model  # noqa: E402
 
 TINY = load_model("tiny")
 

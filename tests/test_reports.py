@@ -15,13 +15,13 @@ import pytest
 from click.testing import CliRunner
 from plotly.offline import get_plotlyjs
 
+from kvsim.cli.main import main as kvsim
 from kvsim.reports.compare import Slo, slo_attainment, write_compare_report
 from kvsim.reports.downsample import even_indices, minmax_indices
 from kvsim.reports.render_check import CHROMIUM, decode_png, render_check
 from kvsim.reports.runs import ReportInputError, default_labels, load_run
 from kvsim.reports.validation import step_pairs, write_validation_report
-from kvsim.sim.cli import main as kvsim
-from kvsim.sim.decisions import read_decisions
+from kvsim.sim.run.decisions import read_decisions
 
 DEMO_RUNS = {
     # two devices: the CPU run stands in for the measured world, the 910B3 one for the prediction
@@ -82,11 +82,13 @@ def make_validation(real_dir: Path, sim_dir: Path) -> dict:
     pool = {"predicted": ss["memory"]["kv_pool_bytes"], "measured": rs["memory"]["kv_pool_bytes"]}
     pool["rel_error"] = (pool["predicted"] - pool["measured"]) / pool["measured"]
     checks = [
-        {"name": "decisions identical", "value": float(divergence is None), "threshold": 1.0, "passed": divergence is None, "group": "decisions"},
+        {"name": "decisions identical", "value": float(divergence is None), "threshold": 1.0, "passed": divergence is None,
+         "group": "decisions"},
         {"name": "per-step MAPE", "value": per_step["mape"], "threshold": 0.15, "passed": per_step["mape"] <= 0.15, "group": "timing"},
         {"name": "TTFT p99 rel error", "value": latency["ttft_s"]["p99"]["rel_error"], "threshold": 0.2,
          "passed": abs(latency["ttft_s"]["p99"]["rel_error"]) <= 0.2, "group": "latency"},
-        {"name": "KV pool rel error", "value": pool["rel_error"], "threshold": 0.05, "passed": abs(pool["rel_error"]) <= 0.05, "group": "memory"},
+        {"name": "KV pool rel error", "value": pool["rel_error"], "threshold": 0.05, "passed": abs(pool["rel_error"]) <= 0.05,
+         "group": "memory"},
         {"name": "peak device memory", "value": None, "threshold": 0.1, "passed": True, "group": "memory"},
     ]
     return {

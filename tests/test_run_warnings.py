@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from kvsim.sim.cli import main
+from kvsim.cli.main import main
 
 
 def _simulate(tmp_path, *args: str) -> tuple[dict, str]:

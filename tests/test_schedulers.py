@@ -246,7 +246,7 @@ def test_the_watermark_holds_blocks_back_from_admission_but_not_from_running_req
 
 def test_a_custom_policy_loads_by_module_path_with_parameters_from_its_toml_run_config(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    from kvsim.sim.run_config import load_run_config, resolve
+    from kvsim.sim.run.config import load_run_config, resolve
 
     engine = resolve(load_run_config(EXAMPLES / "capped_admission.toml")).new_engine()
     assert type(engine.policy).__name__ == "CappedAdmission" and engine.policy.max_new_per_step == 2

@@ -1,4 +1,4 @@
-"""A user's own ``traces.py``, ``sim.py`` or ``reports/`` beside their study must not shadow kvsim.
+"""A user's own ``traces.py``, ``sim.py``, ``cli.py`` or ``reports/`` beside their study must not shadow kvsim.
 
 Before kvsim was one package these names were top-level packages, so a ``traces.py`` in the
 working directory (first on ``sys.path`` for ``python -m`` and scripts) replaced kvsim's. Each
@@ -21,7 +21,7 @@ DECOY = "raise ImportError('the decoy {name} in the working directory was import
 
 @pytest.fixture
 def decoys(tmp_path: Path) -> Path:
-    for name in ("traces", "sim", "policies", "realexec"):
+    for name in ("traces", "sim", "policies", "realexec", "cli"):
         (tmp_path / f"{name}.py").write_text(DECOY.format(name=f"{name}.py"))
     (tmp_path / "reports").mkdir()
     (tmp_path / "reports" / "__init__.py").write_text(DECOY.format(name="reports/"))
@@ -34,7 +34,7 @@ def test_decoy_modules_in_the_working_directory_do_not_break_simulate(decoys: Pa
         kvsim = shutil.which("kvsim") or str(Path(sys.executable).with_name("kvsim"))
         command = [kvsim]
     else:  # ``python -c`` (as ``-m`` and scripts) puts the working directory first on sys.path
-        command = [sys.executable, "-c", "from kvsim.sim.cli import main; main()"]
+        command = [sys.executable, "-c", "from kvsim.cli.main import main; main()"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
         [*command, "simulate", "--trace", "demo", "--out", "run", "--quiet"],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsim.sim.device import (
+from kvsim.sim.perf.device import (
     DEVICES_DIR,
     OPERATOR_KEYS,
     OperatorCoefficients,
@@ -16,7 +16,7 @@ from kvsim.sim.device import (
     load_device,
     save_device,
 )
-from kvsim.sim.model_spec import MODELS_DIR, load_model
+from kvsim.sim.perf.model_spec import MODELS_DIR, load_model
 
 # Published parameter counts (model cards / HF "model size").
 KNOWN_SIZES = {
@@ -187,7 +187,8 @@ def test_device_found_by_name_in_a_search_dir(tmp_path: Path) -> None:
         (("hbm_bandwidth = 1.6e12", "hbm_bandwith = 1.6e12"), r"unknown field\(s\) hbm_bandwith"),
         (("int8 = 6.26e+14\n", ""), r"missing field matrix_flops\.int8"),
         (("[operators.swap]\nmemory_efficiency = 0.80\n", ""), r"missing table \[operators\.swap\]"),
-        (("[operators.kv_write]\n", "[operators.kv_write]\ncompute_efficiency = 0.5\n"), r"unknown field\(s\) operators\.kv_write\.compute_efficiency"),
+        (("[operators.kv_write]\n", "[operators.kv_write]\ncompute_efficiency = 0.5\n"),
+         r"unknown field\(s\) operators\.kv_write\.compute_efficiency"),
         (("block_s = 2e-8", "block_s = -1.0"), r"field operators\.paged_gather\.block_s must be >= 0"),
         (("[operators.swap]", "[operators.swapp]"), r"unknown field\(s\) operators\.swapp"),
     ],

@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
+from kvsim.cli.main import main
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.schedulers import FCFSPolicy, PriorityPolicy
-from kvsim.sim.cli import main
-from kvsim.sim.cost_model import CostModelTimer
-from kvsim.sim.run_config import RunConfig, resolve
-from kvsim.sim.simulator import SimOptions, simulate
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, resolve
+from kvsim.sim.run.simulator import SimOptions, simulate
 
 
 class ReferenceLog:

@@ -7,10 +7,10 @@ import json
 
 from click.testing import CliRunner
 
+from kvsim.cli.main import main
 from kvsim.reports.compare import seconds
-from kvsim.sim.cli import main
-from kvsim.sim.run_config import RunConfig
-from kvsim.sim.sweep import expand_grid
+from kvsim.sim.run.config import RunConfig
+from kvsim.sim.studies.sweep import expand_grid
 
 
 def test_grid_is_the_cartesian_product():

@@ -59,7 +59,8 @@ def test_bad_csv_cell_names_file_line_and_field(tmp_path: Path, row: str, field:
     [
         ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]', None, "malformed JSON"),
         ("[1, 2, 3]", None, "is not a JSON object"),
-        (mooncake_row(0, 1025, 3, [0, 1]).strip(), "hash_ids", "count does not match ceil(prompt tokens / 512) (2 ids for 1025 tokens, expected 3)"),
+        (mooncake_row(0, 1025, 3, [0, 1]).strip(), "hash_ids",
+         "count does not match ceil(prompt tokens / 512) (2 ids for 1025 tokens, expected 3)"),
         (mooncake_row(0, 10, 3, [0.5]).strip(), "hash_ids", "is not a list of integers ([0.5])"),
         (mooncake_row(0, 10, None, [0]).strip(), "output_length", "is null"),
         (mooncake_row(0, "ten", 1, [0]).strip(), "input_length", "is not a number ('ten')"),
@@ -140,7 +141,8 @@ def test_skip_bad_with_nothing_left_is_an_error(tmp_path: Path) -> None:
 
 
 def test_canonical_header_and_row_count_are_checked(tmp_path: Path) -> None:
-    header = '{"format": "kvsim-trace", "version": 1, "rows": 2, "source": "x", "hash_block_size": null, "columns": ["arrival_s", "prompt_tokens", "output_tokens"], "notes": []}\n'
+    header = ('{"format": "kvsim-trace", "version": 1, "rows": 2, "source": "x", "hash_block_size": null, '
+              '"columns": ["arrival_s", "prompt_tokens", "output_tokens"], "notes": []}\n')
     row = '{"arrival_s": 0.0, "prompt_tokens": 3, "output_tokens": 1}\n'
     err = error_of(write(tmp_path, "c.jsonl", header + row))
     assert (err.line, err.field) == (1, "rows") and "promises 2 rows but the file has 1" in err.message

@@ -16,7 +16,9 @@ def test_every_data_file_is_package_data() -> None:
     assert {"README.md", "LICENSE-CC-BY-4.0-azure.txt", "LICENSE-Apache-2.0-mooncake.txt"} <= {p.name for p in files}
 
 
-@pytest.mark.parametrize(("name", "rows", "fmt"), [("azure_conv_10min", 2867, "azure"), ("mooncake_500", 500, "mooncake"), ("demo", 41, "kvsim")])
+@pytest.mark.parametrize(
+    ("name", "rows", "fmt"), [("azure_conv_10min", 2867, "azure"), ("mooncake_500", 500, "mooncake"), ("demo", 41, "kvsim")]
+)
 def test_bundled_samples_load(name: str, rows: int, fmt: str) -> None:
     path = traces.bundled(name)
     assert traces.detect_format(path) == fmt

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
-from kvsim.sim.cli import main as kvsim
-from kvsim.traces.cli import trace
+from kvsim.cli.main import main as kvsim
+from kvsim.cli.trace import trace
 
 STATS_KEYS = {"rows", "duration_s", "rate_rps", "interarrival_cv", "prompt_tokens", "output_tokens", "prefix_reuse_bound"}
 
@@ -92,7 +92,8 @@ def test_convert_applies_transforms_in_order(tmp_path: Path) -> None:
     t = traces.load(out)
     expected = traces.bundled("mooncake_500")
     e = traces.spread_buckets(traces.load(expected))
-    e = traces.clamp(traces.shrink_lengths(traces.scale_rate(traces.sample(traces.first(traces.window(e, 30, 90), 100), 50, 1), 2), 8), 2048)
+    e = traces.sample(traces.first(traces.window(e, 30, 90), 100), 50, 1)
+    e = traces.clamp(traces.shrink_lengths(traces.scale_rate(e, 2), 8), 2048)
     assert t.equals(e)
     assert t.hash_block_size == 64 and max(t.prompt_tokens + t.output_tokens) <= 2048
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
-from kvsim.traces.cli import trace
+from kvsim.cli.trace import trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -19,8 +19,10 @@ pytestmark = pytest.mark.shared
 # ../shared/traces/README.md, as printed there: rows, span s, rate, input mean/p50/p99,
 # output mean/p50/p99, inter-arrival CV, prefix reuse bound %
 TABLE = {
-    "azure_llm_2023/AzureLLMInferenceTrace_code.csv": ("8819", "3436", "2.57", ("2048", "1469", "7436"), ("27.9", "13", "252"), "13.2", None),
-    "azure_llm_2023/AzureLLMInferenceTrace_conv.csv": ("19366", "3502", "5.53", ("1155", "1020", "4142"), ("211", "129", "601"), "1.09", None),
+    "azure_llm_2023/AzureLLMInferenceTrace_code.csv":
+        ("8819", "3436", "2.57", ("2048", "1469", "7436"), ("27.9", "13", "252"), "13.2", None),
+    "azure_llm_2023/AzureLLMInferenceTrace_conv.csv":
+        ("19366", "3502", "5.53", ("1155", "1020", "4142"), ("211", "129", "601"), "1.09", None),
     "mooncake_fast25/conversation_trace.jsonl": ("12031", "3537", "3.40", ("12035", "6909", "85400"), ("343", "350", "1119"), None, "37.4"),
 }
 

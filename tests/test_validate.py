@@ -18,14 +18,14 @@ pytest.importorskip("plotly")
 
 from click.testing import CliRunner  # noqa: E402
 
+from kvsim.cli.execute import REAL_DEFAULTS  # noqa: E402
+from kvsim.cli.main import main  # noqa: E402
+from kvsim.cli.validate import cross_validate  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
-from kvsim.realexec.cli import REAL_DEFAULTS  # noqa: E402
-from kvsim.realexec.cli_validate import cross_validate  # noqa: E402
 from kvsim.realexec.validation import Thresholds, compare_decisions, step_errors  # noqa: E402
-from kvsim.sim.cli import main  # noqa: E402
-from kvsim.sim.decisions import read_decisions  # noqa: E402
-from kvsim.sim.device import DEVICES_DIR, load_device, save_device  # noqa: E402
-from kvsim.sim.run_config import load_run_trace  # noqa: E402
+from kvsim.sim.perf.device import DEVICES_DIR, load_device, save_device  # noqa: E402
+from kvsim.sim.run.config import load_run_trace  # noqa: E402
+from kvsim.sim.run.decisions import read_decisions  # noqa: E402
 
 TINY = REAL_DEFAULTS.updated(model="tiny")  # the tests run the defaults on the fastest model
 
@@ -161,7 +161,8 @@ def test_calibrated_profiles_are_cached_per_machine_and_profiler_version(tmp_pat
 
 
 def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tmp_path, monkeypatch):
-    from kvsim.realexec import calibration, cli_validate
+    from kvsim.cli import validate as cli_validate
+    from kvsim.realexec import calibration
     from kvsim.realexec.speed_check import SpeedCheck
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
@@ -180,7 +181,7 @@ def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tm
 
 
 def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(tmp_path, monkeypatch):
-    from kvsim.realexec import cli_validate
+    from kvsim.cli import validate as cli_validate
     from kvsim.realexec.speed_check import SpeedCheck
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
@@ -199,7 +200,7 @@ def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(t
 
 
 def test_an_int8_run_is_profiled_with_int8_and_its_cache_kept_apart(tmp_path, monkeypatch):
-    from kvsim.realexec import cli_validate
+    from kvsim.cli import validate as cli_validate
     from kvsim.realexec.speed_check import SpeedCheck
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
@@ -243,9 +244,9 @@ def test_the_default_workload_exercises_every_step_kind_prefix_hits_and_preempti
     """What WORKLOAD promises of validate's default (the small model), simulated on the bundled cpu profile."""
     from collections import Counter
 
-    from kvsim.sim.cost_model import CostModelTimer
-    from kvsim.sim.run_config import resolve
-    from kvsim.sim.simulator import SimOptions, simulate
+    from kvsim.sim.perf.cost_model import CostModelTimer
+    from kvsim.sim.run.config import resolve
+    from kvsim.sim.run.simulator import SimOptions, simulate
 
     assert REAL_DEFAULTS.model == "small"
     resolved = resolve(REAL_DEFAULTS)

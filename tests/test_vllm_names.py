@@ -8,8 +8,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvsim.sim.cli import main
-from kvsim.sim.run_config import RunConfig, load_run_config, load_run_trace, resolve
+from kvsim.cli.main import main
+from kvsim.sim.run.config import RunConfig, load_run_config, load_run_trace, resolve
 
 VLLM = ["--kv-cache-dtype", "int8", "--gpu-memory-utilization", "0.8", "--num-gpu-blocks-override", "60",
         "--no-enable-prefix-caching", "--request-rate", "2", "--block-size", "16"]

@@ -213,7 +213,8 @@ RULES: dict[str, Rule] = {
             "fia.tnd_actual_seq_lengths",
             FIA,
             OPS_DOC,
-            "当query的input_layout为TND时, 该入参必须传入, 且以该入参元素的数量作为Batch值. 该入参中每个元素的值表示当前Batch与之前所有Batch的"
+            "当query的input_layout为TND时, 该入参必须传入, 且以该入参元素的数量作为Batch值. "
+            "该入参中每个元素的值表示当前Batch与之前所有Batch的"
             "seqlen和, 因此后一个元素的值必须大于等于前一个元素的值, 且不能出现负值.",
             "rejects",
         ),
@@ -295,7 +296,8 @@ RULES: dict[str, Rule] = {
             "fia.antiquant_prompt",
             FIA,
             OPS_DOC,
-            "当Q_S大于1时: ... key_antiquant_scale与value_antiquant_scale非空场景, 不支持tensorlist、左padding、page attention、prefix特性.",
+            "当Q_S大于1时: ... key_antiquant_scale与value_antiquant_scale非空场景, "
+            "不支持tensorlist、左padding、page attention、prefix特性.",
             "rejects",
         ),
         Rule(
@@ -466,7 +468,8 @@ RULES: dict[str, Rule] = {
             "pa.cache_layout",
             PA,
             ATB_DOC,
-            "key_cache: ... Atlas 800I A2 推理产品/Atlas A2 训练系列产品...：[num_blocks, block_size, kv_head_num, head_size_k],支持ND格式。",
+            "key_cache: ... Atlas 800I A2 推理产品/Atlas A2 训练系列产品...："
+            "[num_blocks, block_size, kv_head_num, head_size_k],支持ND格式。",
             "rejects",
         ),
         Rule(

@@ -111,7 +111,8 @@ FORMATS: dict[str, Format] = {
             "burstgpt",
             "csv",
             Layout(
-                {"arrival_s": "Timestamp", "prompt_tokens": "Request tokens", "output_tokens": "Response tokens", "session_id": "Session ID"},
+                {"arrival_s": "Timestamp", "prompt_tokens": "Request tokens", "output_tokens": "Response tokens",
+                 "session_id": "Session ID"},
                 optional=frozenset({"session_id"}),
             ),
             _burstgpt_failures,

@@ -20,7 +20,7 @@ class Ragged:
     offsets: np.ndarray  # int64, len == rows + 1, offsets[0] == 0
 
     @classmethod
-    def from_rows(cls, rows: list[list[int]] | list[np.ndarray]) -> "Ragged":
+    def from_rows(cls, rows: list[list[int]] | list[np.ndarray]) -> Ragged:
         lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -41,7 +41,7 @@ class Ragged:
         return np.diff(self.offsets)
 
     @classmethod
-    def from_lengths(cls, values: np.ndarray, lengths: np.ndarray) -> "Ragged":
+    def from_lengths(cls, values: np.ndarray, lengths: np.ndarray) -> Ragged:
         """Wrap already-flat ``values`` whose consecutive rows have ``lengths``."""
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -50,7 +50,7 @@ class Ragged:
             raise ValueError(f"lengths sum to {offsets[-1]} but there are {len(values)} values")
         return cls(values=values, offsets=offsets)
 
-    def take(self, index: np.ndarray) -> "Ragged":
+    def take(self, index: np.ndarray) -> Ragged:
         """Rows ``index`` (any order, repeats allowed) as a new Ragged (vectorised gather)."""
         index = np.asarray(index, dtype=np.int64)
         starts = self.offsets[index]
@@ -66,7 +66,7 @@ class Ragged:
         bounds = self.offsets.tolist()
         return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def equals(self, other: "Ragged") -> bool:
+    def equals(self, other: Ragged) -> bool:
         return np.array_equal(self.offsets, other.offsets) and np.array_equal(self.values, other.values)
 
 
@@ -118,7 +118,7 @@ class Trace:
             name for name in optional if getattr(self, name) is not None
         )
 
-    def equals(self, other: "Trace") -> bool:
+    def equals(self, other: Trace) -> bool:
         """Bit-exact equality of every column and of the metadata."""
         if (self.source, self.hash_block_size, self.notes, self.columns) != (
             other.source,

@@ -20,7 +20,7 @@ class Summary:
     max: int
 
     @classmethod
-    def of(cls, values: np.ndarray) -> "Summary":
+    def of(cls, values: np.ndarray) -> Summary:
         p50, p90, p99 = np.percentile(values, [50, 90, 99])
         return cls(float(values.mean()), float(p50), float(p90), float(p99), int(values.max()))
 

@@ -121,7 +121,7 @@ class Empirical:
             raise ValueError("empirical lengths need at least one value, all >= 1")
 
     @classmethod
-    def from_trace(cls, trace: Trace, column: str) -> "Empirical":
+    def from_trace(cls, trace: Trace, column: str) -> Empirical:
         """``column`` is ``prompt_tokens`` or ``output_tokens``."""
         return cls(np.asarray(getattr(trace, column), dtype=np.int64), f"{trace.source} {column}")
 

@@ -44,7 +44,7 @@ def get_backend(name: str, device: str | None = None, enforce_eager: bool = Fals
     """
     backend = backend_class(name)(device)
     if backend.supports_graphs and not enforce_eager:
-        from kvsim.sim.device import load_device
+        from kvsim.sim.perf.device import load_device
 
         engine = load_device(backend.default_profile()).engine
         if engine is not None and engine.mode == "graph":

@@ -31,8 +31,8 @@ import os
 import platform
 import time
 import weakref
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch

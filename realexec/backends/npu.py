@@ -67,9 +67,9 @@ from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_bl
 from kvsim.realexec.backends.errors import BackendUnavailable, PreflightFailed
 from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize, require_scales
 from kvsim.realexec.backends.npu_preflight import (
+    NPU_COMPUTE_DTYPES,
     PAGED_ATTENTION_MAX_BLOCK,
     PAGED_ATTENTION_MAX_HEAD_SIZE,
-    NPU_COMPUTE_DTYPES,
     Finding,
     PreflightWarning,
     cache_problems,

@@ -1,0 +1,140 @@
+"""``kvsim execute``: replay a trace on a real device through the paged decoder.
+
+The same engine and driver as ``kvsim simulate``; the real executor fills the step-timer
+slot, so a real run differs from a simulated one only in where step durations come from.
+Real runs skip idle gaps between arrivals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvsim.cli.errors import UserError, user_errors
+from kvsim.cli.options import decisions_option, run_config_from, run_options
+from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable, KernelBackend, get_backend
+from kvsim.realexec.executor import Executor
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.outputs import format_summary
+from kvsim.sim.run.runner import run_trace
+from kvsim.traces.schema import Trace
+
+# What `kvsim execute` / `validate` run when not told otherwise: the small model on the CPU and
+# the demo trace at a rate the CPU serves with room to spare. The small model, not the tiny one:
+# the tiny model's decode step is some hundred small dispatches, whose speed on a shared 2-core
+# VM drifted 9 % over minutes (the 768-wide, 2-layer small model's: 2 %), more than a 10 %
+# per-step bar leaves room for (docs/benchmarks.md). Above capacity (the demo at 25x, as once)
+# requests queue behind one another, so TTFT adds up every step's error and a few per cent per
+# step become tens of per cent of latency. At 3x (about two thirds busy with the small model on
+# the 2-core development VM) most decode steps run one to three sequences: two and three are
+# where this CPU's GEMM kernels cost more than a roofline says, which the profile's row-count
+# terms measure (sim/perf/device.py). A pool of 64 blocks (1,024 tokens, about two of the demo's
+# longest requests) forces preemptions; prefixes are still hit.
+WORKLOAD = (
+    "the bundled demo trace (41 requests of 17 Mooncake conversations: prompts of about 430 "
+    "tokens sharing prefixes, outputs of about 21) at 3x its arrival rate (2.9 requests/s, about "
+    "two thirds of what a 2-core VM serves), the small model, FCFS with prefix caching, a 512-token "
+    "step budget and a pool of 64 blocks of 16 tokens: prefill, decode and mixed steps, prefix "
+    "hits and preemptions."
+)
+REAL_DEFAULTS = RunConfig(
+    trace="demo",
+    model="small",
+    device="cpu",
+    block_size=16,
+    num_blocks=64,
+    max_model_len=2048,
+    max_num_batched_tokens=512,
+    max_num_seqs=32,
+    swap_space_gb=0.05,
+    rate_scale=3.0,
+)
+
+
+def open_backend(name: str, enforce_eager: bool = False) -> KernelBackend:
+    """The backend by name; one that cannot run here is the user's choice to change (exit 2, its reason)."""
+    try:
+        return get_backend(name, enforce_eager=enforce_eager)
+    except BackendUnavailable as exc:
+        raise UserError(str(exc)) from None
+
+
+def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
+    """The config as the backend's kernels require it (the npu's FIA limits a batch's block sum)."""
+    return config.updated(batch_blocks_within_pool=True) if backend.needs_batch_blocks_within_pool else config
+
+
+def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None, *, trace: Trace | None = None,
+                weights: Path | None = None, check: bool = False, progress: bool = False, decisions: str = "summary"):
+    """Run ``config`` (its ``trace``, when the caller loaded it) on a real backend; returns (SimRun, summary).
+    Shared by execute and validate.
+
+    The summary's ``measured`` block names the clock step times were taken on, how many runs of
+    each step's forward pass they are the median of (``timing_repeats``) and each step's first
+    run alone (``single_run_s``), and holds the run's wall-clock time beside them (``wall_s``,
+    per step in ``step_wall_s``, first runs only).
+    """
+    config = for_backend(config, backend)
+    resolved = resolve(config)
+    trace = load_run_trace(config) if trace is None else trace
+    engine_config = resolved.engine_config
+    executor = Executor(
+        resolved.model,
+        backend,
+        num_blocks=engine_config.num_blocks,
+        block_size=engine_config.block_size,
+        num_host_blocks=engine_config.num_host_blocks,
+        seed=config.seed,
+        weights_path=weights,
+        kv_dtype=resolved.memory.kv_dtype,
+        check=check,
+    )
+
+    def measured(run) -> dict:
+        memory = [m for m in run.steps.column("memory_bytes") if m is not None]
+        return {
+            "backend": backend.name,
+            "measured": {
+                "clock": backend.clock,
+                "timing_repeats": executor.timing_repeats,
+                "single_run_s": executor.single_run_s,
+                "wall_s": sum(executor.wall_s),
+                "step_wall_s": executor.wall_s,
+                "device_s": sum(d for d in run.steps.column("device_s") if d is not None),
+                "host_s": sum(h for h in run.steps.column("host_s") if h is not None),
+                "peak_memory_bytes": max(memory, default=None),
+                "kv_pool_bytes": sum(k.nbytes + v.nbytes for k, v in executor.kv_caches),
+            },
+        }
+
+    return run_trace(resolved, trace, executor, out_dir, check=check, progress=progress,
+                     label="execute", summary_extras=measured, decisions=decisions)
+
+
+@click.command()
+@run_options(defaults=REAL_DEFAULTS)
+@click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
+@click.option("--weights", type=click.Path(exists=True, path_type=Path),
+              help="safetensors file or directory (default: seeded random weights).")
+@click.option("--check", is_flag=True, help="Verify every plan and the engine's invariants (slower; not for timing).")
+@click.option("--enforce-eager", is_flag=True,
+              help="Run every step eagerly, as vLLM's --enforce-eager: no captured graphs (cpu and npu always run eagerly).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Run directory.")
+@click.option("--quiet", is_flag=True)
+@decisions_option("summary")
+def execute(backend: str, weights: Path | None, check: bool, enforce_eager: bool, out_dir: Path, quiet: bool,
+            decisions: str, **options) -> None:
+    """Run a trace on a real device; write the same files as simulate, with measured times."""
+    with user_errors():  # what the user chose: config, trace, backend (exit 2)
+        config = run_config_from(options, base=REAL_DEFAULTS)
+        trace = load_run_trace(config)
+        kernels = open_backend(backend, enforce_eager)
+    try:
+        _, summary = execute_run(config, kernels, out_dir, trace=trace, weights=weights, check=check, progress=not quiet,
+                                 decisions=decisions)
+    except (ValueError, KeyError, RuntimeError) as exc:  # the run itself failed on the device (exit 1)
+        raise click.ClickException(str(exc).strip("'\"")) from None
+    if not quiet:
+        click.echo(format_summary(summary, title=f"kvsim execute ({backend})"))
+    click.echo(f"wrote {out_dir}")

@@ -1,0 +1,126 @@
+"""``kvsim fidelity``: predicted vs published serving figures, with signed errors (sim/studies/fidelity.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kvsim.sim.studies.fidelity import (
+    HAND_FITTED,
+    PARAMETERS,
+    PUBLISHED,
+    SUMMARIES,
+    Result,
+    bundled_devices_for,
+    evaluate,
+    fit_parameters,
+    get_parameter,
+    load_published,
+    runs_with_fit_rows,
+    summarize_errors,
+)
+
+
+@click.command()
+@click.option("--data", "data_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=PUBLISHED,
+              show_default=True, help="Published-figures TOML.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("fidelity"),
+              show_default=True, help="Where fidelity.json and fidelity.html go.")
+@click.option("--fit/--no-fit", default=True, show_default=True,
+              help="Solve the fit rows' parameters first (else: the device profiles as they are).")
+@click.option("--only", default="", help="Only rows whose id starts with this.")
+def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str) -> None:
+    """Replay published vLLM / vllm-ascend measurements; print predicted vs measured and signed errors."""
+    try:
+        published = load_published(data_path)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    rows = [r for r in published.rows if r.id.startswith(only)]
+    if not rows:
+        raise click.ClickException(f"no row id starts with {only!r}")
+    devices = bundled_devices_for(rows)
+    if fit:
+        devices = fit_parameters(rows, devices)
+    results = evaluate(rows, devices)
+    fitted = {
+        f"{r.device}:{r.fits}": {"row": r.id, "value": get_parameter(devices[r.device], r.fits)}
+        for r in rows
+        if r.split == "fit" and r.fits in PARAMETERS
+    }
+    fitted.update({r.fits: {"row": r.id, "value": float(eval_hand_fitted(r.fits))} for r in rows if r.fits in HAND_FITTED})
+    fitted_runs = runs_with_fit_rows(rows)
+    click.echo(format_table(results, fitted_runs))
+    summary = {split: summarize_errors(results, split) for split in SUMMARIES}
+    for split, s in summary.items():
+        if s["rows"]:
+            click.echo(f"{split}: {s['rows']} rows, median |error| {s['median_abs_error']:.1%}, max |error| {s['max_abs_error']:.1%}")
+    for name, f in fitted.items():
+        click.echo(f"fitted {name} = {f['value']:.4g} (row {f['row']})")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "data": str(data_path.name),
+        "fitted": fitted,
+        "parameters_searched": {k: list(v) for k, v in PARAMETERS.items()},
+        "summary": summary,
+        "sources": {s.id: {"url": s.url, "title": s.title} for s in published.sources.values()},
+        "rows": [{**r.to_dict(), "same_run_as_a_fit_row": r.row.run in fitted_runs} for r in results],
+    }
+    (out_dir / "fidelity.json").write_text(json.dumps(payload, indent=2))
+    write_html(results, fitted_runs, summary, fitted, published.sources, out_dir / "fidelity.html")
+    click.echo(f"wrote {out_dir / 'fidelity.json'} and {out_dir / 'fidelity.html'}")
+
+
+def eval_hand_fitted(name: str) -> float:
+    """The current value of a hand-fitted constant (``module.NAME`` in :data:`HAND_FITTED`)."""
+    import importlib
+
+    module, attr = HAND_FITTED[name].rsplit(".", 1)
+    return getattr(importlib.import_module(module), attr)
+
+
+def split_label(result: Result, fitted_runs: set) -> str:
+    """``check*`` marks a check row of a run that a fit row also comes from (not independent)."""
+    return "check*" if result.row.split == "check" and result.row.run in fitted_runs else result.row.split
+
+
+def format_table(results: list[Result], fitted_runs: set) -> str:
+    lines = [f"{'row':<26}{'split':<7}{'metric':<19}{'measured':>11}{'predicted':>11}{'error':>8}  source"]
+    for r in results:
+        lines.append(
+            f"{r.row.id:<26}{split_label(r, fitted_runs):<7}{r.row.metric:<19}{r.row.measured:>11.4g}{r.predicted:>11.4g}"
+            f"{r.signed_error:>+8.1%}  {r.row.source}"
+        )
+    lines.append("check*: a figure of a run that a fit row also comes from (not counted as independent)")
+    return "\n".join(lines)
+
+
+def write_html(results: list[Result], fitted_runs: set, summary: dict, fitted: dict, sources: dict, path: Path) -> Path:
+    from kvsim.reports.page import Cell, Page  # plotly: only the HTML page needs it
+
+    page = Page("kvsim fidelity: predicted vs published serving measurements")
+    for name in ("check", "independent check"):
+        check = summary[name]
+        if check["rows"]:
+            passed = check["median_abs_error"] <= 0.10 and check["max_abs_error"] <= 0.25
+            page.banner(
+                f"{name} rows ({check['rows']}): median |error| {check['median_abs_error']:.1%}, max {check['max_abs_error']:.1%} "
+                f"(target: median <= 10 %, none beyond 25 %)",
+                passed,
+            )
+    for split in ("check", "check*", "fit"):
+        page.heading(f"{split} rows" if split != "check*" else "check rows of runs a fit row also comes from")
+        rows = []
+        for r in (x for x in results if split_label(x, fitted_runs) == split):
+            err = r.signed_error
+            css = "pass" if abs(err) <= 0.10 else "diff" if abs(err) <= 0.25 else "fail"
+            configuration = f"{r.row.model} on {r.row.device}, {r.row.engine}, {r.row.workload}"
+            rows.append([r.row.id, Cell(r.row.metric, "text"), f"{r.row.measured:.4g}", f"{r.predicted:.4g}", Cell(f"{err:+.1%}", css),
+                         Cell(configuration, "text"), Cell(r.row.source, "text"), Cell(r.row.fits, "text")])  # fmt: skip
+        page.table(["row", "metric", "measured", "predicted", "signed error", "configuration", "source", "fits"], rows)
+    page.heading("fitted parameters")
+    page.table(["parameter", "value", "fitted on row"], [[name, f"{f['value']:.4g}", f["row"]] for name, f in fitted.items()])
+    page.heading("sources")
+    page.table(["id", "title", "url"], [[s.id, Cell(s.title, "text"), Cell(s.url, "text")] for s in sources.values()])
+    return page.write(path)

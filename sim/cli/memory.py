@@ -1,0 +1,112 @@
+"""``kvsim memory``: the HBM breakdown and KV block count of a model on a device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kvsim.cli.aliases import AliasedOption
+from kvsim.cli.errors import UserError
+from kvsim.sim.perf.device import load_device
+from kvsim.sim.perf.memory import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MEMORY_UTILIZATION,
+    MemoryPlan,
+    plan_memory,
+)
+from kvsim.sim.perf.model_spec import load_model
+
+
+@click.command()
+@click.option("--model", "model_name", required=True, help="Bundled model name or a model .toml path.")
+@click.option("--device", "device_name", required=True, help="Bundled device, NAME.toml in the working directory, or a .toml path.")
+@click.option("--kv-cache-dtype", "--kv-dtype", "kv_dtype", cls=AliasedOption, type=click.Choice(["fp16", "bf16", "int8", "fp32"]),
+              help="KV cache dtype [default: the model's].")
+@click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), help="Longest sequence to serve [default: the model's max position].")
+@click.option("--gpu-memory-utilization", "--memory-utilization", "memory_utilization", cls=AliasedOption,
+              type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_MEMORY_UTILIZATION, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, show_default=True,
+              help="Rows sampled in the largest step.")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Report how many sequences of this length fit [default: max-model-len].")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def memory(
+    model_name: str,
+    device_name: str,
+    kv_dtype: str | None,
+    block_size: int,
+    max_model_len: int | None,
+    memory_utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    seq_len: int | None,
+    as_json: bool,
+) -> None:
+    """HBM breakdown (weights, activations, reserve, KV pool) and KV block count, sized as vLLM sizes it.
+
+    Exits with status 1 when the model does not fit or the pool cannot hold one max-length sequence.
+    """
+    try:
+        model = load_model(model_name)
+        device = load_device(device_name, search_dirs=[Path.cwd()])
+        plan = plan_memory(
+            model,
+            device,
+            kv_dtype=kv_dtype,
+            block_size=block_size,
+            memory_utilization=memory_utilization,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    seq_len = seq_len or plan.max_model_len
+    if as_json:
+        click.echo(json.dumps({**plan.to_dict(), "seq_len": seq_len, "max_sequences": plan.max_sequences(seq_len)}, indent=2))
+    else:
+        click.echo(format_plan(plan, seq_len))
+    if not plan.fits:
+        if not as_json:
+            click.echo(f"error: {plan.problem}", err=True)
+        raise SystemExit(1)
+
+
+def format_plan(plan: MemoryPlan, seq_len: int) -> str:
+    kv_note = f"{plan.num_blocks} blocks x {_size(plan.bytes_per_block).strip()}"
+    rows = [
+        ("device memory", plan.total_bytes, ""),
+        (f"budget (x{plan.memory_utilization:g})", plan.budget_bytes, ""),
+        ("  weights", plan.weight_bytes, ""),
+        ("  activations", plan.activation_bytes,
+         f"{plan.max_num_batched_tokens} tokens, {min(plan.max_num_seqs, plan.max_num_batched_tokens)} sampled rows"),
+        ("  runtime reserve", plan.reserve_bytes, ""),
+        ("  KV pool", plan.kv_pool_bytes, kv_note),
+        ("  unused", plan.unused_bytes, "less than one block" if plan.fits else ""),
+    ]
+    if plan.kv_scale_bytes:
+        rows.insert(-1, ("  KV scales", plan.kv_scale_bytes, "static per-channel (C8), once for all blocks"))
+    lines = [
+        f"{plan.model} on {plan.device}: kv {plan.kv_dtype}, block {plan.block_size}, "
+        f"max_model_len {plan.max_model_len}, max_num_batched_tokens {plan.max_num_batched_tokens}"
+    ]
+    lines += [f"{name:<22}{_size(value)}  {note}".rstrip() for name, value, note in rows]
+    lines += [
+        f"{'KV bytes per token':<22}{_size(plan.kv_bytes_per_token)}",
+        f"{'KV capacity':<22}{plan.num_blocks:>10d} blocks = {plan.token_capacity} tokens",
+        f"{f'sequences of {seq_len}':<22}{plan.max_sequences(seq_len):>10d}",
+    ]
+    return "\n".join(lines)
+
+
+def _size(num_bytes: int) -> str:
+    """Right-aligned, in the largest binary unit that keeps the value at or above 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:>10.2f} {unit}"
+    return f"{num_bytes:>10d} B  "

@@ -1,0 +1,107 @@
+"""Command-line options shared by ``kvsim simulate``, ``execute`` and ``validate``.
+
+Every option maps onto a :class:`sim.run.config.RunConfig` field; an option left unset keeps
+the value from ``--config`` (or the default), so a TOML file and flags compose. Where vLLM
+has an engine argument for a setting, the option has vLLM's name (``--gpu-memory-utilization``,
+``--kv-cache-dtype``, ...; ``--request-rate`` is vLLM bench's); kvsim's earlier names still
+work for one release but are left out of ``--help``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from kvsim.cli.aliases import AliasedOption
+from kvsim.cli.errors import user_errors
+from kvsim.sim.run.config import KV_DTYPES, RunConfig, load_run_config
+
+
+def _switch(name: str) -> str:
+    return f"--{name}/--no-{name}"
+
+
+# (flags: shown name first, then hidden old names; RunConfig field; click kwargs)
+RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
+    (("--trace",), "trace", {"help": "Trace file, or a bundled sample name (demo, azure_conv_10min, mooncake_500)."}),
+    (("--format",), "trace_format", {"help": "Trace format. [default: detected from content]"}),
+    (("--request-rate",), "request_rate",
+     {"type": float, "help": "Mean arrival rate (req/s) the trace's arrivals are scaled to, as vLLM bench's. "
+                             "[default: the trace's own]"}),
+    (("--rate-scale", "--scale-rate"), "rate_scale", {"type": float, "help": "Or: arrivals this many times as frequent as in the trace."}),
+    (("--max-requests",), "max_requests", {"type": int, "help": "Replay only the first N requests (0: all)."}),
+    (("--model",), "model", {"help": "Model name (sim/models) or TOML path."}),
+    (("--device",), "device", {"help": "Device name (sim/devices, or NAME.toml in the working directory) or TOML path."}),
+    (("--scheduler",), "scheduler",
+     {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's "
+              "AscendScheduler) | module:Class."}),
+    (("--block-manager",), "block_manager", {"help": "prefix | paged | contiguous | module:Class."}),
+    ((_switch("enable-prefix-caching"),), "enable_prefix_caching",
+     {"help": "vLLM's switch: on = block manager prefix, off = paged. [default: follows --block-manager]"}),
+    ((_switch("enable-chunked-prefill"),), "enable_chunked_prefill",
+     {"help": "vLLM's switch: whether prefills may be split across steps (the scheduler's chunked_prefill; "
+              "kvsim's `chunked` scheduler is Sarathi-style decode-first and always chunks). [default: on]"}),
+    (("--block-size",), "block_size", {"type": int, "help": "Tokens per KV block."}),
+    (("--kv-cache-dtype", "--kv-dtype"), "kv_dtype",
+     {"type": click.Choice(["auto", *KV_DTYPES]), "help": "KV cache dtype (auto: the model's). [default: auto]"}),
+    (("--gpu-memory-utilization", "--memory-utilization"), "memory_utilization",
+     {"type": float, "help": "Fraction of device (NPU/GPU) memory the engine may use."}),
+    (("--num-gpu-blocks-override", "--num-blocks"), "num_blocks",
+     {"type": int, "help": "KV blocks, overriding the memory model (0: sized by it)."}),
+    (("--max-model-len",), "max_model_len", {"type": int, "help": "Longest prompt + output accepted. [default: the model's]"}),
+    (("--max-num-seqs",), "max_num_seqs", {"type": int, "help": "Running requests at most."}),
+    (("--max-num-batched-tokens",), "max_num_batched_tokens", {"type": int, "help": "Token budget per step."}),
+    (("--preemption-mode",), "preemption_mode", {"type": click.Choice(["recompute", "swap"])}),
+    (("--swap-space",), "swap_space_gb", {"type": float, "help": "Host swap space in GiB."}),
+    (("--watermark",), "watermark", {"type": float, "help": "Fraction of blocks admission keeps free."}),
+    (("--max-waiting",), "max_waiting", {"type": int, "help": "Waiting-queue cap (0: none); beyond it requests are rejected."}),
+    (("--seed",), "seed", {"type": int}),
+]
+
+
+def _with_default(kwargs: dict, defaults: RunConfig, field_name: str) -> dict:
+    value = getattr(defaults, field_name)
+    help_text = kwargs.get("help", "")
+    if value is None or "[default:" in help_text:
+        return kwargs
+    return {**kwargs, "help": f"{help_text} [default: {value}]".strip()}
+
+
+def run_options(fn: Callable | None = None, *, defaults: RunConfig | None = None) -> Callable:
+    """Decorate a click command with every RunConfig option plus ``--config``.
+
+    ``--help`` shows ``defaults`` (the command's base config; RunConfig() unless given).
+    Use as ``@run_options`` or ``@run_options(defaults=...)``.
+    """
+    base = defaults or RunConfig()
+
+    def decorate(command: Callable) -> Callable:
+        for flags, field_name, kwargs in reversed(RUN_OPTIONS):
+            command = click.option(*flags, field_name, cls=AliasedOption, default=None,
+                                   **_with_default(kwargs, base, field_name))(command)
+        return click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                            help="Run configuration TOML (flags override it).")(command)
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def run_config_from(options: dict, base: RunConfig | None = None) -> RunConfig:
+    """Build the RunConfig from ``--config`` and the flags a user gave; pops them from ``options``."""
+    config_path = options.pop("config_path", None)
+    with user_errors():
+        config = load_run_config(config_path, base) if config_path else (base or RunConfig())
+    overrides = {field_name: options.pop(field_name, None) for _, field_name, _ in RUN_OPTIONS}
+    if overrides["kv_dtype"] == "auto":
+        overrides["kv_dtype"] = None
+        config = replace(config, kv_dtype=None)
+    return config.updated(**overrides)
+
+
+def decisions_option(default: str) -> Callable:
+    """``--decisions off|summary|full``: what of the decision log a run keeps (see ``sim.run.decisions``)."""
+    return click.option("--decisions", type=click.Choice(["off", "summary", "full"]), default=default, show_default=True,
+                        help="Decision log: off, summary (a digest to compare runs by) or full (diff-encoded, "
+                             "compressed; `kvsim decisions show` expands it).")

@@ -1,0 +1,55 @@
+"""``kvsim simulate``: replay a trace through the SimPy simulator with the cost model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvsim.cli.errors import user_errors
+from kvsim.cli.options import decisions_option, run_config_from, run_options
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.outputs import format_summary
+from kvsim.sim.run.run_dir import check_out_dir, staged_dir
+from kvsim.sim.run.run_warnings import format_warnings
+from kvsim.sim.run.runner import run_trace
+from kvsim.traces.schema import Trace
+
+
+def prepare(config: RunConfig):
+    """Resolve the config and load its trace, reporting every input mistake as a UserError."""
+    with user_errors():
+        resolved = resolve(config)
+        trace: Trace = load_run_trace(config)
+        timer = CostModelTimer(resolved.cost_model())
+    return resolved, trace, timer
+
+
+@click.command()
+@run_options
+@click.option("--check", is_flag=True, help="Verify the engine's invariants and every plan after every step (slow).")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Run directory.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists and is not empty.")
+@click.option("--quiet", is_flag=True, help="No progress bar or summary table.")
+@decisions_option("summary")
+def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions: str,
+             **options) -> None:
+    """Replay a trace through the simulator; write summary.json, requests.csv, steps.csv and the decision log.
+
+    The run directory appears only when complete (it holds a COMPLETE marker).
+    """
+    config = run_config_from(options)
+    with user_errors():
+        check_out_dir(out_dir, overwrite)
+    resolved, trace, timer = prepare(config)
+    with user_errors():
+        stage = staged_dir(out_dir, overwrite)
+    with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
+        _, summary = run_trace(resolved, trace, timer, tmp, check=check, progress=not quiet,
+                                  decisions=decisions)
+    if not quiet:
+        click.echo(format_summary(summary))
+    for line in format_warnings(summary["warnings"]):
+        click.echo(line, err=True)
+    click.echo(f"wrote {out_dir}")

@@ -1,0 +1,190 @@
+"""``kvsim validate``: run one trace on the device and in the simulator, and compare.
+
+With no arguments: the bundled demo trace, the small model, the CPU backend, a cost model
+calibrated for this machine (profiled on the spot and cached when none fits), and a report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kvsim.cli.errors import user_errors
+from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend, open_backend
+from kvsim.cli.options import run_config_from, run_options
+from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend
+from kvsim.realexec.calibration import calibrated_profile
+from kvsim.realexec.speed_check import speed_check
+from kvsim.realexec.validation import Thresholds, compare_decisions, reference_ratios, step_errors, validate_runs
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.perf.device import load_device
+from kvsim.sim.perf.step_timer import ReplayTimer
+from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.decisions import DecisionLog, read_decisions
+from kvsim.sim.run.runner import run_trace
+from kvsim.sim.run.simulator import SimOptions, simulate
+
+WALL_CLOCK = "wall clock (time.perf_counter), recorded beside the device clock, not compared"
+
+
+@click.command(help=f"""Cross-validate the simulator against the real executor on the same trace.
+
+Default workload: {WORKLOAD}""")
+@run_options(defaults=REAL_DEFAULTS)
+@click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
+@click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Calibrated device profile (from kvsim profile); default: this machine's cached one, else profile now.")
+@click.option("--reprofile", is_flag=True, help="Profile this machine again even if a cached profile fits.")
+@click.option("--enforce-eager", is_flag=True,
+              help="Run every step eagerly, as vLLM's --enforce-eager: no captured graphs (cpu and npu always run eagerly).")
+@click.option("--out", "out_dir", default=Path("runs/validate"), show_default=True,
+              type=click.Path(file_okay=False, path_type=Path), help="Where the runs, validation.json and report.html go.")
+@click.option("--quiet", is_flag=True)
+def validate(backend: str, profile_path: Path | None, reprofile: bool, enforce_eager: bool, out_dir: Path, quiet: bool,
+             **options) -> None:
+    config_path = options.get("config_path")
+    echo = None if quiet else click.echo
+    with user_errors():  # what the user chose: thresholds, config, trace, backend (exit 2)
+        thresholds = Thresholds.from_toml(config_path)
+        config = run_config_from(options, base=REAL_DEFAULTS)
+        trace = load_run_trace(config)
+        kernels = open_backend(backend, enforce_eager)
+    try:
+        if profile_path is None:
+            profile_path = machine_profile(kernels, config, reprofile, echo)
+        validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet)
+    except (ValueError, KeyError, RuntimeError) as exc:  # profiling or a run failed on the device (exit 1)
+        raise click.ClickException(str(exc).strip("'\"")) from None
+
+    from kvsim.reports.validation import write_validation_report
+
+    report = write_validation_report(validation, {k: out_dir / k for k in ("real", "sim", "replay")}, out_dir / "report.html")
+    if not quiet:
+        click.echo(format_checks(validation))
+    click.echo(f"report: {report}")
+    if not validation["passed"]:
+        failed = ", ".join(c["name"] for c in validation["checks"] if not c["passed"])
+        raise click.ClickException(f"validation failed: {failed}")
+
+
+def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, echo) -> Path:
+    """This machine's calibrated profile, measured anew (once) when the machine no longer runs at its speed.
+
+    The stale-profile decision is the speed check's (on the backend's clock): reference steps
+    timed now against the profile's prediction, off by more than its timing noise (at least
+    10 %), mean the machine's state has moved since it was profiled: days ago for a cached
+    profile, or during the minute of profiling on a shared host. The median of the three, not
+    the worst one and not their times when profiled: on the development VM either of those
+    re-measured more often, and profiles measured again under load then missed small decode
+    steps by 20-25 % (docs/benchmarks.md, "A fourth VM instance").
+    """
+    kv_dtype = resolve(config).memory.kv_dtype  # the profile must time the KV cache the run will use
+    calibrated = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh="--reprofile" if reprofile else None, echo=echo)
+    cost = resolve(config.updated(device=str(calibrated.path))).cost_model()
+    check = speed_check(kernels, cost, seed=config.seed)
+    if not stale(check.ratio, load_device(calibrated.path).step_timing_noise):
+        return calibrated.path
+    which = "the cached profile is stale" if calibrated.cached else "the machine's speed changed while it was profiled"
+    reason = f"{which}: reference steps took {check.ratio:.2f}x its prediction on {kernels.clock}"
+    return calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo).path
+
+
+def stale(ratio: float, noise: float | None) -> bool:
+    """Did the reference steps (measured / predicted = ``ratio``) stray from the profile by more than its timing noise (at least 10 %)?"""
+    return abs(ratio - 1.0) > max(noise or 0.0, 0.1)
+
+
+def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_path: Path, out_dir: Path,
+                   thresholds: Thresholds, progress: bool = False) -> dict:
+    """The three runs (real, replay, free simulation) and their comparison; writes validation.json."""
+    config = for_backend(config, backend)
+    real, real_summary = execute_run(config, backend, out_dir / "real", trace=trace, progress=progress, decisions="full")
+
+    sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))
+    cost = sim_resolved.cost_model()
+
+    timed = [d for d, t in zip(real.steps.column("duration_s"), real.steps.column("timed")) if t]
+    replay_timer = ReplayTimer(timed, predict=cost.step_time)
+    (out_dir / "replay").mkdir(parents=True, exist_ok=True)
+    replay_log = DecisionLog("full", sim_resolved.engine_config.block_size, out_dir / "replay")
+    try:
+        simulate(trace, sim_resolved.new_engine(), replay_timer, SimOptions(decisions=replay_log))
+    finally:
+        replay_log.close()
+    decisions = compare_decisions(list(read_decisions(out_dir / "real")), list(read_decisions(out_dir / "replay")))
+
+    speed = speed_check(backend, cost, seed=config.seed)  # right after the real run: the machine as it ran
+    _, sim_summary = run_trace(sim_resolved, trace, CostModelTimer(cost), out_dir / "sim", progress=progress)
+
+    memory = resolve(config).memory  # what the memory model says the real run's device holds
+    kv_pool = real.engine.config.num_blocks * memory.bytes_per_block
+    validation = validate_runs(real, real_summary, sim_summary, decisions, replay_timer.predicted, replay_timer.kinds,
+                               replay_timer.batch_sizes, kv_pool, memory.weight_bytes + memory.activation_bytes + kv_pool, thresholds)
+    validation["timing"]["per_step"]["noise_floor"] = sim_resolved.device.step_timing_noise
+    measured = real_summary["measured"]
+    validation["timing"]["per_step"]["timing_repeats"] = measured["timing_repeats"]
+    validation["timing"]["per_step"]["single_run"] = step_errors(replay_timer.predicted, measured["single_run_s"], replay_timer.kinds,
+                                                                  replay_timer.batch_sizes)
+    validation["timing"]["speed_check"] = speed.to_dict()
+    validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
+    validation.update(
+        backend=backend.name,
+        kv_dtype=memory.kv_dtype,
+        clocks=clocks(backend.clock),
+        profile=str(profile_path),
+        config=config.to_dict(),
+        series={"step_time": {"measured": timed, "predicted": replay_timer.predicted, "kind": replay_timer.kinds,
+                              "batch_size": replay_timer.batch_sizes,
+                              "single_run": measured["single_run_s"], "wall": measured["step_wall_s"]}},
+    )
+    (out_dir / "validation.json").write_text(json.dumps(validation, indent=2) + "\n")
+    return validation
+
+
+def clocks(device_clock: str) -> dict[str, str]:
+    """Which clock each figure of validation.json was measured on."""
+    engine = f"the engine's clock: the running sum of step times measured on {device_clock}"
+    return {
+        "step_time": device_clock,
+        "latency": engine,
+        "throughput": engine,
+        "noise_floor": device_clock,
+        "speed_check": device_clock,
+        "wall_time": WALL_CLOCK,
+    }
+
+
+def format_checks(validation: dict) -> str:
+    """The closing summary: each check with its figure, limit and verdict, then what to read them against."""
+    lines = ["check                          value   limit   result"]
+    for c in validation["checks"]:
+        value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
+        lines.append(f"{c['name']:<28}{value:>8}{c['threshold']:>8.3f}   {'pass' if c['passed'] else 'FAIL'}")
+    passed = sum(c["passed"] for c in validation["checks"])
+    lines.append(f"{passed} of {len(validation['checks'])} checks passed")
+    clock = validation["clocks"]["step_time"]
+    wall = validation["timing"]["wall_clock"]
+    per_step = validation["timing"]["per_step"]
+    lines.append(f"step times measured on {clock}, each the median of {per_step['timing_repeats']} runs of its forward pass: "
+                 f"the real run's steps took {wall['steps_device_clock_s']:.2f} s on it, {wall['steps_wall_s']:.2f} s of wall clock "
+                 "(first runs)")
+    if per_step["timing_repeats"] > 1 and per_step["single_run"]["mape"] is not None:
+        lines.append(f"per-step MAPE against each step's first run alone: {per_step['single_run']['mape']:.3f} (not a check)")
+    noise = per_step.get("noise_floor")
+    if noise is not None:
+        lines.append(f"single-run step timing noise while profiling: {noise:.3f} (no model predicts single runs better than that)")
+    by_batch = per_step["decode_by_batch_size"]
+    if by_batch:
+        ratios = ", ".join(f"{n}: {e['median_ratio']:.2f} ({e['steps']})" for n, e in by_batch.items())
+        lines.append(f"decode steps by sequences in the batch, median measured / predicted (steps): {ratios}")
+    speed = validation["timing"]["speed_check"]
+    hint = " (the machine's speed changed since it was profiled: --reprofile)" if stale(speed["ratio"], noise) else ""
+    lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction ({reference_ratios(speed)})"
+                 + (f", against their times when profiled {reference_ratios(speed, 'profiled_s')}" if speed.get("profiled_s") else "")
+                 + hint)
+    decisions = validation["decision_identity"]
+    verdict = "identical" if decisions["identical"] else f"DIVERGE at step {decisions['first_divergence']['step']}"
+    lines.append(f"decision logs: {verdict} over {decisions['steps_compared']} steps")
+    return "\n".join(lines)

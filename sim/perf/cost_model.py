@@ -1,0 +1,611 @@
+"""Cost model: a deterministic step time for a StepPlan, one roofline per operator class.
+
+Every operator ``op`` is timed as::
+
+    time = max(flops / (peak * compute_efficiency), bytes / (bandwidth * memory_efficiency)) + calls * call_s
+
+with ``peak``/``bandwidth`` the device roofs the operator runs on, and ``compute_efficiency``,
+``memory_efficiency`` and ``call_s`` (TOML ``launch_s``, or ``block_s`` for paged_gather) read from the
+device profile's ``[operators.<op>]`` table. Work is summed over all layers of one step. Every
+efficiency is at most 1 where it is measured, so no operator runs faster than its roofline.
+
+Notation: ``L`` layers, ``h`` hidden size, ``q = heads*head_dim``, ``kv = kv_heads*head_dim``,
+``I`` MLP size, ``V`` vocabulary, ``a``/``w`` activation/weight dtype bytes, ``c`` KV bytes of one token
+in one layer (K and V, + int8 scales), ``P = h(q+2kv) + qh + 3hI`` matmul weights of one layer,
+``T`` = num_tokens, ``T'`` = T padded to the engine's nearest captured graph size (``T' = T`` outside
+a graph; sim/engine_overhead.py), ``S`` = num_sampled, other names as in :class:`StepFeatures`,
+``[x]`` = 1 if x > 0 else 0. Roofs: *matrix* = ``matrix_flops[activation dtype]``, *vector* =
+``vector_flops``, *HBM* = ``hbm_bandwidth``, *host* = ``host_link_bandwidth``. Per operator,
+``flops | bytes | calls``:
+
+- ``gemm`` (matrix, HBM; QKV, O, gate_up, down):
+  ``2 L P (T' + H_t [T]) | [T] L P w + a T' L (4h + 2q + 2kv + 3I) | 4 L [T]``; with ``T' < G``
+  (the device's ``gemv_rows``) ``2 L P T' | T' L P w + ...``: one matrix-vector product per row;
+  and its time is ``row_count_s[T']`` seconds longer where the device lists the step's token count
+  (measured on whole steps of a few tokens: a CPU BLAS changes kernels with the row count, no roofline follows that)
+- ``elementwise`` (vector, HBM; fused add+RMSNorm x2, RoPE, q/k norms if the model has them,
+  SiLU-and-mul, the embedding gather and the final norm), with ``g = q + kv`` and ``k`` = 1 under qk_norm:
+  ``T' (L (8h + (3 + 4k) g + 5I) + 10h) | a T' (L (8h + (2 + 2k) g + 3I) + 6h) | (4L + 2 + k L) [T]``
+- ``kv_write`` (HBM): ``- | T' L (2 kv a + c) | L [T]``
+- ``attn_prefill`` (matrix, HBM), with ``n_h`` query heads:
+  ``4 q L attn_pairs | L (prefill_ctx_tokens c + 2 q a prefill_tokens + B_s n_h attn_pairs) | L [prefill_tokens]``
+- ``attn_decode`` (matrix, HBM):
+  ``4 q L decode_ctx_tokens | L ((decode_ctx_tokens + H_c decode_seqs) c + 2 q a decode_seqs) | L [decode_seqs]``
+- ``paged_gather`` (block-table walk; ``call_s`` = ``block_s``): ``- | - | L blocks_touched``
+- ``lm_head`` (matrix, HBM): ``2 S h V | [S] V h w + S (h a + 4 V) | [S]`` (``S V h w + ...`` with ``S < G``)
+- ``sampling`` (vector, HBM; fp32 softmax and draw): ``5 S V | 12 S V | 3 [S]``
+- ``block_copy`` (HBM; read + write): ``- | 2 copy_blocks block_bytes | 2 L [copy_blocks]``
+- ``swap`` (host): ``- | swap_blocks block_bytes | 2 L [swap_blocks]``
+- ``host_step`` (``call_s`` = ``step_s``): ``- | - | [num_seqs]``
+- ``host_seq`` (``call_s`` = ``seq_s``): ``- | - | num_seqs``
+- ``host_token`` (``call_s`` = ``token_s``): ``- | - | T``
+
+Operator costs depend on shape, not only on work: ``H_t`` (gemm ``half_tokens``) is the token count
+at which the GEMMs reach half their compute efficiency (small-M GEMMs leave most of the matrix
+units idle: efficiency ``T / (T + H_t)`` is the same as ``H_t`` extra tokens of work), and ``H_c``
+(attn_decode ``half_context``) the context at which decode attention reaches half its bandwidth
+(short KV streams are latency-bound: efficiency ``ctx / (ctx + H_c)`` per sequence). Both are 0
+(constant efficiency) unless a profile sets them. ``B_s`` (attn_prefill ``score_bytes``) is the HBM
+traffic per (query, key, head) pair of prefill attention that writes its score matrix out instead
+of keeping it on chip (a non-flash path): 0 for flash kernels. All three only add work, so the
+roofline stays a floor.
+
+The host terms are what a step costs beyond its kernels: scheduling, building the input tensors,
+reading the sampled tokens back and processing outputs, once per step, per sequence and per
+token. Profiles without them cost them at 0; ``kvsim profile`` measures the first two on a
+backend, and the serving profiles of the bundled devices carry values fitted on published
+serving measurements (``kvsim fidelity``).
+
+How kernels and host work combine into a step is the device's ``[engine]`` (eager dispatch,
+graph replay with padding, async scheduling: sim/engine_overhead.py). A profile without one (the
+CPU executor's) adds them up: step = kernels + host terms.
+
+Mixed batches count one attention launch per layer for each of prefill and decode, as separate
+kernels would. Small block sizes cost through ``paged_gather``: more blocks for the same tokens.
+
+Under the device's ``padded_attention`` (kernels that run each of the decode and prefill groups
+as one dense batch, like kvsim's portable PyTorch path), attention does the padded work instead:
+``attn_pairs``, ``prefill_ctx_tokens``, ``decode_ctx_tokens`` and ``blocks_touched`` are replaced
+by their ``padded_`` counterparts, every sequence of a group counted at the group's longest query
+and context, in whole blocks. With the device's ``attention_query_tile`` the prefill group's
+queries run in tiles, each against the context its last row sees (the portable path's
+``QUERY_TILE``): fewer pairs than the full padded square, near the causal half for long prompts.
+
+``predict`` sums the step's split (:meth:`CostModel.step_split`), which leaves out ``swap``: swap
+traffic crosses the host link and the simulator accounts for it separately through
+:meth:`CostModel.swap_time`. Block copies (copy-on-write) are part of the step.
+:meth:`CostModel.fit` recovers the coefficients from measured operator times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from functools import reduce
+from operator import add, itemgetter
+from typing import NamedTuple, Union
+
+import numpy as np
+
+from kvsim.policies.plan import StepPlan
+from kvsim.policies.request import Request
+from kvsim.sim.perf.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
+from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
+from kvsim.sim.perf.step_timer import StepTiming
+
+Num = Union[float, np.ndarray]
+
+OPERATORS: tuple[str, ...] = tuple(OPERATOR_KEYS)
+MATRIX_OPERATORS = frozenset({"gemm", "attn_prefill", "attn_decode", "lm_head"})  # the rest use vector_flops
+STEP_OPERATORS: tuple[str, ...] = tuple(op for op in OPERATORS if op != "swap")
+HOST_OPERATORS: tuple[str, ...] = ("host_step", "host_seq", "host_token")
+KERNEL_OPERATORS: tuple[str, ...] = tuple(op for op in STEP_OPERATORS if op not in HOST_OPERATORS)
+# Kernels the host dispatches one by one outside a graph (paged_gather's calls are blocks, not kernels).
+DISPATCHED_OPERATORS: tuple[str, ...] = tuple(op for op in KERNEL_OPERATORS if op != "paged_gather")
+_KERNEL_TIMES, _HOST_TIMES = itemgetter(*KERNEL_OPERATORS), itemgetter(*HOST_OPERATORS)
+# The order of _token_rows and _context_rows; the memo of one step's token-shaped times is bounded.
+_TOKEN_OPERATORS = ("gemm", "elementwise", "kv_write", "lm_head", "sampling", "host_token")
+_CONTEXT_OPERATORS = ("attn_prefill", "attn_decode", "paged_gather", "block_copy", "swap", "host_step", "host_seq")
+_SPLIT_OPERATORS = _TOKEN_OPERATORS + _CONTEXT_OPERATORS
+assert sorted(_SPLIT_OPERATORS) == sorted(OPERATORS), "every operator is token- or batch-shaped"
+# One step's times come as a list in _SPLIT_OPERATORS order; these pick the kernels' and host terms' in theirs.
+_SPLIT_KERNEL_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in KERNEL_OPERATORS))
+_SPLIT_HOST_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in HOST_OPERATORS))
+_TOKEN_DISPATCHED = tuple(i for i, op in enumerate(_TOKEN_OPERATORS) if op in DISPATCHED_OPERATORS)
+_CONTEXT_DISPATCHED = tuple(i for i, op in enumerate(_CONTEXT_OPERATORS) if op in DISPATCHED_OPERATORS)
+_MEMO_LIMIT = 1 << 16
+
+
+def in_order_sum(terms) -> Num:
+    """Left-to-right IEEE addition, as numpy adds arrays element by element.
+
+    Not ``sum()``: since Python 3.12 it compensates the rounding of Python floats (Neumaier), so
+    one step's time added from plain floats would differ in its last bit from the same step in a
+    batch of arrays, and from the same run on Python 3.11.
+    """
+    return reduce(add, terms, 0.0)
+
+
+DISPATCH_STALL = "dispatch_stall"  # step split: time the device waits for eager dispatch
+
+LOGIT_BYTES = 4  # logits and probabilities are fp32
+SAMPLING_FLOPS_PER_LOGIT = 5  # temperature, max, exp, sum, divide
+SAMPLING_PASSES = 3  # softmax read + write, then the draw reads the probabilities
+SAMPLING_LAUNCHES = 3
+# Relative residuals below this weigh as if they were this large: the absolute-error fit's weights stay finite.
+ABSOLUTE_ERROR_FLOOR = 1e-4
+# Compute rates the fit starts from, as multiples of the profile's: which roof binds where is
+# found by alternation, which can settle on a wrong split; starting on both sides of it finds the best.
+REGIME_STARTS = (1.0, 1e-3, 1e-2, 0.1, 10.0, 100.0, 1e3)
+
+
+@dataclass
+class StepFeatures:
+    """What a step's cost depends on. Every field is a float, or a numpy array over many steps."""
+
+    num_tokens: Num  # query tokens computed this step (prefill + decode)
+    num_seqs: Num  # entries in the batch
+    num_sampled: Num  # entries that sample a token (LM head rows)
+    prefill_tokens: Num  # query tokens of prefill entries
+    attn_pairs: Num  # sum over prefill entries of n*c + n(n+1)/2 (c cached, n new: causal)
+    decode_seqs: Num  # decode entries (one query token each)
+    decode_ctx_tokens: Num  # sum over decode entries of the context read (after the new token)
+    prefill_ctx_tokens: Num  # sum over prefill entries of the KV tokens read (cached + new)
+    blocks_touched: Num  # sum over entries of ceil(context after the step / block_size)
+    copy_blocks: Num  # copy-on-write block copies
+    swap_blocks: Num  # blocks moved between device and host (in + out)
+    # The same work as a kernel does that pads each group (prefill, decode) to its longest entry:
+    # with B entries, longest query Q and longest context W blocks of size bs,
+    padded_attn_pairs: Num  # prefill: B Q W bs
+    padded_prefill_ctx_tokens: Num  # prefill: B W bs
+    padded_decode_ctx_tokens: Num  # decode: B W bs
+    padded_blocks_touched: Num  # both groups: B W
+    prefill_max_tokens: Num  # prefill: Q (how many query tiles a padded kernel runs)
+
+
+class OperatorWork(NamedTuple):
+    """One operator's work in a step: what its roofline and fixed costs multiply."""
+
+    flops: Num
+    bytes: Num
+    calls: Num  # kernel launches; for paged_gather, KV blocks touched summed over layers
+
+
+_FEATURE_NAMES = tuple(f.name for f in fields(StepFeatures))
+
+
+def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
+    """The features of one plan (plain floats), from its integer totals (exact, so bit-stable)."""
+    t = plan.totals_for(block_size)
+    prefill_blocks = t.prefill_seqs * t.prefill_max_blocks  # each prefill entry at the longest's blocks
+    decode_blocks = t.decode_seqs * t.decode_max_blocks
+    return StepFeatures(
+        num_tokens=float(t.num_tokens),
+        num_seqs=float(t.num_seqs),
+        num_sampled=float(t.num_sampled),
+        prefill_tokens=float(t.prefill_tokens),
+        attn_pairs=float(t.attn_pairs),
+        decode_seqs=float(t.decode_seqs),
+        decode_ctx_tokens=float(t.decode_ctx_tokens),
+        prefill_ctx_tokens=float(t.prefill_ctx_tokens),
+        blocks_touched=float(t.blocks_touched),
+        copy_blocks=float(len(plan.copies)),
+        swap_blocks=float(len(plan.swap_in) + len(plan.swap_out)),
+        padded_attn_pairs=float(prefill_blocks * t.prefill_max_tokens * block_size),
+        padded_prefill_ctx_tokens=float(prefill_blocks * block_size),
+        padded_decode_ctx_tokens=float(decode_blocks * block_size),
+        padded_blocks_touched=float(prefill_blocks + decode_blocks),
+        prefill_max_tokens=float(t.prefill_max_tokens),
+    )
+
+
+class CostModel:
+    """Per-operator rooflines for one model on one device at one block size and KV dtype."""
+
+    def __init__(self, model: ModelSpec, device: DeviceProfile, block_size: int, kv_dtype: str | None = None) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.model, self.device, self.block_size = model, device, block_size
+        self.kv_dtype = kv_dtype or model.kv_dtype
+        if self.kv_dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r} (one of {sorted(DTYPE_BYTES)})")
+        m = model
+        L, h, q, kv, inter = m.num_layers, m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
+        self._L = L
+        self._a = DTYPE_BYTES[m.activation_dtype]
+        self._w = DTYPE_BYTES[m.weight_dtype]
+        self._layer_matmul_params = h * (q + 2 * kv) + q * h + 3 * h * inter
+        self._gemm_act_elems = 4 * h + 2 * q + 2 * kv + 3 * inter
+        k = int(m.qk_norm)
+        self._elem_moved = L * (8 * h + (2 + 2 * k) * (q + kv) + 3 * inter) + 6 * h
+        self._elem_flops = L * (8 * h + (3 + 4 * k) * (q + kv) + 5 * inter) + 10 * h
+        self._elem_launches = 4 * L + 2 + k * L
+        self._kv_token_layer = m.kv_bytes_per_token(self.kv_dtype) / L  # c
+        self._block_bytes = m.bytes_per_block(block_size, self.kv_dtype)
+        self._rates = {op: self._unit_costs(op) for op in OPERATORS}
+        self._rate_rows = tuple(self._rates[op] for op in OPERATORS)
+        self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
+        self._half_tokens = device.operators["gemm"].shape
+        self._gemv_rows = device.gemv_rows
+        self._row_count_s = device.row_count_s
+        self._half_context = device.operators["attn_decode"].shape
+        self._score_bytes = device.operators["attn_prefill"].shape
+        self._padded_tokens: dict[float, float] = {}  # a graph engine's padding of one step's T, memoised
+        self._token_rates = tuple(self._rates[op] for op in _TOKEN_OPERATORS)
+        self._context_rates = tuple(self._rates[op] for op in _CONTEXT_OPERATORS)
+        self._token_memo: dict[tuple[float, float], tuple[list[float], int]] = {}
+
+    def unit_costs(self, op: str) -> tuple[float, float, float]:
+        """(seconds per flop, seconds per byte, seconds per call) of an operator; 0 for an unread roof."""
+        return self._rates[op]
+
+    def _unit_costs(self, op: str) -> tuple[float, float, float]:
+        coeffs = self.device.operators[op]
+        peak, bandwidth = self.roofs(op)
+        per_flop = 0.0 if coeffs.compute_efficiency is None else 1.0 / (peak * coeffs.compute_efficiency)
+        per_byte = 0.0 if coeffs.memory_efficiency is None else 1.0 / (bandwidth * coeffs.memory_efficiency)
+        return per_flop, per_byte, coeffs.call_s
+
+    def roofs(self, op: str) -> tuple[float, float]:
+        """(peak FLOP/s, bandwidth B/s) that an operator's efficiencies scale."""
+        peak = self.device.matrix_peak(self.model.activation_dtype) if op in MATRIX_OPERATORS else self.device.vector_flops
+        return peak, (self.device.host_link_bandwidth if op == "swap" else self.device.hbm_bandwidth)
+
+    # --- work ------------------------------------------------------------------------------
+    def operator_work(self, f: StepFeatures) -> dict[str, OperatorWork]:
+        """FLOPs, bytes and calls of every operator (the table in the module docstring)."""
+        return {op: OperatorWork(*row) for op, row in zip(OPERATORS, self._work(f))}
+
+    def _padded(self, T: Num) -> Num:
+        """T padded to the engine's captured graph size (T without an engine); scalars memoised."""
+        engine = self.device.engine
+        if engine is None:
+            return T
+        if isinstance(T, np.ndarray):
+            return engine.padded_tokens(T)
+        padded = self._padded_tokens.get(T)
+        if padded is None:
+            padded = self._padded_tokens[T] = engine.padded_tokens(T)
+        return padded
+
+    def _work(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
+        """(flops, bytes, calls) of every operator in ``OPERATORS`` order: one step costs tuples, not a dict."""
+        gemm, elementwise, kv_write, lm_head, sampling, host_token = self._token_rows(f.num_tokens, f.num_sampled)
+        attn_prefill, attn_decode, paged_gather, block_copy, swap, host_step, host_seq = self._context_rows(f)
+        return (gemm, elementwise, kv_write, attn_prefill, attn_decode, paged_gather, lm_head, sampling, block_copy,
+                swap, host_step, host_seq, host_token)
+
+    def _token_rows(self, T: Num, S: Num) -> tuple[tuple[Num, Num, Num], ...]:
+        """The rows that depend on the step's tokens ``T`` and sampled rows ``S`` alone:
+        gemm, elementwise, kv_write, lm_head, sampling, host_token."""
+        m, L, a, w, c = self.model, self._L, self._a, self._w, self._kv_token_layer
+        kv, h, vocab = m.kv_size, m.hidden_size, m.vocab_size
+        Tp = self._padded(T)
+        half_tokens = self._half_tokens
+        on_T, on_S = T > 0, S > 0  # 1 where the operator runs at all: gates launches and weight reads
+        P = self._layer_matmul_params
+        # Below gemv_rows a matrix product runs one matrix-vector product per row: the weights stream
+        # once per row and the small-M efficiency loss does not apply (a GEMV runs at bandwidth).
+        gemv_T, gemv_S = Tp < self._gemv_rows, S < self._gemv_rows
+        weight_reads_T, weight_reads_S = on_T + (Tp - 1) * gemv_T, on_S + (S - 1) * gemv_S
+        return (
+            # gemm
+            (
+                2 * (Tp + half_tokens * on_T * (1 - gemv_T)) * L * P,
+                weight_reads_T * L * P * w + a * Tp * L * self._gemm_act_elems,
+                4 * L * on_T,
+            ),
+            # elementwise
+            (Tp * self._elem_flops, a * Tp * self._elem_moved, self._elem_launches * on_T),
+            # kv_write
+            (0.0, Tp * L * (2 * kv * a + c), L * on_T),
+            # lm_head
+            (2 * S * h * vocab, weight_reads_S * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), on_S),
+            # sampling
+            (SAMPLING_FLOPS_PER_LOGIT * S * vocab, SAMPLING_PASSES * LOGIT_BYTES * S * vocab, SAMPLING_LAUNCHES * on_S),
+            # host_token
+            (0.0, 0.0, T),
+        )
+
+    def _context_rows(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
+        """The rows that depend on the batch's shape: attn_prefill, attn_decode, paged_gather,
+        block_copy, swap, host_step, host_seq. ``x > 0`` gates an operator's launches (1 where it runs at all)."""
+        m, L, a, c = self.model, self._L, self._a, self._kv_token_layer
+        q = m.q_size
+        half_context, score_bytes = self._half_context, self._score_bytes
+        if self.device.padded_attention:
+            pairs, prefill_ctx, decode_ctx = f.padded_attn_pairs, f.padded_prefill_ctx_tokens, f.padded_decode_ctx_tokens
+            blocks = f.padded_blocks_touched
+            tile = self.device.attention_query_tile
+            if tile:
+                # Tiles of `tile` query rows, each against the context its last row sees: a full tile
+                # ending at query row e sees Q - e context tokens fewer than the last tile (Q: the longest
+                # query), which over the k - 1 full tiles is tile (k - 1) (Q - tile k / 2) pairs fewer.
+                longest = f.prefill_max_tokens
+                k = -(-longest // tile)
+                pairs = pairs - (f.num_seqs - f.decode_seqs) * tile * (k - 1) * (longest - tile * k / 2)
+        else:
+            pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
+        return (
+            # attn_prefill
+            (
+                4 * q * L * pairs,
+                L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens + score_bytes * m.num_heads * pairs),
+                L * (f.prefill_tokens > 0),
+            ),
+            # attn_decode
+            (
+                4 * q * L * decode_ctx,
+                L * ((decode_ctx + half_context * f.decode_seqs) * c + 2 * q * a * f.decode_seqs),
+                L * (f.decode_seqs > 0),
+            ),
+            # paged_gather
+            (0.0, 0.0, L * blocks),
+            # block_copy
+            (0.0, 2 * f.copy_blocks * self._block_bytes, 2 * L * (f.copy_blocks > 0)),
+            # swap
+            (0.0, f.swap_blocks * self._block_bytes, 2 * L * (f.swap_blocks > 0)),
+            # host_step, host_seq
+            (0.0, 0.0, (f.num_seqs > 0)),
+            (0.0, 0.0, f.num_seqs),
+        )
+
+    # --- time ------------------------------------------------------------------------------
+    def _times(self, rows: tuple[tuple[Num, Num, Num], ...], tokens: Num) -> dict[str, Num]:
+        """Seconds per operator from its work rows and the step's (padded) token count (arrays in, arrays out)."""
+        times = {}
+        for op, (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(OPERATORS, rows, self._rate_rows):
+            compute, memory = flops * per_flop, nbytes * per_byte
+            # np.maximum costs a microsecond on scalars; some features of a batch of steps are scalars.
+            vector = isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray)
+            times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
+        if self._row_count_s:
+            times["gemm"] = times["gemm"] + self._row_count_time(tokens)
+        return times
+
+    def _row_count_time(self, tokens: Num) -> Num:
+        """The device's ``row_count_s`` term of steps of ``tokens`` tokens (0 at counts it does not list)."""
+        if isinstance(tokens, np.ndarray):
+            return in_order_sum(np.where(tokens == rows, seconds, 0.0) for rows, seconds in self._row_count_s.items())
+        return self._row_count_s.get(tokens, 0.0)
+
+    def _one_step_times(self, f: StepFeatures) -> tuple[list[float], int]:
+        """One step's seconds per operator (in ``_SPLIT_OPERATORS`` order) and dispatched kernel count, in plain floats.
+
+        The token-shaped operators' times are memoised by (tokens, sampled rows), which repeat
+        from step to step; the batch-shaped ones are computed. Same operations as ``_times``.
+        """
+        key = (f.num_tokens, f.num_sampled)
+        token = self._token_memo.get(key)
+        if token is None:
+            if len(self._token_memo) >= _MEMO_LIMIT:
+                self._token_memo.clear()
+            rows = self._token_rows(*key)
+            times = [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._token_rates)]
+            if self._row_count_s:
+                times[0] = times[0] + self._row_count_time(self._padded(f.num_tokens))  # gemm
+            token = self._token_memo[key] = (times, sum(rows[i][2] for i in _TOKEN_DISPATCHED))
+        token_times, token_calls = token
+        rows = self._context_rows(f)
+        context_times = [max(fl * pf, nb * pb) + ca * pc for (fl, nb, ca), (pf, pb, pc) in zip(rows, self._context_rates)]
+        # calls are integers, so their sum does not depend on the order
+        return token_times + context_times, token_calls + sum([rows[i][2] for i in _CONTEXT_DISPATCHED])
+
+    def operator_times(self, f: StepFeatures) -> dict[str, Num]:
+        """Seconds per operator (arrays in, arrays out)."""
+        return self._times(self._work(f), self._padded(f.num_tokens))
+
+    def step_split(self, f: StepFeatures, one_step: bool | None = None) -> dict[str, Num]:
+        """Seconds of a step by operator, as they add up to the step's time under the device's engine.
+
+        Kernels keep their times; the engine adds a ``dispatch_stall`` (the device waiting for
+        eager dispatch) and scales the host terms to the part of them it does not hide behind the
+        device (all of it unless scheduling is async). Without an engine: kernels + host terms.
+        ``one_step``: every feature is a plain float (None: look).
+        """
+        if one_step is None:
+            one_step = not any(isinstance(v, np.ndarray) for v in vars(f).values())
+        if one_step:
+            one_step_times, calls = self._one_step_times(f)
+            times = dict(zip(_SPLIT_OPERATORS, one_step_times))
+        else:
+            rows = self._work(f)
+            times = self._times(rows, self._padded(f.num_tokens))
+            calls = sum(rows[i][2] for i in self._dispatched)
+        split = {op: times[op] for op in STEP_OPERATORS}
+        engine = self.device.engine
+        if engine is None:
+            return split
+        device = in_order_sum(_KERNEL_TIMES(times))  # the operators' order
+        host = in_order_sum(_HOST_TIMES(times))
+        _, stall, exposed = engine.step_seconds(device, calls, host, f.num_tokens)
+        if isinstance(exposed, np.ndarray) or isinstance(host, np.ndarray):
+            share = np.divide(exposed, host, out=np.zeros_like(np.asarray(host, dtype=np.float64)), where=np.asarray(host) > 0)
+            share = float(share) if np.ndim(share) == 0 else share
+        else:  # one step: the same IEEE division as np.divide, without numpy's per-call cost
+            share = exposed / host if host > 0 else 0.0
+        for op in HOST_OPERATORS:
+            split[op] = times[op] * share
+        split[DISPATCH_STALL] = stall
+        return split
+
+    def step_total(self, f: StepFeatures) -> float:
+        """One step's time (plain-float features): the sum of :meth:`step_split`, in its order, without building it."""
+        times, calls = self._one_step_times(f)
+        device = in_order_sum(_SPLIT_KERNEL_TIMES(times))
+        host_step, host_seq, host_token = _SPLIT_HOST_TIMES(times)
+        engine = self.device.engine
+        if engine is None:
+            return device + host_step + host_seq + host_token
+        host = host_step + host_seq + host_token
+        _, stall, exposed = engine.one_step_seconds(device, calls, host, f.num_tokens)
+        share = exposed / host if host > 0 else 0.0
+        return device + host_step * share + host_seq * share + host_token * share + stall
+
+    def predict(self, f: StepFeatures) -> Num:
+        """Step time: the sum of :meth:`step_split` (every operator but swap; module docstring)."""
+        total = in_order_sum(self.step_split(f).values())
+        return float(total) if np.ndim(total) == 0 else total
+
+    def step_time(self, plan: StepPlan) -> float:
+        """Seconds for one plan, copy-on-write copies included (swap excluded: :meth:`swap_time`)."""
+        return float(self.predict(features_from_plan(plan, self.block_size)))
+
+    def swap_time(self, num_blocks: int) -> float:
+        """Host-link transfer of ``num_blocks`` blocks (all layers' K and V), either direction."""
+        only_swap = StepFeatures(**{**dict.fromkeys(_FEATURE_NAMES, 0.0), "swap_blocks": float(num_blocks)})
+        return float(self.operator_times(only_swap)["swap"])
+
+    # --- calibration -----------------------------------------------------------------------
+    def fit(
+        self,
+        features: StepFeatures,
+        seconds: np.ndarray,
+        operators: Sequence[str],
+        max_iterations: int = 100,
+        fixed: Sequence[str] = (),
+        fixed_calls: Sequence[str] = (),
+    ) -> dict[str, OperatorCoefficients]:
+        """Coefficients of ``operators`` that minimise the mean absolute relative error of measured times.
+
+        ``seconds[k]`` is the measured time of the named operators together (e.g. one attention
+        kernel: ``["attn_decode", "paged_gather"]``) over all layers for the step described by
+        sample ``k`` of ``features`` (array fields), plus that of the ``fixed`` operators, whose
+        coefficients are known (fitted before) and kept: their predicted time is taken off first
+        (e.g. whole steps: the host terms fitted, every kernel fixed).
+
+        Each operator's time is linear in its unknowns (seconds per flop, per byte, per call) once
+        it is known which roof binds each sample, so the fit alternates: assign roofs with the
+        current coefficients, solve a weighted relative-error least squares, repeat until both
+        settle. The weights are those of iteratively reweighted least squares for the absolute
+        error (1 / |relative residual|): the fit minimises MAPE, and a few samples a roofline cannot
+        explain (a cache cliff, a noisy run) do not pull it off the rest as squared errors would.
+        Alternation can settle on a wrong split between the roofs, so it starts from several
+        compute rates on either side of the profile's, and the lowest MAPE wins (the profile's own
+        start on ties). Unknowns the samples cannot identify (no calls, or a roof that binds no
+        sample even at the profile's rate, e.g. compute in decode attention) keep the profile's
+        values. ``fixed_calls`` operators keep their cost per call and fit only their rates: whole
+        steps launch every kernel once per layer, so their per-call costs are not identifiable
+        apart from each other there. Returns coefficients for :meth:`DeviceProfile.with_operators`.
+        """
+        seconds = np.asarray(seconds, dtype=np.float64)
+        if seconds.ndim != 1 or not np.all(seconds > 0):
+            raise ValueError("seconds must be a 1-D array of positive times")
+        unknown = (set(operators) | set(fixed)) - set(OPERATORS)
+        if unknown:
+            raise ValueError(f"unknown operator(s) {sorted(unknown)}; known: {list(OPERATORS)}")
+        if set(operators) & set(fixed):
+            raise ValueError(f"operator(s) {sorted(set(operators) & set(fixed))} both fitted and fixed")
+        all_work = self.operator_work(features)
+        size = seconds.size
+        known = self.operator_times(features)
+        target = seconds - sum((np.broadcast_to(known[op], (size,)) for op in fixed), np.zeros(size))
+        work = {
+            op: [np.broadcast_to(np.asarray(x, dtype=np.float64), (size,)) for x in (w.flops, w.bytes, w.calls)]
+            for op, w in all_work.items()
+            if op in operators
+        }
+        fits = []
+        for factor in REGIME_STARTS:  # the profile's own rates first: it wins ties
+            start = {op: [self._rates[op][0] * factor, *self._rates[op][1:]] for op in operators}
+            rates = _refine(work, target, seconds, start, max_iterations, frozen_calls=set(fixed_calls))
+            fits.append((_mape(work, rates, target, seconds), rates))
+        best = min(error for error, _ in fits)
+        error, rates = next((error, rates) for error, rates in fits if error <= best + 1e-9)
+        for op in operators:  # a roof that binds no sample at the profile's rate either keeps the profile's rate
+            for j in (0, 1):
+                trial = {**rates, op: [self._rates[op][j] if k == j else r for k, r in enumerate(rates[op])]}
+                if _mape(work, trial, target, seconds) <= error:
+                    rates = trial
+        return {op: self._coefficients(op, rates[op]) for op in operators}
+
+    def _coefficients(self, op: str, rate: list[float]) -> OperatorCoefficients:
+        current = self.device.operators[op]
+        peak, bandwidth = self.roofs(op)
+        compute = None if current.compute_efficiency is None else 1.0 / (rate[0] * peak)
+        memory = None if current.memory_efficiency is None else 1.0 / (rate[1] * bandwidth)
+        return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory, shape=current.shape)
+
+
+def _refine(
+    work: dict[str, list[np.ndarray]], target: np.ndarray, seconds: np.ndarray, rates: dict[str, list[float]], max_iterations: int,
+    frozen_calls: set[str] = frozenset(),
+) -> dict[str, list[float]]:
+    """Alternate roof assignment and reweighted least squares from ``rates`` until both settle (see ``fit``).
+
+    The call costs of ``frozen_calls`` operators keep their values in ``rates``. Sums run in
+    ``work``'s order (the operators'), never a set's, whose order follows the hash seed: a float
+    sum's last bits depend on its order, and the fit's flat directions amplify them.
+    """
+    rates = {op: list(r) for op, r in rates.items()}
+    size = seconds.size
+    target = target - sum((work[op][2] * rates[op][2] for op in work if op in frozen_calls), np.zeros(size))
+    columns = [(op, j) for op in work for j in range(3) if np.any(work[op][j] > 0) and not (j == 2 and op in frozen_calls)]
+    scale = 1.0 / seconds  # rows in relative terms, times the square root of each sample's weight
+    previous = None
+    for _ in range(max_iterations):
+        regimes = {op: work[op][0] * rates[op][0] >= work[op][1] * rates[op][1] for op in work}
+        state = [regimes[op] for op in work], np.array([rates[op] for op in work])
+        if previous is not None and _settled(previous, state):
+            break
+        previous = state
+        values = {(op, j): _fit_column(work[op], regimes[op], j) for op, j in columns}
+        active = list(columns)
+        while active:
+            inactive = sum((values[col] * rates[col[0]][col[1]] for col in columns if col not in active), np.zeros(size))
+            design = np.column_stack([values[col] for col in active]) * scale[:, None]
+            solution = np.linalg.lstsq(design, (target - inactive) * scale, rcond=None)[0]
+            if np.all(solution > 0):
+                for (op, j), value in zip(active, solution):
+                    rates[op][j] = float(value)
+                break
+            active = [col for col, value in zip(active, solution) if value > 0]
+        residual = (sum((values[col] * rates[col[0]][col[1]] for col in columns), np.zeros(size)) - target) / seconds
+        scale = 1.0 / (seconds * np.sqrt(np.maximum(np.abs(residual), ABSOLUTE_ERROR_FLOOR)))
+    return rates
+
+
+def _mape(work: dict[str, list[np.ndarray]], rates: dict[str, list[float]], target: np.ndarray, seconds: np.ndarray) -> float:
+    """Mean absolute relative error of the rooflines with ``rates`` (each sample at its binding roof)."""
+    predicted = sum(np.maximum(w[0] * rates[op][0], w[1] * rates[op][1]) + w[2] * rates[op][2] for op, w in work.items())
+    return float(np.mean(np.abs(predicted - target) / seconds))
+
+
+def _fit_column(work: list[np.ndarray], compute_bound: np.ndarray, j: int) -> np.ndarray:
+    if j == 0:
+        return np.where(compute_bound, work[0], 0.0)
+    if j == 1:
+        return np.where(compute_bound, 0.0, work[1])
+    return work[2]
+
+
+def _settled(previous: tuple[list[np.ndarray], np.ndarray], current: tuple[list[np.ndarray], np.ndarray]) -> bool:
+    """The same roofs bind every sample, and no coefficient moved by more than a part in a million."""
+    same_roofs = all(np.array_equal(a, b) for a, b in zip(previous[0], current[0]))
+    return same_roofs and np.allclose(previous[1], current[1], rtol=1e-6, atol=0.0)
+
+
+class CostModelTimer:
+    """The simulator's step timer: every step's duration is the cost model's prediction."""
+
+    reads_block_tables = False  # a prediction reads a plan's entries and totals only
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+
+    def add_request(self, request: Request) -> None:
+        """Predictions need no per-request state."""
+
+    def step(self, plan: StepPlan) -> StepTiming:
+        """The step's predicted time, plus its swap traffic, which holds the host link first.
+
+        ``operators`` holds the swap alone (what the simulator reads); the per-operator split of
+        a plan is ``cost_model.step_split(features_from_plan(plan, block_size))``.
+        """
+        duration = self.cost_model.step_total(features_from_plan(plan, self.cost_model.block_size))
+        swapped = len(plan.swap_out) + len(plan.swap_in)
+        if swapped:
+            swap_s = self.cost_model.swap_time(swapped)
+            return StepTiming(duration_s=duration + swap_s, operators={"swap": swap_s})
+        return StepTiming(duration_s=duration)
+

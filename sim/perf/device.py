@@ -1,0 +1,323 @@
+"""Device profiles: the hardware figures and calibrated coefficients the cost and memory models read.
+
+A device is one TOML file (``sim/devices/*.toml``, a file in a directory the caller names, or
+any path). Bundled files carry the source of every figure in a comment; ``save_device`` writes
+a profile (e.g. one calibrated by ``kvsim profile``) that ``load_device`` reads back identically.
+
+Layout::
+
+    name = "ascend-910b3"
+    source = "..."                    # provenance, kept when a calibrated copy is saved
+    hbm_bytes = 68719476736           # device memory the runtime reports as total
+    hbm_bandwidth = 1.6e12            # B/s
+    vector_flops = 1.83e13            # FLOP/s of the vector (non-matrix) units
+    host_link_bandwidth = 3.2e10      # B/s one way, device <-> host (swap)
+    interconnect_bandwidth = 1.96e11  # B/s device <-> device (0: none)
+    launch_overhead_s = 3e-6          # fixed cost of one kernel launch
+    runtime_reserve_bytes = 1073741824  # memory the runtime holds outside the framework's allocator
+    padded_attention = false          # optional: attention pads a batch to its longest sequence
+    gemv_rows = 0                     # optional: matrix products of fewer rows run one row at a time
+                                      # optional [row_count_s]: "2" = 2.1e-3 (seconds a step of that
+                                      #  many tokens takes beyond its operators; kvsim profile measures it)
+    attention_query_tile = 0          # optional: padded prefill attention runs query tiles of this many rows
+
+    [matrix_flops]                    # FLOP/s of the matrix units, dense, per input dtype
+    fp16 = ...; bf16 = ...; fp32 = ...; int8 = ...
+
+    [operators.gemm]                  # one table per operator class of the cost model
+    compute_efficiency = 0.7          # achieved fraction of the matrix (or vector) peak
+    memory_efficiency = 0.85          # achieved fraction of the bandwidth it streams over
+    launch_s = 3e-6                   # optional: this operator's fixed cost per launch
+
+    [operators.paged_gather]
+    block_s = 2e-8                    # seconds per KV block touched, per layer
+
+    [operators.host_step]             # optional (default 0: not modelled); kvsim profile measures it
+    step_s = 1e-4                     # seconds of host work per step that runs the model
+
+    [engine]                          # optional: how the serving engine runs a step
+    mode = "graph"                    # (sim/perf/engine_overhead.py; without it, kernels and host
+    dispatch_s = 3e-5                 #  terms simply add up, as for the CPU executor)
+    capture_sizes = [1, 2, 4, 8]
+
+Which keys each operator takes is :data:`OPERATOR_KEYS`; the cost model documents what each
+operator's formula does with them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from kvsim.sim.perf.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
+from kvsim.sim.toml_io import load_toml
+
+DEVICES_DIR = Path(__file__).parents[1] / "devices"  # sim/devices/, the data beside the rooms
+
+MATRIX_DTYPES = ("fp16", "bf16", "fp32", "int8")
+
+# Operator class -> the coefficients its formula reads (see sim/perf/cost_model.py).
+# ``launch_s`` is optional everywhere it appears and defaults to the device's launch_overhead_s.
+OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
+    "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
+    "elementwise": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "kv_write": ("memory_efficiency", "launch_s"),
+    "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s", "score_bytes"),
+    "attn_decode": ("compute_efficiency", "memory_efficiency", "launch_s", "half_context"),
+    "paged_gather": ("block_s",),
+    "lm_head": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "sampling": ("compute_efficiency", "memory_efficiency", "launch_s"),
+    "block_copy": ("memory_efficiency", "launch_s"),
+    "swap": ("memory_efficiency", "launch_s"),
+    "host_step": ("step_s",),
+    "host_seq": ("seq_s",),
+    "host_token": ("token_s",),
+}
+# How an operator's cost depends on its shape beyond its work (0 = not at all; cost_model.py):
+# ``half_*`` the size at which it reaches half its efficiency, ``score_bytes`` the bytes per
+# (query, key, head) pair of attention kernels that write their score matrix to HBM.
+SHAPE_KEYS = ("half_tokens", "half_context", "score_bytes")
+OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s", *SHAPE_KEYS})
+# The key that holds an operator's fixed cost per call (OperatorCoefficients.call_s).
+CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s", "token_s")
+# Operators a profile may leave out, costing nothing then: host overhead is a measured figure
+# (kvsim profile), and the bundled roofline estimates have no source for one.
+OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq", "host_token"})
+
+_SCALAR_FIELDS: dict[str, type] = {
+    "hbm_bytes": int,
+    "hbm_bandwidth": float,
+    "vector_flops": float,
+    "host_link_bandwidth": float,
+    "interconnect_bandwidth": float,
+    "launch_overhead_s": float,
+    "runtime_reserve_bytes": int,
+}
+_MAY_BE_ZERO = frozenset({"interconnect_bandwidth", "launch_overhead_s", "runtime_reserve_bytes"})
+
+
+@dataclass(frozen=True)
+class OperatorCoefficients:
+    """Calibratable coefficients of one operator class.
+
+    ``call_s`` is the fixed cost of one call: a kernel launch (TOML key ``launch_s``), or for
+    ``paged_gather`` one KV block touched in one layer (``block_s``), for ``host_step`` one
+    step (``step_s``), for ``host_seq`` one sequence of a step (``seq_s``), for ``host_token``
+    one token (``token_s``). An efficiency is None where the operator's formula does not read
+    it. ``shape`` is the value of the operator's shape key (:data:`SHAPE_KEYS`), 0 without one.
+    """
+
+    call_s: float
+    compute_efficiency: float | None = None
+    memory_efficiency: float | None = None
+    shape: float = 0.0
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    hbm_bytes: int
+    hbm_bandwidth: float
+    matrix_flops: dict[str, float]
+    vector_flops: float
+    host_link_bandwidth: float
+    interconnect_bandwidth: float
+    launch_overhead_s: float
+    runtime_reserve_bytes: int
+    operators: dict[str, OperatorCoefficients]
+    source: str = ""
+    # True where the attention kernels run each of a step's decode and prefill groups as one dense
+    # batch, every sequence padded to the group's longest query and context in whole blocks (kvsim's
+    # portable PyTorch path); False for paged kernels that skip padding (torch_npu, FlashInfer).
+    padded_attention: bool = False
+    # Under padded_attention, a prefill group's queries run in tiles of this many rows, each tile
+    # against the context its last row sees (kvsim's portable path: ``QUERY_TILE``), which skips
+    # most of the masked triangle of a long prompt; 0: one tile, every row against the whole context.
+    attention_query_tile: int = 0
+    # Matrix products (GEMMs, LM head) of fewer rows than this run as one matrix-vector product per
+    # row, each streaming the whole weight matrix; 0: never. A CPU BLAS does this (one thread of
+    # MKL on the development VM: 2 and 3 rows cost 1.9x and 2.8x one row, 4 rows 2.3x; measured in
+    # docs/benchmarks.md), accelerators' GEMM kernels do not. ``kvsim profile`` picks it.
+    gemv_rows: int = 0
+    # Written by ``kvsim profile``: seconds a step of exactly this many tokens (a few) takes beyond
+    # what its operators' formulas give, the median over the whole steps it timed at that count. A
+    # CPU BLAS picks its kernel by row count (one row: a matrix-vector product; multiples of four:
+    # its GEMM micro-kernel; others: slower paths), which no roofline in the token count follows:
+    # on the development VM a 768-wide model's 2- and 3-token decode steps took 2.1 and 1.7 ms more
+    # than the fitted operators gave, 1, 4 and 8 tokens under 0.1 ms (docs/benchmarks.md). The
+    # cost model adds it to the step's matrix products (only adds: the roofline stays a floor).
+    # Empty: no such term (every bundled device).
+    row_count_s: dict[int, float] = field(default_factory=dict)
+    # Written by ``kvsim profile``: mean |single step / its median - 1| over whole steps timed
+    # while profiling. No model predicts single steps better than this on that machine, so
+    # ``kvsim validate`` reports it beside the per-step error. None for profiles not measured.
+    step_timing_noise: float | None = None
+    # Written by ``kvsim profile``: the speed check's reference steps (label -> median seconds),
+    # timed as ``kvsim validate`` times them, right after the profile's cases. The speed check
+    # compares what they take now with these, so a change of the machine's speed is told apart
+    # from the model's error on those steps. Empty for profiles not measured.
+    reference_steps_s: dict[str, float] = field(default_factory=dict)
+    # How the serving engine runs steps (sim/perf/engine_overhead.py); None: kernels and host terms add up.
+    engine: EngineProfile | None = None
+
+    def matrix_peak(self, dtype: str) -> float:
+        try:
+            return self.matrix_flops[dtype]
+        except KeyError:
+            raise ValueError(f"device {self.name}: no matrix_flops for dtype {dtype!r}") from None
+
+    def with_operators(self, updates: dict[str, OperatorCoefficients], source: str | None = None) -> DeviceProfile:
+        """A copy with some operators' coefficients replaced (what a calibration produces)."""
+        unknown = set(updates) - set(OPERATOR_KEYS)
+        if unknown:
+            raise ValueError(f"unknown operator(s) {sorted(unknown)}; known: {sorted(OPERATOR_KEYS)}")
+        return replace(self, operators={**self.operators, **updates}, source=self.source if source is None else source)
+
+
+def load_device(name_or_path: str | Path, search_dirs: Iterable[str | Path] = ()) -> DeviceProfile:
+    """A device by TOML path, or by name: ``<dir>/<name>.toml`` in ``search_dirs``, then bundled.
+
+    Put a ``mydevice.toml`` beside a run's config and pass that directory in ``search_dirs``
+    (``kvsim`` commands pass the working directory) to use it by name.
+    """
+    path = _resolve(name_or_path, search_dirs)
+    return _parse(load_toml(path), path)
+
+
+def bundled_devices() -> list[str]:
+    return sorted(p.stem for p in DEVICES_DIR.glob("*.toml"))
+
+
+def save_device(profile: DeviceProfile, path: str | Path) -> Path:
+    """Write ``profile`` as TOML that :func:`load_device` reads back equal to ``profile``."""
+    path = Path(path)
+    lines = [f"name = {_toml_str(profile.name)}", f"source = {_toml_str(profile.source)}"]
+    lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _SCALAR_FIELDS]
+    lines.append(f"padded_attention = {'true' if profile.padded_attention else 'false'}")
+    if profile.attention_query_tile:
+        lines.append(f"attention_query_tile = {profile.attention_query_tile}")
+    if profile.gemv_rows:
+        lines.append(f"gemv_rows = {profile.gemv_rows}")
+    if profile.step_timing_noise is not None:
+        lines.append(f"step_timing_noise = {_toml_num(profile.step_timing_noise)}")
+    if profile.engine is not None:
+        lines += ["", *engine_toml_lines(profile.engine)]
+    if profile.row_count_s:
+        lines += ["", "[row_count_s]"]
+        lines += [f'"{rows}" = {_toml_num(seconds)}' for rows, seconds in sorted(profile.row_count_s.items())]
+    if profile.reference_steps_s:
+        lines += ["", "[reference_steps_s]"]
+        lines += [f"{_toml_str(label)} = {_toml_num(seconds)}" for label, seconds in profile.reference_steps_s.items()]
+    lines += ["", "[matrix_flops]"]
+    lines += [f"{dt} = {_toml_num(profile.matrix_flops[dt])}" for dt in MATRIX_DTYPES]
+    for op, keys in OPERATOR_KEYS.items():
+        coeffs = profile.operators[op]
+        lines += ["", f"[operators.{op}]"]
+        for key in keys:
+            value = coeffs.call_s if key in CALL_KEYS else coeffs.shape if key in SHAPE_KEYS else getattr(coeffs, key)
+            lines.append(f"{key} = {_toml_num(value)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _resolve(name_or_path: str | Path, search_dirs: Iterable[str | Path]) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or len(path.parts) > 1:
+        return path
+    candidates = [Path(d) / f"{path}.toml" for d in search_dirs] + [DEVICES_DIR / f"{path}.toml"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"unknown device {str(name_or_path)!r}; bundled: {', '.join(bundled_devices())}; or give a .toml path")
+
+
+def _parse(data: dict, path: Path) -> DeviceProfile:
+    allowed = {f.name for f in fields(DeviceProfile)}
+    _reject_unknown(data, allowed, path, "")
+    values: dict = {"name": str(data.get("name", path.stem)), "source": str(data.get("source", ""))}
+    for key, kind in _SCALAR_FIELDS.items():
+        values[key] = _number(data, key, kind, path, "", allow_zero=key in _MAY_BE_ZERO)
+    values["padded_attention"] = data.get("padded_attention", False)
+    if not isinstance(values["padded_attention"], bool):
+        raise ValueError(f"{path}: field padded_attention must be true or false, got {values['padded_attention']!r}")
+    for key in ("gemv_rows", "attention_query_tile"):
+        if key in data:
+            values[key] = _number(data, key, int, path, "", allow_zero=True)
+    if "step_timing_noise" in data:
+        values["step_timing_noise"] = _number(data, "step_timing_noise", float, path, "", allow_zero=True)
+    matrix = _table(data, "matrix_flops", path)
+    _reject_unknown(matrix, set(MATRIX_DTYPES), path, "matrix_flops.")
+    values["matrix_flops"] = {dt: _number(matrix, dt, float, path, "matrix_flops.") for dt in MATRIX_DTYPES}
+    ops = _table(data, "operators", path)
+    _reject_unknown(ops, set(OPERATOR_KEYS), path, "operators.")
+    values["operators"] = {op: _operator(ops, op, values["launch_overhead_s"], path) for op in OPERATOR_KEYS}
+    if "engine" in data:
+        values["engine"] = parse_engine(_table(data, "engine", path), path)
+    if "row_count_s" in data:
+        values["row_count_s"] = _row_counts(_table(data, "row_count_s", path), path)
+    if "reference_steps_s" in data:
+        steps = _table(data, "reference_steps_s", path)
+        values["reference_steps_s"] = {str(label): _number(steps, label, float, path, "reference_steps_s.") for label in steps}
+    return DeviceProfile(**values)
+
+
+def _row_counts(table: dict, path: Path) -> dict[int, float]:
+    """``[row_count_s]``: keys are token counts (positive integers written as strings), values seconds (>= 0: it only adds)."""
+    for key in table:
+        if not key.isdigit() or int(key) < 1:
+            raise ValueError(f"{path}: field row_count_s.{key} must be named by a positive token count, like \"2\"")
+    return {int(key): float(_number(table, key, float, path, "row_count_s.", allow_zero=True)) for key in table}
+
+
+def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> OperatorCoefficients:
+    if op in OPTIONAL_OPERATORS and op not in ops:
+        return OperatorCoefficients(call_s=0.0)
+    prefix = f"operators.{op}."
+    table = _table(ops, op, path, prefix="operators.")
+    keys = OPERATOR_KEYS[op]
+    _reject_unknown(table, set(keys), path, prefix)
+    call_key = next(k for k in keys if k in CALL_KEYS)
+    if call_key == "launch_s" and call_key not in table:
+        call_s = default_launch_s
+    else:
+        call_s = _number(table, call_key, float, path, prefix, allow_zero=True)
+    effs = {k: _number(table, k, float, path, prefix) for k in ("compute_efficiency", "memory_efficiency") if k in keys}
+    shape = next((_number(table, k, float, path, prefix, allow_zero=True) for k in SHAPE_KEYS if k in keys and k in table), 0.0)
+    return OperatorCoefficients(call_s=call_s, shape=shape, **effs)
+
+
+def _table(data: dict, key: str, path: Path, prefix: str = "") -> dict:
+    if key not in data:
+        raise ValueError(f"{path}: missing table [{prefix}{key}]")
+    if not isinstance(data[key], dict):
+        raise ValueError(f"{path}: field {prefix}{key} must be a table")
+    return data[key]
+
+
+def _number(data: dict, key: str, kind: type, path: Path, prefix: str, allow_zero: bool = False) -> float | int:
+    if key not in data:
+        raise ValueError(f"{path}: missing field {prefix}{key}")
+    value = data[key]
+    ok_type = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type:
+        raise ValueError(f"{path}: field {prefix}{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{path}: field {prefix}{key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return kind(value)
+
+
+def _reject_unknown(data: dict, allowed: set[str], path: Path, prefix: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        names = ", ".join(prefix + k for k in unknown)
+        raise ValueError(f"{path}: unknown field(s) {names} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _toml_str(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a valid TOML basic string
+
+
+def _toml_num(value: float | int) -> str:
+    return str(value) if isinstance(value, int) else repr(float(value))

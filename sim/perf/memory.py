@@ -1,0 +1,209 @@
+"""Device-memory model: weights + activation workspace + KV pool + reserve, sized as vLLM sizes it.
+
+vLLM (and vllm-ascend) size the KV pool at start-up from a memory-utilisation fraction
+(``vllm/v1/worker/gpu_worker.py::determine_available_memory``)::
+
+    budget    = ceil(total * memory_utilization)
+    available = budget - weights - peak activation - non-torch (runtime) memory
+    num_blocks = available // bytes_per_block        (kv_cache_utils.get_num_blocks)
+
+The peak activation is what a dummy forward pass of the largest step the token budget allows
+(``max_num_batched_tokens``) allocates. This module estimates it from the model's shape, as the
+larger of two moments (``a`` = activation dtype bytes, ``T`` = max_num_batched_tokens,
+``S = min(max_num_seqs, T)`` sampled rows)::
+
+    inside a layer: a * T * (3h + max(q + 2kv + q, 3I))
+        three hidden-size buffers (the residual stream, the normed hidden states and the
+        block's output) stay live while either the
+        attention block (fused QKV output + attention output) or the MLP block (fused gate/up
+        output 2I + activated product I) holds its intermediates. The count of hidden-size
+        buffers is read off vLLM's own profile: 3h + 3I is 110,592 bytes a token for Llama 3.1
+        8B, where vLLM logged (17.06 - 14.99) GiB for 20,000 tokens = 111,196 (fidelity row
+        vllm10517-20k, a fit row; 2h + 3I, the earlier count, was 8 % short);
+    at the head:    a * T * h + 2 * 4 * S * V
+        the final hidden states, and fp32 logits plus their softmax for the sampled rows.
+
+The real peak also depends on kernels' workspaces and the allocator's caching; calibrate the
+runtime reserve against a measured ``kvsim execute`` if the block count must match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from kvsim.policies.blocks import cdiv
+from kvsim.sim.perf.device import DeviceProfile
+from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
+
+DEFAULT_BLOCK_SIZE = 128  # the Ascend paged kernels' recommended size (vllm-ascend forces it)
+DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM SchedulerConfig default
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default below 70 GiB of device memory
+LOGIT_BYTES = 4  # samplers work on fp32 logits
+HIDDEN_BUFFERS = 3  # hidden-size activations live at a layer's peak (module docstring)
+
+
+class ModelDoesNotFit(ValueError):
+    """The configuration leaves no room for a KV pool that can hold one max-length sequence."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every term of the device-memory budget, in bytes, and the KV block count it yields."""
+
+    model: str
+    device: str
+    kv_dtype: str
+    block_size: int
+    memory_utilization: float
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    total_bytes: int  # what the runtime reports as the device's memory
+    budget_bytes: int  # ceil(total * memory_utilization)
+    weight_bytes: int
+    activation_bytes: int  # peak workspace of the largest step (module docstring)
+    reserve_bytes: int  # runtime memory outside the framework's allocator
+    kv_available_bytes: int  # budget - weights - activations - reserve - int8 scales; negative when over
+    kv_bytes_per_token: int  # all layers, K and V
+    bytes_per_block: int
+    num_blocks: int
+    problem: str | None  # why this cannot serve a max_model_len request; None when it can
+    kv_scale_bytes: int = 0  # int8 KV's static per-channel scales, allocated once beside the pool
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def unused_bytes(self) -> int:
+        """Budget left over: less than one block when the model fits."""
+        return max(self.kv_available_bytes, 0) - self.kv_pool_bytes
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_per_sequence(self, seq_len: int) -> int:
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        return cdiv(seq_len, self.block_size)
+
+    def max_sequences(self, seq_len: int) -> int:
+        """How many sequences of ``seq_len`` tokens the pool holds at once (no prefix sharing)."""
+        return self.num_blocks // self.blocks_per_sequence(seq_len)
+
+    def require_fit(self) -> MemoryPlan:
+        if self.problem is not None:
+            raise ModelDoesNotFit(self.problem)
+        return self
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fits": self.fits, "kv_pool_bytes": self.kv_pool_bytes, "unused_bytes": self.unused_bytes}
+
+
+def activation_workspace_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Peak activation memory of a step with ``max_num_batched_tokens`` tokens (module docstring)."""
+    a = DTYPE_BYTES[model.activation_dtype]
+    tokens, h = max_num_batched_tokens, model.hidden_size
+    sampled = min(max_num_seqs, tokens)
+    attention_block = 2 * model.q_size + 2 * model.kv_size
+    mlp_block = 3 * model.intermediate_size
+    in_layer = a * tokens * (HIDDEN_BUFFERS * h + max(attention_block, mlp_block))
+    at_head = a * tokens * h + 2 * LOGIT_BYTES * sampled * model.vocab_size
+    return max(in_layer, at_head)
+
+
+def plan_memory(
+    model: ModelSpec,
+    device: DeviceProfile,
+    *,
+    kv_dtype: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_model_len: int | None = None,
+    reserve_bytes: int | None = None,
+) -> MemoryPlan:
+    """Size the KV pool as an engine does at start-up. A model that does not fit is a plan with
+    ``problem`` set and no blocks, not an exception (``require_fit`` raises for callers that need blocks).
+
+    ``reserve_bytes`` defaults to the device's ``runtime_reserve_bytes``.
+    """
+    kv_dtype = kv_dtype or model.kv_dtype
+    max_model_len = model.max_position if max_model_len is None else max_model_len
+    _check_inputs(model, kv_dtype, block_size, memory_utilization, max_num_batched_tokens, max_num_seqs, max_model_len)
+    reserve = device.runtime_reserve_bytes if reserve_bytes is None else reserve_bytes
+    if reserve < 0:
+        raise ValueError(f"reserve_bytes must be >= 0, got {reserve}")
+
+    budget = math.ceil(device.hbm_bytes * memory_utilization)
+    weights = model.weight_bytes()
+    activations = activation_workspace_bytes(model, max_num_batched_tokens, max_num_seqs)
+    scales = model.kv_scale_bytes(kv_dtype)
+    available = budget - weights - activations - reserve - scales
+    per_block = model.bytes_per_block(block_size, kv_dtype)
+    num_blocks = max(available, 0) // per_block
+
+    gib = 2**30
+    problem = None
+    if available <= 0:
+        problem = (
+            f"{model.name} does not fit on {device.name}: weights {weights / gib:.2f} GiB + activations "
+            f"{activations / gib:.2f} GiB + reserve {reserve / gib:.2f} GiB exceed the budget {budget / gib:.2f} GiB "
+            f"({memory_utilization:g} of {device.hbm_bytes / gib:.2f} GiB)"
+        )
+    elif num_blocks * block_size < max_model_len:
+        problem = (
+            f"the KV pool of {model.name} on {device.name} holds {num_blocks} blocks = {num_blocks * block_size} tokens, "
+            f"fewer than one max_model_len ({max_model_len}) sequence; lower max_model_len or "
+            f"max_num_batched_tokens, or raise memory_utilization"
+        )
+    return MemoryPlan(
+        model=model.name,
+        device=device.name,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        memory_utilization=memory_utilization,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        total_bytes=device.hbm_bytes,
+        budget_bytes=budget,
+        weight_bytes=weights,
+        activation_bytes=activations,
+        reserve_bytes=reserve,
+        kv_available_bytes=available,
+        kv_bytes_per_token=model.kv_bytes_per_token(kv_dtype),
+        bytes_per_block=per_block,
+        num_blocks=num_blocks,
+        problem=problem,
+        kv_scale_bytes=scales,
+    )
+
+
+def _check_inputs(
+    model: ModelSpec,
+    kv_dtype: str,
+    block_size: int,
+    memory_utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> None:
+    if kv_dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r} (one of {sorted(DTYPE_BYTES)})")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if not 0 < memory_utilization <= 1:
+        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+    if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
+        raise ValueError(f"max_num_batched_tokens and max_num_seqs must be positive, got {max_num_batched_tokens}, {max_num_seqs}")
+    if not 0 < max_model_len <= model.max_position:
+        raise ValueError(f"max_model_len must be in [1, {model.max_position}] for {model.name}, got {max_model_len}")

@@ -1,0 +1,328 @@
+"""A run's full configuration: trace, model, device, pool sizing and policies.
+
+A run is fixed by this and its seed. It comes from a TOML file (``--config run.toml``, the
+same field names, policy parameters in ``[scheduler_params]`` / ``[block_manager_params]``)
+with command-line options on top, and it is written back, resolved, into ``summary.json``.
+
+Where vLLM has a name for a setting, a TOML file may use it (``gpu_memory_utilization``,
+``kv_cache_dtype``, ``num_gpu_blocks_override``, ``swap_space``): :data:`VLLM_KEYS` maps them
+onto the fields. ``enable_prefix_caching`` and ``enable_chunked_prefill`` are fields of their
+own, applied by :meth:`RunConfig.normalized`.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from kvsim import traces
+from kvsim.policies.config import EngineConfig
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.hashing import check_block_size_compatible
+from kvsim.sim.perf.cost_model import CostModel
+from kvsim.sim.perf.device import DeviceProfile, load_device
+from kvsim.sim.perf.memory import MemoryPlan, plan_memory
+from kvsim.sim.perf.model_spec import ModelSpec, load_model
+from kvsim.sim.toml_io import load_toml
+from kvsim.traces.schema import Trace
+
+GIB = 2**30
+
+
+@dataclass
+class RunConfig:
+    trace: str = "demo"  # a path, or the name of a bundled sample
+    trace_format: str | None = None
+    rate_scale: float = 1.0  # what-if: arrivals this many times as frequent (2.0 = twice the traffic)
+    request_rate: float | None = None  # what-if: scale the trace to this mean rate (req/s, as vLLM bench's)
+    max_requests: int = 0  # replay only the first N requests; 0 = all
+    model: str = "llama-2-7b"
+    device: str = "ascend-910b3"
+    scheduler: str = "fcfs"
+    scheduler_params: dict = field(default_factory=dict)
+    block_manager: str = "prefix"
+    block_manager_params: dict = field(default_factory=dict)
+    block_size: int = 128  # the Ascend paged kernels' recommended size
+    kv_dtype: str | None = None  # None: the model's
+    memory_utilization: float = 0.9
+    num_blocks: int = 0  # 0: sized by the memory model
+    max_model_len: int | None = None  # None: the model's maximum
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    swap_space_gb: float = 4.0  # vLLM's default swap space
+    watermark: float = 0.0
+    max_waiting: int = 0
+    long_prefill_token_threshold: int = 0
+    batch_blocks_within_pool: bool = False  # Ascend FIA's limit (policies.config); execute/validate set it for npu
+    seed: int = 0
+    enable_prefix_caching: bool | None = None  # vLLM's switch: True = block manager prefix, False = paged
+    enable_chunked_prefill: bool | None = None  # vLLM's switch: the scheduler's chunked_prefill parameter
+
+    def updated(self, **overrides) -> RunConfig:
+        """A copy with every override that is not None applied."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def normalized(self) -> RunConfig:
+        """The config with vLLM's two switches applied to the block manager and scheduler.
+
+        ``enable_prefix_caching``: True needs the ``prefix`` manager, False turns ``prefix``
+        into ``paged`` (``contiguous`` and plugins are left alone). ``enable_chunked_prefill``
+        sets the scheduler's ``chunked_prefill`` parameter (vLLM V1 chunks prefills by
+        default; so does kvsim's fcfs); the Sarathi-style ``chunked`` scheduler always
+        chunks, so it refuses False.
+        """
+        out = replace(self, kv_dtype=None) if self.kv_dtype == "auto" else self
+        if self.enable_prefix_caching is True and self.block_manager in ("paged", "contiguous"):
+            raise ValueError(f"enable_prefix_caching = true needs block_manager 'prefix', not {self.block_manager!r}")
+        if self.enable_prefix_caching is False and self.block_manager == "prefix":
+            out = replace(out, block_manager="paged")
+        if self.enable_chunked_prefill is not None:
+            if self.scheduler in ("chunked", "static") and not self.enable_chunked_prefill:
+                raise ValueError(f"scheduler {self.scheduler!r} always chunks prefills; "
+                                 "enable_chunked_prefill = false needs fcfs, priority or sjf")
+            if self.scheduler not in ("chunked", "static"):
+                out = replace(out, scheduler_params={**self.scheduler_params, "chunked_prefill": self.enable_chunked_prefill})
+        return out
+
+    def validate(self) -> RunConfig:
+        """Check value ranges, naming the key (vLLM's name where it has one); returns self."""
+        problems = [(name, rule) for name, rule, ok in _range_rules(self) if not ok]
+        if problems:
+            name, rule = problems[0]
+            raise ValueError(f"{_KEY_NAMES.get(name, name)} = {getattr(self, name)!r}: {rule}")
+        return self
+
+
+KV_DTYPES = ("fp16", "bf16", "int8", "fp32")
+
+# vLLM engine-argument names (as TOML keys) -> RunConfig fields
+VLLM_KEYS = {
+    "gpu_memory_utilization": "memory_utilization",
+    "kv_cache_dtype": "kv_dtype",
+    "num_gpu_blocks_override": "num_blocks",
+    "swap_space": "swap_space_gb",
+}
+_KEY_NAMES = {v: k for k, v in VLLM_KEYS.items()}
+
+
+def _finite_positive(x) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
+    return [
+        ("rate_scale", "must be a finite number > 0", _finite_positive(c.rate_scale)),
+        ("request_rate", "must be a finite number > 0 (requests per second)", c.request_rate is None or _finite_positive(c.request_rate)),
+        ("max_requests", "must be >= 0 (0: all)", c.max_requests >= 0),
+        ("block_size", "must be >= 1", c.block_size >= 1),
+        ("kv_dtype", f"must be auto or one of {', '.join(KV_DTYPES)}", c.kv_dtype in (None, "auto", *KV_DTYPES)),
+        ("memory_utilization", "must be in (0, 1]", 0 < c.memory_utilization <= 1),
+        ("num_blocks", "must be >= 0 (0: sized by the memory model)", c.num_blocks >= 0),
+        ("max_model_len", "must be >= 1", c.max_model_len is None or c.max_model_len >= 1),
+        ("max_num_seqs", "must be >= 1", c.max_num_seqs >= 1),
+        ("max_num_batched_tokens", "must be >= 1", c.max_num_batched_tokens >= 1),
+        ("preemption_mode", "must be recompute or swap", c.preemption_mode in ("recompute", "swap")),
+        ("swap_space_gb", "must be a finite number >= 0 (GiB)", math.isfinite(c.swap_space_gb) and c.swap_space_gb >= 0),
+        ("watermark", "must be in [0, 1)", 0 <= c.watermark < 1),
+        ("max_waiting", "must be >= 0 (0: no cap)", c.max_waiting >= 0),
+    ]
+
+
+def check_types(data: dict, where: str) -> None:
+    """Every value has its field's type (an int where a float goes is fine; a bool is no int)."""
+    hints = typing.get_type_hints(RunConfig)
+    for key, value in data.items():
+        expected = hints[VLLM_KEYS.get(key, key)]
+        if not _has_type(value, expected):
+            raise ValueError(f"{where}: {key} = {value!r}: expected {_type_name(expected)}")
+
+
+def _has_type(value, expected) -> bool:
+    args = typing.get_args(expected)
+    if args:  # X | None
+        return any(_has_type(value, a) for a in args)
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def _type_name(expected) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
+    return " or ".join(names[a] for a in (typing.get_args(expected) or (expected,)) if a is not type(None))
+
+
+def config_fields(data: dict, where: str) -> dict:
+    """TOML keys checked (known, typed) and mapped onto RunConfig field names."""
+    allowed = {f.name for f in fields(RunConfig)} | set(VLLM_KEYS)
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    check_types(data, where)
+    out: dict = {}
+    for key, value in data.items():
+        name = VLLM_KEYS.get(key, key)
+        if name in out:
+            raise ValueError(f"{where}: {_KEY_NAMES[name]} and {name} both given; keep {_KEY_NAMES[name]} (vLLM's name)")
+        out[name] = value
+    return out
+
+
+def load_run_config(path: str | Path, base: RunConfig | None = None) -> RunConfig:
+    """``base`` (default: RunConfig()) with the TOML file's fields on top.
+
+    A ``[validation]`` table (thresholds for ``kvsim validate``) is read separately.
+    """
+    data = load_toml(path)
+    data.pop("validation", None)
+    return replace(base or RunConfig(), **config_fields(data, str(path)))
+
+
+@dataclass
+class ResolvedRun:
+    """A RunConfig with its model, device and memory plan looked up and the engine config built."""
+
+    config: RunConfig
+    model: ModelSpec
+    device: DeviceProfile
+    memory: MemoryPlan
+    engine_config: EngineConfig
+
+    def new_engine(self) -> EngineCore:
+        return EngineCore(self.engine_config)
+
+    def cost_model(self) -> CostModel:
+        """The cost model for this run's model, device, block size and KV dtype."""
+        return CostModel(self.model, self.device, self.config.block_size, self.memory.kv_dtype)
+
+    def to_dict(self) -> dict:
+        return {
+            **self.config.to_dict(),
+            "resolved": {
+                "kv_dtype": self.memory.kv_dtype,
+                "max_model_len": self.engine_config.max_model_len,
+                "num_blocks": self.engine_config.num_blocks,
+                "num_host_blocks": self.engine_config.num_host_blocks,
+                "bytes_per_block": self.memory.bytes_per_block,
+                "kv_pool_bytes": self.engine_config.num_blocks * self.memory.bytes_per_block,
+            },
+        }
+
+
+def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> ResolvedRun:
+    """Look up the model and device and size the KV pool exactly as an engine would."""
+    config = config.validate().normalized()
+    model = load_model(config.model)
+    device = load_device(config.device, search_dirs=search_dirs)
+    memory = plan_memory(
+        model,
+        device,
+        kv_dtype=config.kv_dtype,
+        block_size=config.block_size,
+        memory_utilization=config.memory_utilization,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+    )
+    num_blocks = config.num_blocks or memory.require_fit().num_blocks
+    engine_config = EngineConfig(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        num_host_blocks=int(config.swap_space_gb * GIB) // memory.bytes_per_block,
+        max_model_len=memory.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        scheduler=config.scheduler,
+        scheduler_params=dict(config.scheduler_params),
+        block_manager=config.block_manager,
+        block_manager_params=dict(config.block_manager_params),
+        preemption_mode=config.preemption_mode,
+        watermark=config.watermark,
+        max_waiting=config.max_waiting,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        batch_blocks_within_pool=config.batch_blocks_within_pool,
+    )
+    resolved = ResolvedRun(config, model, device, memory, engine_config)
+    _check_policies(resolved)
+    return resolved
+
+
+def _check_policies(resolved: ResolvedRun) -> None:
+    """Build the engine once so that an unknown policy, a parameter it does not take, or a
+    ``module:Class`` plugin that fails to construct is reported before the run starts."""
+    try:
+        resolved.new_engine()
+    except ValueError:
+        raise
+    except Exception as exc:
+        config = resolved.config
+        plugins = [s for s in (config.scheduler, config.block_manager) if ":" in s]
+        if not plugins:  # a built-in policy failing is a bug, not the user's mistake
+            raise
+        raise ValueError(f"plugin {' / '.join(plugins)} failed to construct: {type(exc).__name__}: {exc}") from None
+
+
+MAX_SPAN_S = 366 * 86400.0  # a trace longer than a year is a unit or timestamp mistake
+
+
+def load_run_trace(config: RunConfig) -> Trace:
+    """The run's trace: a file (in ``trace_format`` or detected) or a bundled sample by name,
+    cut to ``max_requests`` and with its rate scaled by ``rate_scale`` or to ``request_rate``.
+
+    Refuses a trace whose arrivals are negative or span more than a year once scaled (a
+    timestamp in the wrong unit, or a rate near zero), and, for a prefix-caching run, prefix
+    hashes whose block size the engine's block size cannot map onto.
+    """
+    if config.request_rate is not None and config.rate_scale != 1.0:
+        raise ValueError(f"give request_rate ({config.request_rate:g} req/s) or rate_scale ({config.rate_scale:g}), not both")
+    trace = traces.load(config.trace, config.trace_format) if config.trace_format else traces.load_named(config.trace)
+    if config.max_requests:
+        trace = traces.first(trace, config.max_requests)
+    factor = config.rate_scale
+    if config.request_rate is not None:
+        factor = config.request_rate / _mean_rate(trace, config.trace)
+    if factor != 1.0:
+        trace = traces.scale_rate(trace, factor)
+    _check_arrivals(trace, config, factor)
+    if trace.hash_block_size and config.normalized().block_manager == "prefix":
+        try:
+            check_block_size_compatible(config.block_size, trace.hash_block_size)
+        except ValueError as exc:
+            raise ValueError(f"{config.trace}: block_size {config.block_size}: {exc}") from None
+    return trace
+
+
+def _mean_rate(trace: Trace, name: str) -> float:
+    span = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) else 0.0
+    if len(trace) < 2 or span <= 0:
+        raise ValueError(f"{name}: request_rate needs a trace whose arrivals span some time ({len(trace)} requests over {span:g} s)")
+    return (len(trace) - 1) / span
+
+
+def _check_arrivals(trace: Trace, config: RunConfig, factor: float) -> None:
+    arrivals = trace.arrival_s
+    if not len(arrivals):
+        raise ValueError(f"{config.trace}: the trace has no requests")
+    bad = np.flatnonzero(~np.isfinite(arrivals) | (arrivals < 0))
+    if len(bad):
+        raise ValueError(f"{config.trace}: request {bad[0] + 1} arrives at {float(arrivals[bad[0]]):g} s; arrivals must be finite and >= 0")
+    span = float(arrivals[-1] - arrivals[0])
+    if span > MAX_SPAN_S:
+        gap = int(np.argmax(np.diff(arrivals)))
+        scaled = f" (rate scaled by {factor:g})" if factor != 1.0 else ""
+        raise ValueError(
+            f"{config.trace}: arrivals span {span:.3g} s{scaled}, over a year; the widest gap is "
+            f"{float(arrivals[gap + 1] - arrivals[gap]):.3g} s between requests {gap + 1} and {gap + 2} in arrival order: "
+            "a negative or far-future timestamp, a timestamp in the wrong unit (see --time-unit), or a rate near zero"
+        )

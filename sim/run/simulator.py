@@ -1,0 +1,196 @@
+"""The SimPy driver: the one loop both worlds share.
+
+Three SimPy pieces: an arrival process that replays the trace's arrival times, the engine
+process (schedule -> step timer -> timeout -> commit), and the host link, a resource that
+swap transfers hold. The step timer fills the slot between schedule and commit: the cost
+model here, the real executor in ``realexec``, or recorded durations for a replay.
+
+Time is kept twice on purpose: SimPy's clock orders the processes, while the engine's
+clock is the exact running sum of step durations. Arrivals become visible to a step by
+comparing trace times with that sum, so a run does not depend on how SimPy orders events
+that fall on the same instant.
+
+Every engine step is one SimPy event; what keeps a step cheap is the engine's persistent
+decode batch (a step costs what changed) and the cost model's running totals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import simpy
+
+from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import StepPlan
+from kvsim.policies.request import Request
+from kvsim.policies.trace_feed import add_trace_request
+from kvsim.sim.perf.step_timer import StepTimer, StepTiming
+from kvsim.sim.run.decisions import DecisionSink
+from kvsim.sim.run.metrics import StepLog, TokenTimes, request_rows, request_tuples, summarize
+from kvsim.traces.schema import Trace
+
+
+@dataclass
+class SimOptions:
+    check: bool = False  # verify engine invariants and each plan after every step
+    decisions: DecisionSink | None = None  # takes every plan (sim.decisions.DecisionLog); None: no log
+    on_progress: Callable[[int], None] | None = None  # called with newly ended requests
+    max_steps: int = 0  # safety cap; 0 = none
+
+
+@dataclass
+class SimRun:
+    """Everything a run produced: the engine (its requests and counters) and what was measured."""
+
+    engine: EngineCore
+    steps: StepLog
+    times: TokenTimes
+    wall_s: float
+
+    @property
+    def requests(self) -> list[Request]:
+        return list(self.engine.requests.values())
+
+    def summary(self) -> dict:
+        out = summarize(self.requests, self.times, self.steps, self.engine.config.num_blocks, self.engine.kv_stats())
+        out["wall_s"] = self.wall_s
+        return out
+
+    def request_rows(self) -> list[dict]:
+        return request_rows(self.requests, self.times)
+
+    def request_tuples(self) -> list[tuple]:
+        return request_tuples(self.requests, self.times)
+
+
+class Simulation:
+    def __init__(self, trace: Trace, engine: EngineCore, timer: StepTimer, options: SimOptions | None = None) -> None:
+        self.trace = trace
+        self.engine = engine
+        self.timer = timer
+        self.options = options or SimOptions()
+        self.env = simpy.Environment()
+        self.host_link = simpy.Resource(self.env, capacity=1)
+        self.steps = StepLog()
+        self.times = TokenTimes()
+        engine.token_sink = self.times  # the engine reports each request's scheduling and tokens as it commits
+        self.clock = 0.0
+        self.next_index = 0
+        self._wake: simpy.Event | None = None
+        self._arrivals = trace.arrival_s.tolist()
+        # Plans carry block tables and slots only for a reader: --check, a timer that runs them (one
+        # that does not read them says so: ``reads_block_tables = False``), or a decision sink, which
+        # derives slots from the tables; the decision log keeps the batch itself and reads what changed.
+        timer_reads = getattr(timer, "reads_block_tables", True)
+        sink = self.options.decisions
+        engine.plan_changes = sink is not None and getattr(sink, "reads_changes", False)
+        engine.plan_tables = self.options.check or timer_reads or (sink is not None and not engine.plan_changes)
+        engine.plan_slots = self.options.check or timer_reads
+
+    # --- SimPy processes ---------------------------------------------------------------
+    def _arrival_process(self):
+        """Replay arrival times; wake the engine when a request lands on an idle engine."""
+        for arrival in self._arrivals:
+            if arrival > self.env.now:
+                yield self.env.timeout(arrival - self.env.now)
+            if self._wake is not None and not self._wake.triggered:
+                self._wake.succeed()
+
+    def _engine_process(self):
+        """Admit what has arrived, run one step, repeat; with nothing to run, sleep until an arrival.
+
+        A step is schedule -> step timer -> (swap on the host link) -> timeout -> commit, written
+        out here rather than in nested generators: a generator a step is a visible share of the
+        simulator's time on long traces.
+        """
+        engine, env, arrivals, n = self.engine, self.env, self._arrivals, len(self._arrivals)
+        schedule, timer_step = engine.schedule, self.timer.step
+        while True:
+            self._admit_arrivals()
+            if not engine.has_unfinished():
+                if self.next_index >= n:
+                    return
+                upcoming = arrivals[self.next_index]
+                if upcoming > env.now:  # else the arrival process has already passed it
+                    self._wake = env.event()
+                    yield self._wake
+                    self._wake = None
+                self.clock = max(self.clock, upcoming)
+                continue
+            start = self.clock
+            plan = schedule(start)
+            timing: StepTiming | None = None
+            duration = 0.0
+            if not plan.is_empty:
+                timing = timer_step(plan)
+                duration = timing.duration_s
+                swap_s = timing.operators.get("swap", 0.0)
+                if swap_s > 0:
+                    with self.host_link.request() as link:
+                        yield link
+                        yield env.timeout(swap_s)
+            now = self.clock = start + duration
+            if now > env.now:
+                yield env.timeout(now - env.now)
+            self._commit(plan, start, duration, timing)
+
+    # --- pieces of the loop ----------------------------------------------------------------
+    def _admit_arrivals(self) -> None:
+        arrivals, n = self._arrivals, len(self._arrivals)
+        while self.next_index < n and arrivals[self.next_index] <= self.clock:
+            request = add_trace_request(self.engine, self.trace, self.next_index)
+            self.timer.add_request(request)
+            self.next_index += 1
+
+    def _commit(self, plan: StepPlan, start: float, duration: float, timing: StepTiming | None) -> None:
+        """The step's results at its end (``self.clock``): the engine's commit and every record of the step."""
+        engine, now, options = self.engine, self.clock, self.options
+        self.times.step_ended(now)
+        ended = engine.commit(plan, now)
+        self.steps.add_step(plan, start, duration, engine.kv_counts(), timing)
+        if options.decisions is not None:
+            options.decisions.plan(plan)
+        if options.check:
+            engine.check_invariants()
+            plan.check(engine.config.block_size)
+        if options.max_steps and len(self.steps) > options.max_steps:
+            raise RuntimeError(f"simulation exceeded {options.max_steps} steps")
+        if options.on_progress is not None and (ended or plan.rejected):
+            options.on_progress(len(ended) + len(plan.rejected))
+
+    def run(self) -> SimRun:
+        started = time.perf_counter()
+        self.env.process(self._arrival_process())
+        done = self.env.process(self._engine_process())
+        with cyclic_gc_paused():
+            self.env.run(until=done)
+        return SimRun(self.engine, self.steps, self.times, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """The cycle collector off for the loop (and a driver's summary and files), which allocate
+    millions of objects that live on (requests, step rows, CSV rows) and make no cyclic garbage
+    worth collecting: measured on 100,000 synthetic requests, the same peak memory (780 MB) and
+    4 % less CPU; 6 % on the Azure trace's loop. Nested pauses leave it to the outermost.
+
+    What the pause allocated then goes straight to the oldest generation (freeze, unfreeze):
+    re-enabled as they were, the collector's next pass would walk every object of the run as
+    young (74 ms after 30,000 requests), only to keep them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.freeze()
+            gc.unfreeze()
+            gc.enable()
+
+
+def simulate(trace: Trace, engine: EngineCore, timer: StepTimer, options: SimOptions | None = None) -> SimRun:
+    return Simulation(trace, engine, timer, options).run()

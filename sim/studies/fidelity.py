@@ -1,0 +1,530 @@
+"""Published serving measurements replayed through the simulator: how far kvsim is from real engines.
+
+Each row of ``sim/studies/published/serving.toml`` is one figure a public source measured on vLLM or
+vllm-ascend (a TTFT, a TPOT, a throughput, a KV block count), with the configuration it was
+measured under. :func:`predict_row` rebuilds that configuration (model, device, engine mode,
+prompt and output lengths, number of prompts, arrival rate or client concurrency) and predicts
+the same figure. Rows are ``fit`` or ``check``: :func:`fit_parameters` solves each fit row's one
+named parameter (``fits``) so that row is matched, in file order, and check rows are only
+predicted, never used to choose a value, so their error is the model's accuracy.
+
+Each row runs the scheduler its source's engine ran (``scheduler``): ``fcfs`` for vLLM V1's mixed,
+chunked steps; ``vllm-v0`` (policies/v0_scheduler.py) for vLLM V0 and vllm-ascend's AscendScheduler,
+which run whole prompts in prefill-only steps. Rows of vLLM's V0 engine (``engine_core = "v0"``)
+also pay the device's V0 host time per sequence per step (``[engine] v0_seq_s``,
+sim/perf/engine_overhead.py).
+
+Benchmark clients are reproduced as follows (vLLM ``benchmarks/`` and ``vllm bench``):
+``batch`` = every prompt at t = 0 inside the engine (offline latency / throughput tests, no API
+server); ``burst`` = every prompt at t = 0 through the API server (``--request-rate inf``);
+``poisson`` = Poisson arrivals at ``rate`` (fixed seed); ``concurrency`` = a closed loop of
+``concurrency`` clients, each sending its next prompt when the previous one finishes, solved as
+a fixed point (the arrivals of one simulation are the finishes of the previous one).
+Served requests (not ``batch``) pass the API server first, one at a time, ``admit_s`` each, and
+reach the engine ``request_s`` after that (both the engine profile's, sim/perf/engine_overhead.py): at
+low load a fixed delay, at a burst of many prompts a queue. On V1 rows the same server also
+streams every token, ``stream_s`` each, in that queue (sim/perf/api_server.py): clients see tokens
+when it has sent them. Where a source gives only totals of a dataset's lengths (ShareGPT), lengths are drawn lognormal (cv
+``length_cv``), kept inside vLLM's ShareGPT filter (prompt 4..1024 tokens, prompt + output <=
+2048) and scaled so their sums equal the published totals: per-request lengths are an
+assumption, the totals are not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from kvsim.policies.registry import SCHEDULERS
+from kvsim.sim.perf.api_server import serve_queue
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.perf.device import SHAPE_KEYS, DeviceProfile, OperatorCoefficients, load_device
+from kvsim.sim.perf.engine_overhead import EngineProfile
+from kvsim.sim.perf.memory import plan_memory
+from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
+from kvsim.sim.run.runner import run_trace
+from kvsim.sim.toml_io import load_toml
+from kvsim.traces.schema import Trace
+from kvsim.traces.synth import poisson_arrivals
+
+PUBLISHED = Path(__file__).parent / "published" / "serving.toml"
+SPLITS = ("fit", "check")
+WORKLOADS = ("batch", "burst", "poisson", "concurrency", "memory")
+ENGINE_CORES = ("v0", "v1")  # vLLM's engine generation: V0 LLMEngine, V1 EngineCore
+METRICS = (
+    "ttft_mean", "ttft_median", "ttft_p99", "tpot_mean", "tpot_median", "itl_median", "e2e_mean", "batch_latency",
+    "output_throughput", "total_throughput", "request_throughput", "num_blocks",
+)  # fmt: skip
+# Parameters a fit row may solve, and the range searched (log-spaced bisection).
+PARAMETERS: dict[str, tuple[float, float]] = {
+    "engine.dispatch_s": (1e-7, 1e-3),
+    "engine.request_s": (1e-5, 1.0),
+    "operators.host_step.step_s": (1e-6, 0.1),
+    "operators.gemm.compute_efficiency": (0.05, 1.0),
+    "operators.gemm.memory_efficiency": (0.2, 1.0),
+    "operators.attn_prefill.compute_efficiency": (0.01, 1.0),
+    "operators.attn_decode.half_context": (1.0, 1e5),
+    "operators.attn_prefill.score_bytes": (1e-2, 1e3),
+    "operators.host_seq.seq_s": (1e-7, 1e-2),
+    "engine.admit_s": (1e-5, 0.2),
+    "engine.v0_seq_s": (1e-7, 1e-2),
+    "engine.stream_s": (1e-7, 1e-2),
+}
+# Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
+# row is still reported as a fit row, never as accuracy.
+HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS"}
+FIXED_POINT_ROUNDS = 6  # closed-loop clients: simulations until the send times settle
+# vLLM's ShareGPT sampling keeps prompts of 4..1024 tokens and prompt + output <= 2048
+# (vllm/benchmarks/datasets.py, is_valid_sequence).
+SHAREGPT_MIN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+@dataclass(frozen=True)
+class Source:
+    id: str
+    url: str
+    title: str
+    quote: str  # the source's own wording of the figures used, verbatim
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published figure and the configuration it was measured under."""
+
+    id: str
+    source: str
+    split: str
+    metric: str
+    measured: float  # in the metric's unit: seconds, tokens/s, requests/s or blocks
+    model: str
+    device: str
+    engine: str  # engine and version, as the source states it
+    parallelism: str
+    workload: str
+    wording: str  # the source's line this figure comes from
+    fits: str = ""  # fit rows: the parameter solved on this row
+    engine_mode: str = ""  # override of the device's [engine] mode ("eager" or "graph")
+    async_scheduling: bool | None = None
+    scheduler: str = "fcfs"  # vLLM V1's; "vllm-v0" = prefill-first (V0, vllm-ascend's AscendScheduler)
+    engine_core: str = "v1"  # "v0": vLLM's V0 LLMEngine, which pays [engine] v0_seq_s per sequence per step
+    watermark: float = 0.0  # fraction of KV blocks admission keeps free (V0 and AscendScheduler: 0.01)
+    num_prompts: int = 0
+    input_len: int = 0  # fixed lengths (random dataset), or
+    output_len: int = 0
+    input_total: int = 0  # published totals of a dataset's lengths (ShareGPT)
+    output_total: int = 0
+    length_cv: float = 1.0
+    rate: float = 0.0  # poisson: requests/s
+    concurrency: int = 0  # concurrency: clients
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 0  # 0: the model's
+    block_size: int = 128
+    memory_utilization: float = 0.9
+    total_gib: float = 0.0  # memory rows: device memory the log reports
+    seed: int = 0
+    notes: str = ""
+
+    @property
+    def run(self) -> Row:
+        """The measured run this figure comes from: the row with only what names the figure blanked.
+
+        Two figures of one benchmark run (its TTFT and TPOT, its ITL and output throughput)
+        share a run: fitting a parameter on one of them tunes the other too.
+        """
+        return replace(self, id="", split="", metric="", measured=0.0, wording="", fits="", notes="")
+
+
+@dataclass
+class Result:
+    row: Row
+    predicted: float
+
+    @property
+    def signed_error(self) -> float:
+        return self.predicted / self.row.measured - 1.0
+
+    def to_dict(self) -> dict:
+        r = self.row
+        return {
+            "id": r.id, "source": r.source, "split": r.split, "metric": r.metric, "measured": r.measured,
+            "predicted": self.predicted, "signed_error": self.signed_error, "fits": r.fits, "model": r.model,
+            "device": r.device, "engine": r.engine, "engine_mode": r.engine_mode, "engine_core": r.engine_core,
+            "scheduler": r.scheduler, "parallelism": r.parallelism,
+            "workload": r.workload, "num_prompts": r.num_prompts, "input_len": r.input_len or None,
+            "output_len": r.output_len or None, "input_total": r.input_total or None,
+            "output_total": r.output_total or None, "rate": r.rate or None, "concurrency": r.concurrency or None,
+            "wording": r.wording,
+        }  # fmt: skip
+
+
+@dataclass
+class Published:
+    sources: dict[str, Source]
+    rows: list[Row] = field(default_factory=list)
+
+
+def load_published(path: str | Path = PUBLISHED) -> Published:
+    """Sources and rows of a published-figures file; errors name the file, row and field."""
+    path = Path(path)
+    data = load_toml(path)
+    sources = {}
+    for i, s in enumerate(data.get("source", [])):
+        _require(s, ("id", "url", "title", "quote"), path, f"source[{i}]")
+        sources[s["id"]] = Source(s["id"], s["url"], s["title"], s["quote"])
+    allowed = {f.name for f in fields(Row)}
+    rows = []
+    for i, raw in enumerate(data.get("row", [])):
+        where = f"row[{i}] ({raw.get('id', '?')})"
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise ValueError(f"{path}: {where}: unknown field(s) {unknown}")
+        required = ("id", "source", "split", "metric", "measured", "model", "device", "engine", "parallelism", "workload", "wording")
+        _require(raw, required, path, where)
+        row = Row(**raw)
+        _check_row(row, sources, path, where)
+        rows.append(row)
+    ids = [r.id for r in rows]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate row ids {sorted({i for i in ids if ids.count(i) > 1})}")
+    return Published(sources, rows)
+
+
+def _require(table: dict, keys: tuple[str, ...], path: Path, where: str) -> None:
+    missing = [k for k in keys if k not in table]
+    if missing:
+        raise ValueError(f"{path}: {where}: missing field(s) {missing}")
+
+
+def _check_row(row: Row, sources: dict[str, Source], path: Path, where: str) -> None:
+    problems = []
+    if row.source not in sources:
+        problems.append(f"source {row.source!r} is not a [[source]] id")
+    if row.split not in SPLITS:
+        problems.append(f"split must be one of {SPLITS}")
+    if row.metric not in METRICS:
+        problems.append(f"metric must be one of {METRICS}")
+    if row.scheduler not in SCHEDULERS:
+        problems.append(f"scheduler must be one of {sorted(SCHEDULERS)}")
+    if row.engine_core not in ENGINE_CORES:
+        problems.append(f"engine_core must be one of {ENGINE_CORES}")
+    if row.workload not in WORKLOADS:
+        problems.append(f"workload must be one of {WORKLOADS}")
+    if not row.measured > 0:
+        problems.append("measured must be > 0")
+    if row.split == "fit" and row.fits not in PARAMETERS and row.fits not in HAND_FITTED:
+        problems.append(f"a fit row names the parameter it fits, one of {sorted(PARAMETERS) + sorted(HAND_FITTED)}")
+    if row.split == "check" and row.fits:
+        problems.append("a check row fits nothing")
+    if row.parallelism != "TP1":
+        problems.append("kvsim models one device: only TP1 rows can be replayed")
+    if row.workload == "poisson" and not row.rate > 0:
+        problems.append("poisson rows need rate > 0")
+    if row.workload == "concurrency" and row.concurrency < 1:
+        problems.append("concurrency rows need concurrency >= 1")
+    if row.workload == "memory" and not (row.metric == "num_blocks" and row.total_gib > 0):
+        problems.append("memory rows give metric num_blocks and total_gib")
+    if row.workload != "memory" and row.num_prompts < 1:
+        problems.append("serving rows need num_prompts >= 1")
+    if row.workload != "memory" and not ((row.input_len > 0 and row.output_len > 0) or (row.input_total > 0 and row.output_total > 0)):
+        problems.append("give input_len and output_len, or input_total and output_total")
+    if problems:
+        raise ValueError(f"{path}: {where}: " + "; ".join(problems))
+
+
+# --- devices as a row runs them ------------------------------------------------------------
+def set_parameter(device: DeviceProfile, name: str, value: float) -> DeviceProfile:
+    """A copy of ``device`` with one :data:`PARAMETERS` entry set."""
+    kind, *rest = name.split(".")
+    if kind == "engine":
+        if device.engine is None:
+            raise ValueError(f"device {device.name} has no [engine] table to fit {name}")
+        return replace(device, engine=replace(device.engine, **{rest[0]: value}))
+    op, key = rest
+    current = device.operators[op]
+    if key in ("step_s", "seq_s", "token_s", "launch_s", "block_s"):
+        updated = replace(current, call_s=value)
+    elif key in SHAPE_KEYS:
+        updated = replace(current, shape=value)
+    else:
+        updated = replace(current, **{key: value})
+    return device.with_operators({op: updated})
+
+
+def get_parameter(device: DeviceProfile, name: str) -> float:
+    kind, *rest = name.split(".")
+    if kind == "engine":
+        return float(getattr(device.engine, rest[0]))
+    op, key = rest
+    coeffs: OperatorCoefficients = device.operators[op]
+    if key in ("step_s", "seq_s", "token_s", "launch_s", "block_s"):
+        return coeffs.call_s
+    return coeffs.shape if key in SHAPE_KEYS else float(getattr(coeffs, key))
+
+
+def row_device(row: Row, device: DeviceProfile) -> DeviceProfile:
+    """The device as the row's engine ran it: its mode and async scheduling where the row says,
+    and for a V0 engine the V0 host time per sequence added to the cost model's ``host_seq``."""
+    engine: EngineProfile | None = device.engine
+    if engine is None:
+        return device
+    updates: dict = {}
+    if row.engine_mode:
+        updates["mode"] = row.engine_mode
+    if row.async_scheduling is not None:
+        updates["async_scheduling"] = row.async_scheduling
+    if updates:
+        device = replace(device, engine=replace(engine, **updates))
+    if row.engine_core == "v0" and engine.v0_seq_s > 0:
+        seq = device.operators.get("host_seq", OperatorCoefficients(call_s=0.0))
+        device = device.with_operators({"host_seq": replace(seq, call_s=seq.call_s + engine.v0_seq_s)})
+    return device
+
+
+# --- replay ----------------------------------------------------------------------------------
+def row_lengths(row: Row) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths of the row's prompts (module docstring)."""
+    n = row.num_prompts
+    if row.input_len:
+        return np.full(n, row.input_len, dtype=np.int64), np.full(n, row.output_len, dtype=np.int64)
+    rng = np.random.default_rng(row.seed)
+    prompts = _lognormal_with_total(rng, n, row.input_total, row.length_cv, np.full(n, SHAREGPT_MAX_PROMPT))
+    outputs = _lognormal_with_total(rng, n, row.output_total, row.length_cv, SHAREGPT_MAX_TOTAL - prompts)
+    return prompts, outputs
+
+
+def _lognormal_with_total(rng: np.random.Generator, n: int, total: int, cv: float, cap: np.ndarray) -> np.ndarray:
+    """Lognormal lengths within [SHAREGPT_MIN, cap] that sum to ``total`` (when the caps allow it)."""
+    sigma2 = math.log1p(cv**2)
+    draws = rng.lognormal(-sigma2 / 2, math.sqrt(sigma2), size=n)
+    lengths = draws / draws.sum() * total
+    for _ in range(50):  # scale the free ones until the clipped lengths sum to the total
+        lengths = np.clip(lengths, SHAREGPT_MIN, cap)
+        free = (lengths > SHAREGPT_MIN) & (lengths < cap)
+        gap = total - lengths.sum()
+        if abs(gap) < 0.5 or not free.any():
+            break
+        lengths[free] *= 1 + gap / lengths[free].sum()
+    out = np.floor(lengths).astype(np.int64)
+    room = np.flatnonzero(out < cap)
+    out[room[: max(total - int(out.sum()), 0)]] += 1  # exact total
+    return out
+
+
+def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
+    config = RunConfig(
+        trace="(fidelity row)", model=row.model, device=row.device, block_size=row.block_size,
+        memory_utilization=row.memory_utilization, max_num_seqs=row.max_num_seqs,
+        max_num_batched_tokens=row.max_num_batched_tokens, max_model_len=row.max_model_len or None,
+        block_manager="paged", scheduler=row.scheduler, watermark=row.watermark, seed=row.seed,
+    )  # fmt: skip
+    resolved = resolve(config)
+    return replace(resolved, device=device)
+
+
+@dataclass
+class Replay:
+    """A simulated row, requests in the row's prompt order: when each one's first and last token
+    reached its client (absolute seconds), every inter-token gap, and each engine step's end and
+    the tokens it sampled."""
+
+    rows: list[dict]
+    first: np.ndarray
+    finish: np.ndarray
+    gaps: np.ndarray
+    step_end: np.ndarray
+    step_tokens: np.ndarray  # every entry of a step samples a token (whole prompts; a chunk counts one)
+
+
+def _simulate(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, arrivals: np.ndarray) -> Replay:
+    order = np.argsort(arrivals, kind="stable")
+    trace = Trace(arrival_s=arrivals[order] - arrivals[order[0]], prompt_tokens=prompts[order], output_tokens=outputs[order])
+    run, _ = run_trace(resolved, trace, CostModelTimer(resolved.cost_model()), None)
+    rows = sorted(run.request_rows(), key=lambda r: r["trace_index"])
+    start = float(arrivals[order[0]])
+    back = np.empty_like(order)
+    back[order] = np.arange(order.size)
+    rows = [{**rows[back[i]], "arrival_s": float(arrivals[i]), "start": start} for i in range(order.size)]
+    steps = run.steps.columns
+    return Replay(
+        rows=rows,
+        first=np.array([r["first_token_s"] for r in rows]) + start,
+        finish=np.array([r["finish_s"] for r in rows]) + start,
+        gaps=run.times.all_gaps(),
+        step_end=np.add(steps["start_s"], steps["duration_s"]) + start,
+        step_tokens=np.asarray(steps["batch_size"], dtype=np.float64),
+    )
+
+
+def _serve(
+    resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray, engine: EngineProfile | None, stream_s: float
+) -> Replay:
+    """Requests sent at ``sent`` through the API server and the engine (``engine`` None: straight
+    into the engine, as offline tests run). Where the server also streams every token
+    (``stream_s`` > 0) it is one queue for both, solved as a fixed point: admissions from the
+    previous round's steps, the engine from those admissions; clients see a token when the server
+    has sent it. Inter-token gaps stay the engine's."""
+    if engine is None:
+        return _simulate(resolved, prompts, outputs, sent)
+    admitted, _ = serve_queue(sent, np.empty(0), np.empty(0), engine.admit_s, 0.0)
+    for _ in range(FIXED_POINT_ROUNDS):
+        replay = _simulate(resolved, prompts, outputs, admitted + engine.request_s)
+        if stream_s <= 0:
+            return replay
+        again, visible = serve_queue(sent, replay.step_end, replay.step_tokens, engine.admit_s, stream_s)
+        settled = np.max(np.abs(again - admitted)) < 1e-3
+        admitted = again
+        if settled:
+            break
+
+    def sent_at(engine_time: np.ndarray) -> np.ndarray:  # a token leaves with its step's batch
+        return visible[np.minimum(np.searchsorted(replay.step_end, engine_time - 1e-9), visible.size - 1)]
+
+    return replace(replay, first=sent_at(replay.first), finish=sent_at(replay.finish))
+
+
+def _closed_loop(
+    resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, clients: int, engine: EngineProfile | None, stream_s: float
+) -> tuple[np.ndarray, Replay]:
+    """Send times of ``clients`` closed-loop clients and the simulated requests (module docstring).
+
+    Each round replays the clients with the previous round's per-request latencies, send to
+    answer (first round: every request alone), then serves those sends; latencies depend only
+    weakly on the arrival pattern, so a few rounds settle.
+    """
+    n = prompts.size
+    alone = np.arange(n) * 1e4  # far apart: each request alone
+    replay = _serve(resolved, prompts, outputs, alone, engine, stream_s)
+    latency = replay.finish - alone
+    sent, nxt = np.zeros(n), np.zeros(n)
+    for _ in range(FIXED_POINT_ROUNDS):
+        free = np.zeros(clients)
+        nxt = np.zeros(n)
+        for k in range(n):
+            c = int(np.argmin(free))
+            nxt[k] = free[c]
+            free[c] = nxt[k] + latency[k]
+        replay = _serve(resolved, prompts, outputs, nxt, engine, stream_s)
+        latency = replay.finish - nxt
+        if np.max(np.abs(nxt - sent)) < 1e-4:
+            break
+        sent = nxt
+    return nxt, replay
+
+
+def predict_row(row: Row, device: DeviceProfile) -> float:
+    """The row's metric as kvsim predicts it on ``device`` (already the row's device)."""
+    device = row_device(row, device)
+    if row.workload == "memory":
+        return float(_memory_blocks(row, device))
+    resolved = _resolved(row, device)
+    prompts, outputs = row_lengths(row)
+    front = device.engine if row.workload != "batch" else None  # offline tests have no API server
+    # V1's API server detokenises and streams every token (sim/perf/api_server.py); V0 detokenises in
+    # the engine (its v0_seq_s), so its server's share is not modelled apart
+    stream_s = front.stream_s if front is not None and row.engine_core == "v1" else 0.0
+    n = row.num_prompts
+    if row.workload == "concurrency":
+        sent, replay = _closed_loop(resolved, prompts, outputs, row.concurrency, front, stream_s)
+    else:
+        sent = poisson_arrivals(row.rate, n=n, rng=row.seed) if row.workload == "poisson" else np.zeros(n)
+        replay = _serve(resolved, prompts, outputs, sent, front, stream_s)
+    return _metric(row.metric, replay, prompts, outputs, sent)
+
+
+def _metric(metric: str, replay: Replay, prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray) -> float:
+    """vLLM's benchmark definitions: latencies from the client's send, throughput over the benchmark's
+    span, ITL the median of every request's gaps between successive tokens after its first."""
+    rows, first, finish = replay.rows, replay.first, replay.finish
+    ttft, e2e = first - sent, finish - sent
+    tpot = (finish - first)[outputs > 1] / (outputs[outputs > 1] - 1)
+    span = finish.max() - sent.min()
+    values = {
+        "ttft_mean": lambda: ttft.mean(), "ttft_median": lambda: np.median(ttft), "ttft_p99": lambda: np.percentile(ttft, 99),
+        "tpot_mean": lambda: tpot.mean(), "tpot_median": lambda: np.median(tpot), "itl_median": lambda: np.median(replay.gaps),
+        "e2e_mean": lambda: e2e.mean(), "batch_latency": lambda: span,
+        "output_throughput": lambda: outputs.sum() / span,
+        "total_throughput": lambda: (outputs.sum() + prompts.sum()) / span,
+        "request_throughput": lambda: len(rows) / span,
+    }  # fmt: skip
+    return float(values[metric]())
+
+
+def _memory_blocks(row: Row, device: DeviceProfile) -> int:
+    """KV blocks as the engine sizes them, on a device reporting ``total_gib`` of memory."""
+    sized = replace(device, hbm_bytes=int(round(row.total_gib * 2**30)))
+    plan = plan_memory(
+        load_model(row.model), sized, block_size=row.block_size, memory_utilization=row.memory_utilization,
+        max_num_batched_tokens=row.max_num_batched_tokens, max_num_seqs=row.max_num_seqs,
+        max_model_len=row.max_model_len or None,
+    )  # fmt: skip
+    return plan.num_blocks
+
+
+# --- fit and table ---------------------------------------------------------------------------
+def fit_parameters(rows: list[Row], devices: dict[str, DeviceProfile], steps: int = 14, passes: int = 2) -> dict[str, DeviceProfile]:
+    """Solve each fit row's parameter on its device so that row is matched, rows in file order,
+    ``passes`` times over (a later row's parameter moves an earlier row's figure a little).
+
+    Log-spaced bisection inside the parameter's range; a row whose figure the range cannot
+    reach keeps the end that comes closest. Check rows are never read.
+    """
+    devices = dict(devices)
+    for row in [r for r in rows if r.split == "fit" and r.fits in PARAMETERS] * passes:
+        lo, hi = PARAMETERS[row.fits]
+        device = devices[row.device]
+
+        def error(value: float) -> float:  # called within this iteration only
+            return predict_row(row, set_parameter(device, row.fits, value)) / row.measured - 1.0  # noqa: B023
+
+        e_lo, e_hi = error(lo), error(hi)
+        if e_lo * e_hi > 0:
+            best = lo if abs(e_lo) <= abs(e_hi) else hi
+        else:
+            for _ in range(steps):
+                mid = math.sqrt(lo * hi)
+                e_mid = error(mid)
+                if e_mid * e_lo > 0:
+                    lo, e_lo = mid, e_mid
+                else:
+                    hi, e_hi = mid, e_mid
+            best = lo if abs(e_lo) <= abs(e_hi) else hi
+        devices[row.device] = set_parameter(device, row.fits, best)
+    return devices
+
+
+def bundled_devices_for(rows: list[Row]) -> dict[str, DeviceProfile]:
+    return {name: load_device(name) for name in sorted({r.device for r in rows})}
+
+
+def evaluate(rows: list[Row], devices: dict[str, DeviceProfile]) -> list[Result]:
+    return [Result(row, predict_row(row, devices[row.device])) for row in rows]
+
+
+def runs_with_fit_rows(rows: list[Row]) -> set[Row]:
+    """The runs (:attr:`Row.run`) that some fit row was measured in."""
+    return {r.run for r in rows if r.split == "fit"}
+
+
+SUMMARIES = ("fit", "check", "independent check")
+
+
+def summarize_errors(results: list[Result], split: str) -> dict:
+    """Median and largest |signed error| of one of :data:`SUMMARIES`, and how many rows it has.
+
+    "independent check": the check rows of runs no fit row was measured in, the only rows no
+    fitted parameter has seen any figure of.
+    """
+    fitted_runs = runs_with_fit_rows([r.row for r in results])
+    if split == "independent check":
+        chosen = [r for r in results if r.row.split == "check" and r.row.run not in fitted_runs]
+    else:
+        chosen = [r for r in results if r.row.split == split]
+    errors = np.array([abs(r.signed_error) for r in chosen])
+    if errors.size == 0:
+        return {"rows": 0, "median_abs_error": None, "max_abs_error": None}
+    return {"rows": int(errors.size), "median_abs_error": float(np.median(errors)), "max_abs_error": float(errors.max())}
