@@ -75,17 +75,18 @@ def gaussian_tile(seed: int, device: torch.device | str = "cpu") -> torch.Tensor
     return torch.randn(TILE_VALUES, generator=gen, dtype=torch.float32).to(device)
 
 
-def tile_window(tile: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """``prod(shape)`` consecutive values of the cyclic ``tile`` from ``offset``, as a new tensor of ``shape``.
+def tile_window(tile: torch.Tensor, offset: int, shape: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
+    """``scale`` times ``prod(shape)`` consecutive values of the cyclic ``tile`` from ``offset``, as a new tensor of ``shape``.
 
-    Copied a tile's length at a time, so memory grows by the result alone.
+    Written a tile's length at a time, scaled on the way (one pass over the result), so memory
+    grows by the result alone.
     """
     numel, period = math.prod(shape), tile.numel()
     out = torch.empty(numel, dtype=tile.dtype, device=tile.device)
     done, start = 0, offset % period
     while done < numel:
         n = min(period - start, numel - done)
-        out[done : done + n].copy_(tile[start : start + n])
+        torch.mul(tile[start : start + n], scale, out=out[done : done + n])
         done, start = done + n, 0
     return out.view(shape)
 
@@ -117,7 +118,7 @@ def _random_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], tile: tor
         return torch.full(shape, _QK_GAIN, dtype=dtype, device=tile.device)  # the per-head norm would erase the projections' gain
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype, device=tile.device)
-    return tile_window(tile, zlib.crc32(name.encode()), shape).mul_(init_std(spec, name, shape))
+    return tile_window(tile, zlib.crc32(name.encode()), shape, init_std(spec, name, shape))
 
 
 def random_weights(
