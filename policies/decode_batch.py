@@ -13,10 +13,10 @@ and a step over it costs what changes, not one call per request:
   touched, the longest context), so the cost model reads totals without a walk;
 - ``finishes``: the step at which each member samples its last token.
 
-Members' ``num_computed_tokens`` and ``num_output_tokens`` stay exact without a write a step:
-a member is a ``BatchMember``, whose two counters are what they were when it joined plus the
-steps the batch has committed since (``clock``), so everything that reads a request sees what
-it always saw; leaving writes the counters back and makes it a plain ``Request`` again.
+Members' ``num_computed_tokens`` and ``num_output_tokens`` are plain counters like any
+request's: ``advance`` moves every member's on by one when a step commits (the one place a
+member's progress moves), a loop of two increments a member, not a call. A member is marked
+by ``Request.batch_since`` (``Request.in_decode_batch``).
 Heaps order by (step, running order) and carry the step the member's run began: an entry of
 a request no longer in the batch, or from an earlier run of it, is stale and skipped.
 """
@@ -31,34 +31,10 @@ from kvsim.policies.request import Request
 NEVER = 1 << 62  # a step no run reaches
 
 
-class _AdvancingCounter:
-    """A ``Request`` counter (the slot itself underneath) read as its stored value plus the
-    steps the member's batch has committed since it joined; writing stores it the same way."""
-
-    def __init__(self, stored) -> None:
-        self.stored = stored
-
-    def __get__(self, member: "BatchMember | None", owner=None):
-        if member is None:
-            return self
-        return self.stored.__get__(member) + member.batch.clock - member.batch_since
-
-    def __set__(self, member: "BatchMember", value: int) -> None:
-        self.stored.__set__(member, value - (member.batch.clock - member.batch_since))
-
-
-class BatchMember(Request):
-    """A request in the decode batch: one more token for each step the batch commits."""
-
-    __slots__ = ()
-    num_computed_tokens = _AdvancingCounter(Request.num_computed_tokens)
-    num_output_tokens = _AdvancingCounter(Request.num_output_tokens)
-
-
 @dataclass
 class DecodeBatch:
     block_size: int
-    clock: int = 0  # steps committed: members' counters advance with it
+    clock: int = 0  # steps committed: a request joins at the step it runs next
     members: set[Request] = field(default_factory=set)
     ctx_sum: int = 0  # sum of members' num_computed_tokens
     blocks_sum: int = 0  # sum of members' blocks touched by their next token: pos // bs + 1
@@ -76,8 +52,7 @@ class DecodeBatch:
         assert step == self.clock, f"a request joins the batch at the step it will run next ({self.clock}), not {step}"
         bs, pos, seq = self.block_size, r.num_computed_tokens, r.run_seq
         self.members.add(r)
-        r.batch_since, r.batch = step, self
-        r.__class__ = BatchMember
+        r.batch_since = step
         self.ctx_sum += pos
         self.blocks_sum += pos // bs + 1
         if event_in < NEVER:
@@ -90,17 +65,18 @@ class DecodeBatch:
         heapq.heappush(self.events, (step, r.run_seq, r.batch_since, r))
 
     def advance(self, step: int) -> None:
-        """Every member sampled a token at ``step``: their counters move on by one."""
+        """Every member sampled a token at ``step``: the one place their progress moves on."""
+        for r in self.members:
+            r.num_computed_tokens += 1
+            r.num_output_tokens += 1
         self.clock = step + 1
         self.ctx_sum += len(self.members)
 
     def remove(self, r: Request, advanced: bool) -> None:
-        """Take out a member (counters written back): between steps, or (``advanced``) after its step's commit, before the next ``start_step``."""
-        computed, output = r.num_computed_tokens, r.num_output_tokens
-        r.__class__ = Request
-        r.num_computed_tokens, r.num_output_tokens = computed, output
+        """Take out a member: between steps, or (``advanced``) after its step's commit, before the next ``start_step``."""
+        computed = r.num_computed_tokens
         self.members.discard(r)
-        r.batch_since, r.batch = -1, None
+        r.batch_since = -1
         self.ctx_sum -= computed
         self.blocks_sum -= (computed - advanced) // self.block_size + 1
 
@@ -137,4 +113,4 @@ class DecodeBatch:
         if self.members:
             assert self.longest_position(step) == max(r.num_computed_tokens for r in self.members), "decode batch: longest"
         for r in self.members:
-            assert r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens >= 1, f"{r.request_id} is not decoding"
+            assert r.is_decode and r.in_decode_batch, f"{r.request_id} is not decoding in the batch"

@@ -27,6 +27,11 @@ class Request:
 
     A request with ``n_samples > 1`` is prefilled once; when that prefill completes the engine
     forks ``n_samples - 1`` children (``parent`` set) that share every block with it.
+
+    Progress moves in two visible places, both in ``EngineCore.commit``: a step's entries
+    outside the decode batch (``num_computed_tokens`` to the entry's end, one output token if
+    it sampled), and ``DecodeBatch.advance`` for the batch's members (one of each). Between
+    steps a running request is exactly one of ``is_prefill`` and ``is_decode``.
     """
 
     request_id: str  # the one id: engine, managers, plans and logs look a request up by it
@@ -55,11 +60,10 @@ class Request:
     children: list["Request"] = field(default_factory=list)
     forked: bool = False
     # The engine's bookkeeping: the order in which the request joined the running list (the
-    # running order), and the first step of its current run in the decode batch (-1: not in it)
-    # with that batch (policies.decode_batch), whose clock advances the request's counters.
+    # running order), and the first step of its current run in the decode batch (-1: not in
+    # it; see ``in_decode_batch`` and policies.decode_batch).
     run_seq: int = 0
     batch_since: int = -1
-    batch: "object | None" = None
 
     def __post_init__(self) -> None:
         if self.content_id < 0:
@@ -82,6 +86,16 @@ class Request:
     def is_prefill(self) -> bool:
         """True while the step would not sample a token at the end of a one-token step."""
         return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def is_decode(self) -> bool:
+        """True when the next step computes one token, the last sampled, and samples the next."""
+        return self.num_tokens - self.num_computed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def in_decode_batch(self) -> bool:
+        """A member of the engine's persistent decode batch (policies.decode_batch)."""
+        return self.batch_since >= 0
 
     @property
     def is_finished(self) -> bool:

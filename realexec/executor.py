@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvsim.policies.plan import PlanEntry, StepPlan
+from kvsim.policies.plan import PlanDetail, PlanEntry, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.kv_quant import KVScales
@@ -65,6 +65,8 @@ class Executor:
     Block moves (swap, copy) run once: they are not idempotent when a plan reuses a block.
     The first run's time alone is kept in ``single_run_s``.
     """
+
+    plan_detail = PlanDetail.SLOTS  # the StepTimer's: it runs every token at its slot
 
     def __init__(
         self,

@@ -86,7 +86,7 @@ from typing import NamedTuple, Sequence, Union
 
 import numpy as np
 
-from kvsim.policies.plan import StepPlan
+from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 from kvsim.sim.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
 from kvsim.sim.model_spec import DTYPE_BYTES, ModelSpec
@@ -587,7 +587,7 @@ def _settled(previous: tuple[list[np.ndarray], np.ndarray], current: tuple[list[
 class CostModelTimer:
     """The simulator's step timer: every step's duration is the cost model's prediction."""
 
-    reads_block_tables = False  # a prediction reads a plan's entries and totals only
+    plan_detail = PlanDetail.TOTALS  # a prediction reads a plan's entries and totals only
 
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from kvsim.policies.plan import PlanDetail
 from kvsim.sim.capacity import MAX_RANGE, Slo, SloWatch, evaluate, gallop, probe
 from kvsim.sim.cli import main
 from kvsim.sim.cost_model import CostModelTimer
@@ -76,7 +77,7 @@ def test_watch_reads_no_block_tables_as_the_cost_model_reads_none():
     """So probes run the engine's leanest plans, as a simulate without a log does."""
     resolved = resolve(RunConfig(trace="demo"))
     timer = CostModelTimer(resolved.cost_model())
-    assert SloWatch(timer, SLO, 10).reads_block_tables is False is timer.reads_block_tables
+    assert SloWatch(timer, SLO, 10).plan_detail is PlanDetail.TOTALS is timer.plan_detail
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim import traces
-from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
+from kvsim.policies.plan import BatchChanges, DecodeStretch, PlanDetail, PlanEntry, StepPlan
 from kvsim.sim.cli import main
 from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.decisions import DIGEST, FULL_LOG, DecisionLog, DiffEncoder, decode_records, read_decisions, read_digest
@@ -24,10 +24,10 @@ class Tee:
 
     def __init__(self, log: DecisionLog, whole: bool) -> None:
         self.log, self.lines, self.told_by_changes = log, [], 0
-        self.reads_changes = not whole
+        self.plan_detail = PlanDetail.TABLES if whole else PlanDetail.CHANGES
 
     def plan(self, plan) -> None:
-        if plan.changes is None:
+        if not isinstance(plan.batch, BatchChanges):
             self.lines.append(plan.to_json())
         else:
             self.told_by_changes += 1

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from kvsim import traces
 from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import PlanDetail
 from kvsim.policies.schedulers import FCFSPolicy, PriorityPolicy
 from kvsim.sim.cli import main
 from kvsim.sim.cost_model import CostModelTimer
@@ -20,6 +21,8 @@ from kvsim.sim.simulator import SimOptions, simulate
 
 class ReferenceLog:
     """The decision log as plain lines (``to_json`` of every plan), as the reader expands it."""
+
+    plan_detail = PlanDetail.TABLES
 
     def __init__(self) -> None:
         self.lines: list[str] = []
