@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import bisect
 
-from kvsim.policies.block_manager import BlockManager, DecodeFastPath, DecodeOutlook, KVStats
+from kvsim.policies.block_manager import (
+    BlockManager,
+    DecodeFastPath,
+    DecodeOutlook,
+    KVStats,
+)
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.registry import register_block_manager
 from kvsim.policies.request import Request

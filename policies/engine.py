@@ -15,11 +15,17 @@ Running out of blocks is an outcome: requests queue, are preempted, or are rejec
 reason at arrival when they could never fit. Nothing in here reads a clock except the
 ``now`` it is given, so equal inputs give an identical decision log.
 
-Running requests that simply decode are kept in a persistent batch (``decode_batch``): when
+``schedule`` decides, ``commit`` applies: every request's progress (``num_computed_tokens``,
+``num_output_tokens``) moves in ``commit`` and nowhere else. What one step has decided so far
+(its budget, the requests it scheduled) is a ``ScheduledStep`` handed from helper to helper.
+
+Running requests that simply decode are kept in a persistent batch (``decode_batch``) when
+the block manager opts in (``DecodeFastPath``) and the policy keeps the running order: when
 the step cannot preempt, cut the batch by the budget or reorder it, the batch's decisions are
 certain and the step costs what changes (new and finishing requests, manager events), not one
 pass per request; otherwise the batch is dissolved and the step is decided request by request.
-Both give the same decisions (``benchmarks/decision_identity.py``).
+The helpers of that fast path are named for what they skip (``_visits_skipping_plain_decodes``,
+``_plain_decodes_take_tokens``). Both give the same decisions (``benchmarks/decision_identity.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +40,14 @@ from kvsim.policies.block_manager import BlockManager, DecodeFastPath, KVStats
 from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.decode_batch import NEVER, DecodeBatch
-from kvsim.policies.plan import BatchChanges, BatchDecodes, PlanDetail, PlanEntry, PlanTotals, StepPlan
+from kvsim.policies.plan import (
+    BatchChanges,
+    BatchDecodes,
+    PlanDetail,
+    PlanEntry,
+    PlanTotals,
+    StepPlan,
+)
 from kvsim.policies.queue import RequestQueue
 from kvsim.policies.registry import resolve_block_manager, resolve_scheduler
 from kvsim.policies.request import Request, Status
@@ -78,11 +91,13 @@ class TokenSink(Protocol):
 
 @dataclass(slots=True)
 class ScheduledStep:
-    """One step as ``schedule`` decides it, handed to each helper of the step and then to ``commit``."""
+    """One step as ``schedule`` decides it: handed to each helper of the step, then kept (the
+    step in flight) for ``commit``, which applies it."""
 
     plan: StepPlan
     budget: int  # tokens the step may still schedule
-    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)  # outside the batch: id -> (request, new tokens), in order
+    # the requests scheduled outside the decode batch: request id -> (request, new tokens), in order
+    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)
     batch_blocks: int = 0  # sum of scheduled requests' table lengths (see batch_blocks_within_pool)
     due: list[Request] = field(default_factory=list)  # batch members whose manager acted this step
     loose_entries: list[PlanEntry] = field(default_factory=list)  # the entries of ``scheduled``, in its order

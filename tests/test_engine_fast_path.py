@@ -7,7 +7,12 @@ that keeps the contract gets the persistent decode batch, and both decide exactl
 
 from __future__ import annotations
 
-from kvsim.policies.block_manager import BlockManager, DecodeFastPath, DecodeOutlook, KVStats
+from kvsim.policies.block_manager import (
+    BlockManager,
+    DecodeFastPath,
+    DecodeOutlook,
+    KVStats,
+)
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import PlanDetail
 from kvsim.policies.registry import register_block_manager
@@ -98,7 +103,7 @@ def _run(engine, detail: PlanDetail) -> list:
 
 
 def test_a_manager_without_the_fast_path_decides_the_same(make_engine) -> None:
-    geometry = dict(max_num_batched_tokens=16, long_prefill_token_threshold=6, num_blocks=12)
+    geometry = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 6, "num_blocks": 12}
     general = _run(make_engine(block_manager="test-plain-paged", **geometry), PlanDetail.SLOTS)
     fast = _run(make_engine(block_manager="test-plain-paged-fast", **geometry), PlanDetail.SLOTS)
     assert any(p.preempted for p in general) and any(p.forks for p in general)
@@ -106,7 +111,7 @@ def test_a_manager_without_the_fast_path_decides_the_same(make_engine) -> None:
 
 
 def test_only_a_manager_that_opts_in_gets_the_decode_batch(make_engine) -> None:
-    geometry = dict(max_num_batched_tokens=16, long_prefill_token_threshold=6, num_blocks=12)
+    geometry = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 6, "num_blocks": 12}
     general = _run(make_engine(block_manager="test-plain-paged", **geometry), PlanDetail.TOTALS)
     fast = _run(make_engine(block_manager="test-plain-paged-fast", **geometry), PlanDetail.TOTALS)
     assert sum(p.batch_decodes for p in general) == 0 < sum(p.batch_decodes for p in fast)

@@ -15,11 +15,11 @@ from kvsim.policies.plan import BatchDecodes, PlanDetail
 from kvsim.sim.cost_model import CostModelTimer
 from kvsim.sim.decisions import DecisionLog
 from kvsim.sim.run_config import RunConfig, resolve
-from kvsim.sim.simulator import Simulation, SimOptions
+from kvsim.sim.simulator import SimOptions, Simulation
 from kvsim.sim.step_timer import ReplayTimer
 
 WORKLOAD = [(30, 5, 1), (1, 4, 1), (9, 6, 2), (17, 8, 1), (5, 3, 3)]  # chunks, forks and preemption
-GEOMETRY = dict(max_num_batched_tokens=16, long_prefill_token_threshold=6, num_blocks=12)
+GEOMETRY = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 6, "num_blocks": 12}
 
 
 def _step_all(engine, detail: PlanDetail) -> list:
