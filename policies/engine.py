@@ -15,9 +15,11 @@ Running out of blocks is an outcome: requests queue, are preempted, or are rejec
 reason at arrival when they could never fit. Nothing in here reads a clock except the
 ``now`` it is given, so equal inputs give an identical decision log.
 
-``schedule`` decides, ``commit`` applies: every request's progress (``num_computed_tokens``,
-``num_output_tokens``) moves in ``commit`` and nowhere else. What one step has decided so far
-(its budget, the requests it scheduled) is a ``ScheduledStep`` handed from helper to helper.
+``schedule`` decides, ``commit`` applies: a step's progress (``num_computed_tokens``,
+``num_output_tokens``) advances in ``commit`` and nowhere else (``schedule`` only sets it where
+it starts: the prefix-cache hit at admission, 0 at a recompute preemption). What one step
+has decided so far (its budget, the requests it scheduled) is a ``ScheduledStep`` handed from
+helper to helper.
 
 Running requests that simply decode are kept in a persistent batch (``decode_batch``) when
 the block manager opts in (``DecodeFastPath``) and the policy keeps the running order: when

@@ -28,10 +28,11 @@ class Request:
     A request with ``n_samples > 1`` is prefilled once; when that prefill completes the engine
     forks ``n_samples - 1`` children (``parent`` set) that share every block with it.
 
-    Progress moves in two visible places, both in ``EngineCore.commit``: a step's entries
-    outside the decode batch (``num_computed_tokens`` to the entry's end, one output token if
-    it sampled), and ``DecodeBatch.advance`` for the batch's members (one of each). Between
-    steps a running request is exactly one of ``is_prefill`` and ``is_decode``.
+    A step's progress advances at its commit (``EngineCore.commit``): the entries outside the
+    decode batch there (``num_computed_tokens`` to the entry's end, one output token if it
+    sampled), the batch's members in ``DecodeBatch.advance`` (one of each); the engine sets it
+    otherwise only where a run starts (the prefix-cache hit at admission, 0 at a recompute
+    preemption). Between steps a running request is exactly one of ``is_prefill`` and ``is_decode``.
     """
 
     request_id: str  # the one id: engine, managers, plans and logs look a request up by it
