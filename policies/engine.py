@@ -64,6 +64,7 @@ def _first(item: tuple) -> int:
 
 
 _run_seq = attrgetter("run_seq")  # the running order's key
+_CHANGES, _TABLES, _SLOTS = PlanDetail.CHANGES, PlanDetail.TABLES, PlanDetail.SLOTS  # read each step
 _num_computed = attrgetter("num_computed_tokens")
 
 
@@ -513,9 +514,9 @@ class EngineCore:
         batch = self._batch
         members = len(batch)
         ran_all = len(step.scheduled) + members == len(self.running)
-        with_changes = detail == PlanDetail.CHANGES and self._batching and ran_all and self._last_ran_all
-        whole = detail >= PlanDetail.TABLES or (detail == PlanDetail.CHANGES and not with_changes)
-        with_slots = detail == PlanDetail.SLOTS
+        with_changes = detail == _CHANGES and self._batching and ran_all and self._last_ran_all
+        whole = detail >= _TABLES or (detail == _CHANGES and not with_changes)
+        with_slots = detail == _SLOTS
         changed_tables: dict[str, list[int]] = {}
         loose_entries: list[PlanEntry] = []
         loose_tables: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (table, slots), whole
@@ -685,12 +686,11 @@ class EngineCore:
                 parent=parent,
                 content_id=parent.content_id,
                 trace_index=parent.trace_index,
-                num_computed_tokens=parent.num_computed_tokens,
-                num_output_tokens=parent.num_output_tokens,
                 first_token_s=now,
                 admitted_step=parent.admitted_step,
                 prefix_hit_tokens=parent.prefix_hit_tokens,
             )
+            child.num_computed_tokens, child.num_output_tokens = parent.num_computed_tokens, parent.num_output_tokens
             self.requests[child_id] = child
             parent.children.append(child)
             self.kv.fork(parent, child)
