@@ -16,7 +16,8 @@ and a step over it costs what changes, not one call per request:
 Members' progress moves in one place, ``advance``, all at once: it moves the batch's
 ``clock``, and a member's ``num_computed_tokens`` and ``num_output_tokens`` (properties of
 ``Request``) are what they were when it joined plus the steps committed since. A loop of two
-writes a member a step instead cost a tenth of a whole Azure run. A member is marked by
+writes a member a step instead cost about a tenth of the run (cProfile, the first 6,000 Azure
+conv requests). A member is marked by
 ``Request.batch_since`` and ``Request.batch`` (``Request.in_decode_batch``); leaving stores
 its counters as they stand.
 Heaps order by (step, running order) and carry the step the member's run began: an entry of
