@@ -9,6 +9,14 @@ to make room for a request's next tokens (``allocate_slots``, all-or-nothing), t
 and the scheduler decides (queue, preempt, swap or reject).
 
 The manager holds the block size; every other layer reads it from here.
+
+The decode batch's fast path is opt-in (``DecodeFastPath``, an interface of its own, as
+inference-sim's optional store features): the engine keeps decoding requests in a persistent
+batch and calls ``allocate_slots`` for a member only at the steps its manager's
+``decode_outlook`` names. A manager that implements it promises that at every other step of a
+one-token decode the call would change nothing and answer True; one that does not (a plain
+``BlockManager`` subclass) still runs, every step decided request by request, with the same
+decisions only slower.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ class DecodeOutlook:
 
     The engine's decode batch calls ``allocate_slots`` for a member only at the steps listed
     here (0-based from the next step): at every other step the call would change nothing and
-    answer True, which is the contract a manager's ``decode_outlook`` must keep.
+    answer True, which is the contract ``DecodeFastPath.decode_outlook`` must keep.
     """
 
     growth: range  # steps at which the request's block table grows by one block
@@ -61,7 +69,7 @@ class BlockManager(ABC):
     Per request: ``lookup``, ``allocate_slots``, ``free``, ``fork``, ``block_table``.
     Copies this step: ``take_copies``, ``has_pending_copies``, ``cancel_copies``.
     Swap: ``swap_out``, ``swap_in``, ``swap_in_blocks_needed``.
-    The decode batch: ``decode_outlook``.
+    The decode batch's fast path, opt-in: ``DecodeFastPath.decode_outlook``.
     Observation: ``pool_counts``, ``internal_waste``, ``stats``, ``check_invariants``.
     """
 
@@ -168,12 +176,6 @@ class BlockManager(ABC):
     def _take_blocks_for_swap_in(self, request: Request, n: int) -> list[int] | None:
         """Allocate ``n`` device blocks as the request's whole table, or None."""
 
-    # --- the decode batch --------------------------------------------------------------
-    def decode_outlook(self, request: Request, num_steps: int) -> DecodeOutlook | None:
-        """The request's next ``num_steps`` one-token decodes, or None when the first must copy a shared block."""
-        first = -request.num_computed_tokens % self.block_size
-        return DecodeOutlook(range(first, num_steps, self.block_size), range(0))
-
     # --- observation -----------------------------------------------------------------
     @abstractmethod
     def pool_counts(self) -> tuple[int, int, int]:
@@ -193,3 +195,19 @@ class BlockManager(ABC):
     @abstractmethod
     def check_invariants(self, live: list[Request]) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent with ``live``."""
+
+
+class DecodeFastPath(ABC):
+    """Opt-in for a block manager: it can say when ``allocate_slots`` acts on a decoding request.
+
+    A manager that inherits this (besides ``BlockManager``) lets the engine keep decoding
+    requests in its persistent batch (``policies.decode_batch``) and skip the
+    ``allocate_slots`` calls that would change nothing; one that does not is asked every step.
+    The contract is ``DecodeOutlook``'s: a step not listed in a request's outlook is one at
+    which ``allocate_slots(request, 1)`` would answer True and change nothing, as long as the
+    request only decodes. The engine asks again after each listed step.
+    """
+
+    @abstractmethod
+    def decode_outlook(self, request: Request, num_steps: int) -> DecodeOutlook | None:
+        """The request's next ``num_steps`` one-token decodes, or None when the first must act at once (copy a shared block)."""

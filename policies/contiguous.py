@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import bisect
 
-from kvsim.policies.block_manager import BlockManager, KVStats
+from kvsim.policies.block_manager import (
+    BlockManager,
+    DecodeFastPath,
+    DecodeOutlook,
+    KVStats,
+)
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.registry import register_block_manager
 from kvsim.policies.request import Request
 
 
 @register_block_manager("contiguous")
-class ContiguousBlockManager(BlockManager):
+class ContiguousBlockManager(BlockManager, DecodeFastPath):
     def __init__(
         self, num_blocks: int, block_size: int, num_host_blocks: int = 0, max_model_len: int = 4096, reserve: str = "max_model_len"
     ) -> None:
@@ -129,6 +134,11 @@ class ContiguousBlockManager(BlockManager):
         self.regions[request.request_id] = (start, size)
         self.used_blocks[request.request_id] = n
         return list(range(start, start + n))
+
+    def decode_outlook(self, request: Request, num_steps: int) -> DecodeOutlook | None:
+        """A decode's region is reserved: ``allocate_slots`` only counts one more used block at each boundary."""
+        first = -request.num_computed_tokens % self.block_size
+        return DecodeOutlook(range(first, num_steps, self.block_size), range(0))
 
     def pool_counts(self) -> tuple[int, int, int]:
         reserved = self.num_blocks - sum(length for _, length in self.extents)

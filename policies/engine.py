@@ -15,26 +15,41 @@ Running out of blocks is an outcome: requests queue, are preempted, or are rejec
 reason at arrival when they could never fit. Nothing in here reads a clock except the
 ``now`` it is given, so equal inputs give an identical decision log.
 
-Running requests that simply decode are kept in a persistent batch (``decode_batch``): when
+``schedule`` decides, ``commit`` applies: a step's progress (``num_computed_tokens``,
+``num_output_tokens``) advances in ``commit`` and nowhere else (``schedule`` only sets it where
+it starts: the prefix-cache hit at admission, 0 at a recompute preemption). What one step
+has decided so far (its budget, the requests it scheduled) is a ``ScheduledStep`` handed from
+helper to helper.
+
+Running requests that simply decode are kept in a persistent batch (``decode_batch``) when
+the block manager opts in (``DecodeFastPath``) and the policy keeps the running order: when
 the step cannot preempt, cut the batch by the budget or reorder it, the batch's decisions are
 certain and the step costs what changes (new and finishing requests, manager events), not one
 pass per request; otherwise the batch is dissolved and the step is decided request by request.
-Both give the same decisions (``benchmarks/decision_identity.py``).
+The helpers of that fast path are named for what they skip (``_visits_skipping_plain_decodes``,
+``_plain_decodes_take_tokens``). Both give the same decisions (``benchmarks/decision_identity.py``).
 """
 
 from __future__ import annotations
 
 import bisect
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
-from kvsim.policies.block_manager import BlockManager, KVStats
+from kvsim.policies.block_manager import BlockManager, DecodeFastPath, KVStats
 from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.decode_batch import NEVER, DecodeBatch
-from kvsim.policies.plan import BatchChanges, PlanEntry, PlanTotals, StepPlan
+from kvsim.policies.plan import (
+    BatchChanges,
+    BatchDecodes,
+    PlanDetail,
+    PlanEntry,
+    PlanTotals,
+    StepPlan,
+)
 from kvsim.policies.queue import RequestQueue
 from kvsim.policies.registry import resolve_block_manager, resolve_scheduler
 from kvsim.policies.request import Request, Status
@@ -49,6 +64,7 @@ def _first(item: tuple) -> int:
 
 
 _run_seq = attrgetter("run_seq")  # the running order's key
+_CHANGES, _TABLES, _SLOTS = PlanDetail.CHANGES, PlanDetail.TABLES, PlanDetail.SLOTS  # read each step
 _num_computed = attrgetter("num_computed_tokens")
 
 
@@ -74,6 +90,20 @@ class TokenSink(Protocol):
 
     def batch_tokens(self, request_id: str, first_step: int, last_step: int) -> None:
         """The request sampled a token at the end of every step from ``first_step`` to ``last_step``."""
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """One step as ``schedule`` decides it: handed to each helper of the step, then kept (the
+    step in flight) for ``commit``, which applies it."""
+
+    plan: StepPlan
+    budget: int  # tokens the step may still schedule
+    # the requests scheduled outside the decode batch: request id -> (request, new tokens), in order
+    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    batch_blocks: int = 0  # sum of scheduled requests' table lengths (see batch_blocks_within_pool)
+    due: list[Request] = field(default_factory=list)  # batch members whose manager acted this step
+    loose_entries: list[PlanEntry] = field(default_factory=list)  # the entries of ``scheduled``, in its order
 
 
 @dataclass
@@ -112,12 +142,14 @@ class EngineCore:
         self._batch = DecodeBatch(self.kv.block_size)
         self._loose: list[Request] = []  # running requests outside the decode batch, in running order
         # The batch's decisions equal the request-by-request pass only in the running list's order
-        # and without the kernel's per-batch block limit.
+        # and without the kernel's per-batch block limit, and it needs a manager that can say
+        # when its decodes act (the opt-in DecodeFastPath).
         self._batching = (
-            type(self.policy).running_order is SchedulerPolicy.running_order and not config.batch_blocks_within_pool
+            isinstance(self.kv, DecodeFastPath)
+            and type(self.policy).running_order is SchedulerPolicy.running_order
+            and not config.batch_blocks_within_pool
         )
-        self._due: list[Request] = []  # batch members whose manager acted this step
-        self._loose_entries: list[PlanEntry] = []  # this step's entries outside the batch
+        self._in_flight: ScheduledStep | None = None  # scheduled, not yet committed
         self.token_sink: TokenSink | None = None
         self.swapped = RequestQueue(self.policy.queue_key)
         self.counters = EngineCounters()
@@ -125,14 +157,6 @@ class EngineCore:
         self.view = EngineView(self)  # all a policy sees of the engine
         self._num_orders = 0
         self._pending_rejections: list[tuple[str, str]] = []
-        # Fill each plan's block tables and slot mapping: a copy of every scheduled request's
-        # table each step. A driver whose step timer and checks read neither turns it off; one whose
-        # readers want the tables but not the slots turns ``plan_slots`` off. ``plan_changes``: with
-        # the tables off, the plan carries what changed in the batch (``BatchChanges``) for a reader
-        # that keeps the batch itself (the decision log), or, in a step they do not describe, its tables.
-        self.plan_tables = True
-        self.plan_slots = True
-        self.plan_changes = False
         self._left: list[str] = []  # requests that left the running set since the last plan was filled
         self._last_ran_all = True  # the last step ran every running request and forked none
 
@@ -227,55 +251,49 @@ class EngineCore:
         return bool(self.waiting or self.running or self.swapped or self._pending_rejections)
 
     # --- the step ----------------------------------------------------------------------
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float, detail: PlanDetail = PlanDetail.SLOTS) -> StepPlan:
+        """Decide the next step at time ``now``; its plan spells out what ``detail`` asks for."""
         self.now = now
-        plan = StepPlan(step=self.counters.steps, rejected=self._pending_rejections)
+        step = ScheduledStep(StepPlan(self.counters.steps, rejected=self._pending_rejections),
+                             budget=self.config.max_num_batched_tokens)
         self._pending_rejections = []
-        self._budget = self.config.max_num_batched_tokens
-        self._scheduled: dict[str, tuple[Request, int]] = {}  # request id -> (request, new tokens), in order
-        self._batch_blocks = 0  # sum of scheduled requests' table lengths (see batch_blocks_within_pool)
 
-        preempted = self._schedule_running(plan)
+        preempted = self._schedule_running(step)
         if not preempted and self.policy.admission_open(self.view):
             limit = self.policy.admission_limit(self.view)
             if self.swapped:
-                self._admit_swapped(plan, limit)
+                self._admit_swapped(step, limit)
             if not self.swapped:  # a swapped request that cannot come back yet holds the line
-                self._admit_waiting(limit)
-        if not self._scheduled and not self.running and not self.swapped and self.waiting:
-            self._reject_unschedulable(plan)
+                self._admit_waiting(step, limit)
+        if not step.scheduled and not self.running and not self.swapped and self.waiting:
+            self._reject_unschedulable(step.plan)
 
-        self._fill_plan(plan)
+        self._fill_plan(step, detail)
+        self._in_flight = step
         self.counters.steps += 1
-        return plan
+        return step.plan
 
-    def _num_new_tokens(self, r: Request, num_hit: int = 0) -> int:
+    def _num_new_tokens(self, step: ScheduledStep, r: Request, num_hit: int = 0) -> int:
         remaining = r.num_tokens - r.num_computed_tokens - num_hit
         n = remaining
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
-        n = min(n, self._budget)
+        n = min(n, step.budget)
         if n < remaining and not self.policy.chunked_prefill:
             return 0
         return n
 
-    def _schedule_running(self, plan: StepPlan) -> bool:
+    def _schedule_running(self, step: ScheduledStep) -> bool:
         """The running pass, request by request in the policy's order; True if it preempted anyone.
 
         With the decode batch it visits only the requests that need a decision, in running
-        order: loose ones and members whose manager must act this step (due events). The plain
-        members between them take one token each from the budget, as the request-by-request
-        pass gives them, without a call each; members the pass does not reach (the budget ran
+        order (``_visits_skipping_plain_decodes``). The plain members between them take one
+        token each from the budget, as the request-by-request pass gives them, without a call
+        each (``_plain_decodes_take_tokens``); members the pass does not reach (the budget ran
         out, or it stopped at a self-preemption) leave the batch unscheduled.
         """
-        batching, batch, running = self._batching, self._batch, self.running
-        if batching:
-            due = batch.pop_due(batch.events, self.counters.steps)
-            # two runs in running order (run_seq unique): a C-level sort merges them
-            order = sorted(self._loose + due, key=_run_seq) if due else list(self._loose)
-        else:
-            due, order = [], list(self.policy.running_order(self.view))
-        self._due = due
+        batching, running = self._batching, self.running
+        order = self._visits_skipping_plain_decodes(step) if batching else list(self.policy.running_order(self.view))
         preempted_any = False
         allocate_slots = self.kv.allocate_slots
         kernel_limit = self.config.batch_blocks_within_pool
@@ -286,59 +304,67 @@ class EngineCore:
                 continue  # preempted earlier in this step
             if batching:
                 at = running.index(request)
-                if at > cursor and not self._members_take_tokens(cursor, at):
+                if at > cursor and not self._plain_decodes_take_tokens(step, cursor, at):
                     return preempted_any
                 cursor = at
-            if self._budget <= 0:
+            if step.budget <= 0:
                 if batching:
                     self._leave_batch_from(cursor)
                 return preempted_any
-            # The steady state, a decode: one token, which any positive budget and cap admit.
-            if request.prompt_tokens + request.num_output_tokens - request.num_computed_tokens == 1:
+            if request.is_decode:  # the steady state: one token, which any positive budget and cap admit
                 num_new = 1
             else:
-                num_new = self._num_new_tokens(request)
+                num_new = self._num_new_tokens(step, request)
                 if num_new == 0:
                     cursor += 1
                     continue
-            if kernel_limit and not self._within_kernel_block_limit(request.num_computed_tokens + num_new):
+            if kernel_limit and not self._within_kernel_block_limit(step, request.num_computed_tokens + num_new):
                 continue
             while not allocate_slots(request, num_new):
                 victim = self.policy.pick_victim(self.view)
                 if batching and running.index(victim) < cursor:
                     cursor -= 1
-                    if victim.batch_since >= 0:  # a member that had taken its token
-                        self._budget += 1
-                self._preempt(victim, plan)
+                    if victim.in_decode_batch:  # a member that had taken its token
+                        step.budget += 1
+                self._preempt(step, victim)
                 preempted_any = True
                 if victim is request:
                     if batching:
                         self._leave_batch_from(cursor)
                     return True
-            if request.batch_since >= 0:
-                self._budget -= 1
+            if request.in_decode_batch:
+                step.budget -= 1
             else:
-                self._schedule(request, num_new)
+                self._schedule(step, request, num_new)
             cursor += 1
         if batching and cursor < len(running):
-            self._members_take_tokens(cursor, len(running))
+            self._plain_decodes_take_tokens(step, cursor, len(running))
         return preempted_any
 
-    def _members_take_tokens(self, start: int, stop: int) -> bool:
-        """Batch members ``running[start:stop]`` each take a token while the budget lasts; False if it ran out."""
+    def _visits_skipping_plain_decodes(self, step: ScheduledStep) -> list[Request]:
+        """The running requests the batched pass visits, in running order: those outside the
+        batch and the members whose manager must act this step (``step.due``); the rest of the
+        batch, plain decodes, is not visited."""
+        batch = self._batch
+        step.due = due = batch.pop_due(batch.events, step.plan.step)
+        # two runs in running order (run_seq unique): a C-level sort merges them
+        return sorted(self._loose + due, key=_run_seq) if due else list(self._loose)
+
+    def _plain_decodes_take_tokens(self, step: ScheduledStep, start: int, stop: int) -> bool:
+        """Batch members ``running[start:stop]``, not visited, each take a token while the budget lasts; False if it ran out."""
         count = stop - start
-        if self._budget >= count:
-            self._budget -= count
+        if step.budget >= count:
+            step.budget -= count
             return True
-        taken = self._budget
-        self._budget = 0
+        taken = step.budget
+        step.budget = 0
         self._leave_batch_from(start + taken)
         return False
 
     def _leave_batch_from(self, index: int) -> None:
         """Members at ``running[index:]`` are not scheduled this step: they leave the batch."""
         for request in self.running[index:]:
-            if request.batch_since >= 0:
+            if request.in_decode_batch:
                 self._leave_batch(request)
                 bisect.insort(self._loose, request, key=_run_seq)
 
@@ -358,30 +384,31 @@ class EngineCore:
         growth, bookkeeping = outlook.growth, outlook.bookkeeping
         return min(growth.start if growth else NEVER, bookkeeping.start if bookkeeping else NEVER)
 
-    def _schedule(self, request: Request, num_new: int) -> None:
-        self._scheduled[request.request_id] = (request, num_new)
-        self._budget -= num_new
+    def _schedule(self, step: ScheduledStep, request: Request, num_new: int) -> None:
+        step.scheduled[request.request_id] = (request, num_new)
+        step.budget -= num_new
         if self.config.batch_blocks_within_pool:  # only the kernel-limit check reads it
-            self._batch_blocks += cdiv(request.num_computed_tokens + num_new, self.kv.block_size)
+            step.batch_blocks += cdiv(request.num_computed_tokens + num_new, self.kv.block_size)
 
-    def _within_kernel_block_limit(self, tokens_after: int) -> bool:
+    def _within_kernel_block_limit(self, step: ScheduledStep, tokens_after: int) -> bool:
         if not self.config.batch_blocks_within_pool:
             return True
-        return self._batch_blocks + cdiv(tokens_after, self.kv.block_size) <= self.config.num_blocks
+        return step.batch_blocks + cdiv(tokens_after, self.kv.block_size) <= self.config.num_blocks
 
-    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+    def _preempt(self, step: ScheduledStep, victim: Request) -> None:
         self._leave_running(victim)
-        taken = self._scheduled.pop(victim.request_id, None)
+        taken = step.scheduled.pop(victim.request_id, None)
         if taken is not None:
-            self._budget += taken[1]
+            step.budget += taken[1]
             if self.config.batch_blocks_within_pool:
-                self._batch_blocks -= cdiv(victim.num_computed_tokens + taken[1], self.kv.block_size)
+                step.batch_blocks -= cdiv(victim.num_computed_tokens + taken[1], self.kv.block_size)
         # A victim whose copy-on-write is still pending this step has a block whose content
         # does not exist yet: swapping it out would save garbage, so it is recomputed instead.
         cow_pending = self.kv.cancel_copies(victim)
         swapped = None
         if self.config.preemption_mode == "swap" and not cow_pending:
             swapped = self.kv.swap_out(victim)  # None when the host pool has no room
+        plan = step.plan
         if swapped is not None:
             plan.swap_out.extend(swapped)
             victim.status = Status.SWAPPED
@@ -402,31 +429,31 @@ class EngineCore:
     def _room_for(self, blocks_needed: int) -> bool:
         return self.kv.num_available_blocks() - blocks_needed >= self._watermark_blocks
 
-    def _admit_swapped(self, plan: StepPlan, limit: int) -> None:
+    def _admit_swapped(self, step: ScheduledStep, limit: int) -> None:
         for request in list(self.policy.waiting_order(self.view.swapped, self.view)):
-            if self._budget <= 0 or self._running_seats + request.seats > limit:
+            if step.budget <= 0 or self._running_seats + request.seats > limit:
                 return
-            num_new = self._num_new_tokens(request)
+            num_new = self._num_new_tokens(step, request)
             host_blocks = self.kv.swap_in_blocks_needed(request)
             tokens_after = request.num_computed_tokens + num_new
             growth = max(0, cdiv(tokens_after, self.kv.block_size) - host_blocks)
-            if num_new == 0 or not self._room_for(host_blocks + growth) or not self._within_kernel_block_limit(tokens_after):
+            if num_new == 0 or not self._room_for(host_blocks + growth) or not self._within_kernel_block_limit(step, tokens_after):
                 return
             pairs = self.kv.swap_in(request)
             if pairs is None or not self.kv.allocate_slots(request, num_new):
                 raise AssertionError(f"swap-in of {request.request_id} failed after the room check")
-            plan.swap_in.extend(pairs)
+            step.plan.swap_in.extend(pairs)
             self.swapped.remove(request)
-            self._start_running(request, num_new)
+            self._start_running(step, request, num_new)
 
-    def _admit_waiting(self, limit: int) -> None:
+    def _admit_waiting(self, step: ScheduledStep, limit: int) -> None:
         admitted: list[Request] = []
         for request in self.policy.waiting_order(self.view.waiting, self.view):
-            if self._budget <= 0 or self._running_seats + request.seats > limit:
+            if step.budget <= 0 or self._running_seats + request.seats > limit:
                 break
             num_hit = self.kv.lookup(request)
-            num_new = self._num_new_tokens(request, num_hit)
-            if num_new == 0 or not self._within_kernel_block_limit(num_hit + num_new):
+            num_new = self._num_new_tokens(step, request, num_hit)
+            if num_new == 0 or not self._within_kernel_block_limit(step, num_hit + num_new):
                 break
             if not self._room_for(self.kv.blocks_needed(request, num_new, num_hit)):
                 break
@@ -437,15 +464,15 @@ class EngineCore:
                 request.prefix_hit_tokens = num_hit
             request.admitted_step = self.counters.steps
             admitted.append(request)
-            self._start_running(request, num_new)
+            self._start_running(step, request, num_new)
         if not admitted:
             return
         self.waiting.remove_all(admitted)
 
-    def _start_running(self, request: Request, num_new: int) -> None:
+    def _start_running(self, step: ScheduledStep, request: Request, num_new: int) -> None:
         request.status = Status.RUNNING
         self._join_running(request)
-        self._schedule(request, num_new)
+        self._schedule(step, request, num_new)
 
     def _join_running(self, request: Request) -> None:
         self._num_joins += 1
@@ -458,7 +485,7 @@ class EngineCore:
         """``last_step``: the step whose commit this is (a member's last batch token); None: before any member advanced."""
         self.running.remove(request)
         self._left.append(request.request_id)
-        if request.batch_since >= 0:
+        if request.in_decode_batch:
             self._leave_batch(request, last_step)
         else:
             self._loose.remove(request)
@@ -473,35 +500,37 @@ class EngineCore:
         self.counters.rejected += 1
         plan.rejected.append((request.request_id, "unschedulable"))
 
-    def _fill_plan(self, plan: StepPlan) -> None:
+    def _fill_plan(self, step: ScheduledStep, detail: PlanDetail) -> None:
         """Entries of the scheduled requests and their totals in one pass; the batch's from its running sums.
 
-        With ``plan_tables`` (a reader wants the whole plan) every entry, table and slot is
-        written, in running order; without, ``entries`` holds only the requests outside the
-        decode batch and ``plan.batch_decodes`` counts the members' one-token decodes, and with
-        ``plan_changes`` the plan also says what changed (or, in a step that cannot say it, is whole).
+        A whole plan (``detail`` TABLES or SLOTS) has every entry and table (and slot, SLOTS), in
+        running order; below that ``entries`` holds only the requests outside the decode batch
+        and ``plan.batch`` counts the members' one-token decodes, with what changed (CHANGES) in
+        a step the changes can tell, or else the plan is whole after all.
         """
+        plan = step.plan
         bs = self.kv.block_size
         block_table = self.kv.block_table
         batch = self._batch
         members = len(batch)
-        ran_all = len(self._scheduled) + members == len(self.running)
-        with_changes = self.plan_changes and not self.plan_tables and self._batching and ran_all and self._last_ran_all
-        with_tables, with_slots = self.plan_tables or (self.plan_changes and not with_changes), self.plan_slots
+        ran_all = len(step.scheduled) + members == len(self.running)
+        with_changes = detail == _CHANGES and self._batching and ran_all and self._last_ran_all
+        whole = detail >= _TABLES or (detail == _CHANGES and not with_changes)
+        with_slots = detail == _SLOTS
         changed_tables: dict[str, list[int]] = {}
         loose_entries: list[PlanEntry] = []
-        loose_tables: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (table, slots), with tables
+        loose_tables: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (table, slots), whole
         totals = PlanTotals(bs)
         # The decode path's sums stay in locals (the hot loop); PlanTotals.of is the reference (plan.check).
         num_tokens = sampled = blocks_touched = decode_seqs = decode_ctx = decode_max_blocks = 0
-        for request, num_new in self._scheduled.values():
+        for request, num_new in step.scheduled.values():
             rid = request.request_id
             first = request.num_computed_tokens
             end = first + num_new
             samples = end == request.prompt_tokens + request.num_output_tokens
             num_tokens += num_new
             sampled += samples
-            if num_new == 1 and samples and request.num_output_tokens:  # a decode
+            if request.is_decode:
                 entry = PlanEntry(rid, first, 1, False, True)
                 blocks = first // bs + 1  # cdiv(end, bs) for end = first + 1
                 decode_seqs += 1
@@ -513,13 +542,12 @@ class EngineCore:
                 blocks = cdiv(end, bs)
                 totals.add_prefill(first, num_new, blocks)
             loose_entries.append(entry)
-            if with_tables:
+            if whole:
                 table = block_table(request)
                 loose_tables[rid] = (table[:], slots_for(table, first, end, bs) if with_slots else [])
             elif with_changes:
                 changed_tables[rid] = block_table(request)[:]
             blocks_touched += blocks
-            request.num_computed_tokens = end
             if samples and request.n_samples > 1 and request.seats > 1:  # its samples fork now
                 plan.forks.append((rid, [f"{rid}#{k}" for k in range(1, request.n_samples)]))
         if members:
@@ -534,36 +562,38 @@ class EngineCore:
         totals.decode_ctx_tokens, totals.decode_max_blocks = decode_ctx, decode_max_blocks
         plan.totals = totals
         plan.copies = self.kv.take_copies()
-        self._loose_entries = loose_entries
-        if with_changes:
-            for request in self._due:
-                if request.batch_since >= 0:
-                    changed_tables[request.request_id] = block_table(request)[:]
-            plan.changes = BatchChanges(self._left, changed_tables)
-        self._left = []
+        step.loose_entries = loose_entries
         self._last_ran_all = ran_all and not plan.forks
-        if not with_tables:
+        if with_changes:
+            for request in step.due:
+                if request.in_decode_batch:
+                    changed_tables[request.request_id] = block_table(request)[:]
+            plan.batch = BatchChanges(members, self._left, changed_tables)
+        self._left = []
+        if not whole:
             plan.entries = loose_entries
-            plan.batch_decodes = members
+            if not with_changes:
+                plan.batch = BatchDecodes(members)
         elif not members:
             plan.entries = loose_entries
             for rid, (table, slots) in loose_tables.items():
                 plan.block_tables[rid] = table
                 plan.slot_mapping.extend(slots)
         else:
-            self._fill_in_running_order(plan, loose_tables, with_slots)
-        plan.slots_omitted = with_tables and not with_slots
+            self._fill_in_running_order(plan, loose_entries, loose_tables, with_slots)
+        if not with_slots:
+            plan.slot_mapping = None
 
-    def _fill_in_running_order(self, plan: StepPlan, loose_tables: dict[str, tuple[list[int], list[int]]],
-                               with_slots: bool) -> None:
+    def _fill_in_running_order(self, plan: StepPlan, loose_entries: list[PlanEntry],
+                               loose_tables: dict[str, tuple[list[int], list[int]]], with_slots: bool) -> None:
         """A whole plan: members' decodes and loose entries in running order (the request-by-request pass's order)."""
         bs = self.kv.block_size
         block_table = self.kv.block_table
         entries, tables, slot_mapping = plan.entries, plan.block_tables, plan.slot_mapping
-        loose = {e.request_id: e for e in self._loose_entries}
+        loose = {e.request_id: e for e in loose_entries}
         for request in self.running:
             rid = request.request_id
-            if request.batch_since >= 0:
+            if request.in_decode_batch:
                 pos = request.num_computed_tokens
                 entries.append(PlanEntry(rid, pos, 1, False, True))
                 table = block_table(request)
@@ -577,27 +607,28 @@ class EngineCore:
                 slot_mapping.extend(slots)
 
     def commit(self, plan: StepPlan, now: float) -> list[Request]:
-        """Apply a step's results at time ``now``; returns the requests that finished.
+        """Apply a step's results at time ``now``: every request's progress moves here; returns the requests that finished.
 
         ``plan`` must be the one the last ``schedule`` returned.
         """
-        step, batch, sink = plan.step, self._batch, self.token_sink
-        members = batch.members
-        batch.advance(step)  # every member decoded one token
+        step, self._in_flight = self._in_flight, None
+        if step is None or step.plan is not plan:
+            raise ValueError(f"commit of step {plan.step}: not the plan the last schedule returned")
+        number, batch, sink = plan.step, self._batch, self.token_sink
+        batch.advance(number)  # every member decoded one token
         sampled: list[Request] = []
-        requests, running = self.requests, Status.RUNNING
-        for entry in self._loose_entries:
+        running = Status.RUNNING
+        for (request, _), entry in zip(step.scheduled.values(), step.loose_entries):
+            request.num_computed_tokens = entry.first_position + entry.num_tokens
             if sink is not None and entry.is_prefill:
                 sink.scheduled(entry.request_id, self.now)
-            if entry.samples:
-                request = requests[entry.request_id]
-                if request.status is running:
-                    request.num_output_tokens += 1
-                    if request.first_token_s is None:
-                        request.first_token_s = now
-                    sampled.append(request)
-                    if sink is not None:
-                        sink.token(entry.request_id, now)
+            if entry.samples and request.status is running:
+                request.num_output_tokens += 1
+                if request.first_token_s is None:
+                    request.first_token_s = now
+                sampled.append(request)
+                if sink is not None:
+                    sink.token(entry.request_id, now)
         for parent_id, child_ids in plan.forks:
             parent = self.requests[parent_id]
             if parent.status is Status.RUNNING:
@@ -607,32 +638,31 @@ class EngineCore:
                     sink.scheduled(child_id, self.now)
                     sink.token(child_id, now)
         finished = [r for r in sampled if r.num_output_tokens >= r.output_tokens and r.status is Status.RUNNING]
-        if members:
-            done = batch.pop_due(batch.finishes, step)
+        if batch.members:
+            done = batch.pop_due(batch.finishes, number)
             if done:
                 finished = sorted(finished + done, key=_run_seq) if finished else done
         for request in finished:
-            self._finish(request, now, step)
+            self._finish(request, now, number)
         if self._batching:
-            self._advance_batch(step + 1)
+            self._advance_batch(number + 1, step.due)
         return finished
 
-    def _advance_batch(self, step: int) -> None:
-        """Between steps: members open their new blocks, due members get their next event, loose decodes join."""
+    def _advance_batch(self, number: int, due: list[Request]) -> None:
+        """Between steps: members open their new blocks, ``due`` members get their next event, loose decodes join."""
         batch = self._batch
         if batch.members:
-            batch.start_step(step)
-            for request in self._due:
-                if request.batch_since >= 0:
+            batch.start_step(number)
+            for request in due:
+                if request.in_decode_batch:
                     event_in = self._event_in(request)
                     if event_in < NEVER:
-                        batch.schedule_event(request, step + event_in)
-        self._due = []
+                        batch.schedule_event(request, number + event_in)
         if self._loose:
             still_loose = []
             for request in self._loose:
-                if request.num_tokens - request.num_computed_tokens == 1 and request.num_output_tokens:
-                    batch.add(request, step, self._event_in(request))
+                if request.is_decode:
+                    batch.add(request, number, self._event_in(request))
                 else:
                     still_loose.append(request)
             self._loose = still_loose
@@ -656,12 +686,11 @@ class EngineCore:
                 parent=parent,
                 content_id=parent.content_id,
                 trace_index=parent.trace_index,
-                num_computed_tokens=parent.num_computed_tokens,
-                num_output_tokens=parent.num_output_tokens,
                 first_token_s=now,
                 admitted_step=parent.admitted_step,
                 prefix_hit_tokens=parent.prefix_hit_tokens,
             )
+            child.num_computed_tokens, child.num_output_tokens = parent.num_computed_tokens, parent.num_output_tokens
             self.requests[child_id] = child
             parent.children.append(child)
             self.kv.fork(parent, child)
@@ -704,7 +733,7 @@ class EngineCore:
         assert len(self.running) <= self.config.max_num_seqs
         assert self._running_seats == sum(r.seats for r in self.running), "running seats out of step"
         assert self.kv_counts()[3] == self.kv_stats().internal_waste_slots, "internal waste out of step"
-        assert [r for r in self.running if r.batch_since < 0] == self._loose, "loose requests out of step"
+        assert [r for r in self.running if not r.in_decode_batch] == self._loose, "loose requests out of step"
         assert len(self._batch) + len(self._loose) == len(self.running), "decode batch out of step"
         self._batch.check(self.counters.steps)
         if not self.has_unfinished():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from kvsim.policies.block_manager import BlockManager, DecodeOutlook, KVStats
+from kvsim.policies.block_manager import BlockManager, DecodeFastPath, DecodeOutlook, KVStats
 from kvsim.policies.block_pool import BlockPool
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.hashing import check_block_size_compatible, extend_block_hashes
@@ -23,7 +23,7 @@ _num_computed = attrgetter("num_computed_tokens")
 
 
 @register_block_manager("paged")
-class PagedBlockManager(BlockManager):
+class PagedBlockManager(BlockManager, DecodeFastPath):
     enable_caching = False
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:

@@ -3,10 +3,17 @@
 The executor in between ``schedule`` and ``commit`` only turns a plan into a duration (and,
 in the real world, tokens). Serialising a plan gives one JSON line of the decision log; two
 runs made the same decisions exactly when their logs are byte-identical.
+
+A plan spells out as much as its readers need (``PlanDetail``, asked for by the driver): a
+whole plan lists every entry with its block table (vLLM V1's ``NewRequestData``: all there is
+to know), while a plan for readers of totals or of changes leaves the persistent decode
+batch's members out and carries them as a part of their own (``BatchDecodes``, or
+``BatchChanges`` with what changed since the last step: vLLM's ``CachedRequestData``).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 
@@ -75,7 +82,7 @@ class PlanTotals:
         self.prefill_max_tokens = max(self.prefill_max_tokens, n)
 
     @classmethod
-    def of(cls, entries: list[PlanEntry], block_size: int) -> "PlanTotals":
+    def of(cls, entries: list[PlanEntry], block_size: int) -> PlanTotals:
         t = cls(block_size)
         for e in entries:
             n, end = e.num_tokens, e.end_position
@@ -93,8 +100,29 @@ class PlanTotals:
         return t
 
 
+class PlanDetail(enum.IntEnum):
+    """How much of a step a plan spells out; each level holds everything of the ones below.
+
+    A driver asks ``EngineCore.schedule`` for the most any reader of its plans needs (a step
+    timer's and a decision sink's ``plan_detail``, ``--check``); less is cheaper to write.
+    """
+
+    TOTALS = 0  # entries outside the decode batch, the batch's decodes counted (BatchDecodes); no tables
+    CHANGES = 1  # and what changed in the batch (BatchChanges) where that tells the step, else TABLES
+    TABLES = 2  # every entry and its block table; slots left to StepPlan.all_slots()
+    SLOTS = 3  # every entry, block table and slot: what an executor runs
+
+
 @dataclass(slots=True)
-class BatchChanges:
+class BatchDecodes:
+    """The persistent decode batch's one-token decodes, which a plan below ``PlanDetail.TABLES``
+    leaves out of its entries: counted (the plan's totals include them), not listed."""
+
+    count: int
+
+
+@dataclass(slots=True)
+class BatchChanges(BatchDecodes):
     """What a step changed in the batch, for a reader that keeps the previous step's entries
     (the decision log) when the plan leaves the batch's entries out: it costs what changed.
 
@@ -114,7 +142,9 @@ class StepPlan:
     step: int
     entries: list[PlanEntry] = field(default_factory=list)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
-    slot_mapping: list[int] = field(default_factory=list)  # flat, in entry order
+    # Flat, in entry order; None where the plan's readers derive slots from the tables (below
+    # PlanDetail.SLOTS): ``all_slots()`` gives them either way.
+    slot_mapping: list[int] | None = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -124,14 +154,14 @@ class StepPlan:
     # Filled by the engine with the entries (None: a plan built by hand; readers compute it).
     # Derived from the entries, so not part of a plan's equality.
     totals: PlanTotals | None = field(default=None, compare=False)
-    # One-token decodes of the engine's persistent batch that ``entries`` leaves out: only in a
-    # plan made without tables (``EngineCore.plan_tables`` off), whose readers need the totals alone.
-    batch_decodes: int = 0
-    # True when the engine left ``slot_mapping`` empty because no reader wanted it (``EngineCore.plan_slots``
-    # off: a decision log reads tables, not slots); the slots are then the formula's, ``all_slots()``.
-    slots_omitted: bool = False
-    # With ``batch_decodes``, for a reader that keeps the batch (``EngineCore.plan_changes``).
-    changes: BatchChanges | None = field(default=None, compare=False)
+    # The decode batch's part where ``entries`` leaves it out (below PlanDetail.TABLES); None:
+    # ``entries`` is the whole step.
+    batch: BatchDecodes | None = None
+
+    @property
+    def batch_decodes(self) -> int:
+        """One-token decodes of the engine's persistent batch that ``entries`` leaves out."""
+        return 0 if self.batch is None else self.batch.count
 
     def totals_for(self, block_size: int) -> PlanTotals:
         """The batch shape at ``block_size``: the engine's totals when they match, else computed."""
@@ -190,8 +220,8 @@ class StepPlan:
             offset += e.num_tokens
 
     def all_slots(self) -> list[int]:
-        """``slot_mapping``, derived from the entries and block tables when the engine omitted it."""
-        if not self.slots_omitted:
+        """``slot_mapping``, derived from the entries and block tables where the plan leaves it out."""
+        if self.slot_mapping is not None:
             return self.slot_mapping
         entries, tables = self.entries, self.block_tables
         block_size = self.totals.block_size  # the engine, the one that omits slots, always sets the totals
@@ -219,7 +249,7 @@ class StepPlan:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StepPlan":
+    def from_dict(cls, d: dict) -> StepPlan:
         return cls(
             step=d["step"],
             entries=[PlanEntry(r, p, n, k == "p", bool(s)) for r, p, n, k, s in d["entries"]],
@@ -282,7 +312,7 @@ class DecodeStretch:
         )
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DecodeStretch":
+    def from_dict(cls, d: dict) -> DecodeStretch:
         return cls(
             first_step=d["step"],
             num_steps=d["stretch"],

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvsim.policies.decode_batch import DecodeBatch
 
 
 class Status(str, enum.Enum):
@@ -27,6 +31,15 @@ class Request:
 
     A request with ``n_samples > 1`` is prefilled once; when that prefill completes the engine
     forks ``n_samples - 1`` children (``parent`` set) that share every block with it.
+
+    A step's progress advances at its commit (``EngineCore.commit``): the entries outside the
+    decode batch there (``num_computed_tokens`` to the entry's end, one output token if it
+    sampled), the batch's members all at once in ``DecodeBatch.advance``, which moves the
+    batch's clock: a member's two counters are derived values (properties), what they were
+    when it joined plus the steps its batch has committed since, so a step costs no write per
+    member. The engine sets progress otherwise only where a run starts (the prefix-cache hit
+    at admission, 0 at a recompute preemption). Between steps a running request is exactly one
+    of ``is_prefill`` and ``is_decode``.
     """
 
     request_id: str  # the one id: engine, managers, plans and logs look a request up by it
@@ -39,31 +52,59 @@ class Request:
     trace_hashes: tuple[int, ...] | None = None  # prefix-block hashes over hash_block_size tokens
     hash_block_size: int | None = None
     token_ids: tuple[int, ...] | None = None  # prompt token ids, when the trace has them
-    parent: "Request | None" = None
+    parent: Request | None = None
     content_id: int = -1  # ``order`` of the root request: samples share prompt identity
     trace_index: int = -1
 
     status: Status = Status.WAITING
-    num_computed_tokens: int = 0
-    num_output_tokens: int = 0
+    # Progress as stored, read through ``num_computed_tokens`` and ``num_output_tokens``: the
+    # counts themselves outside the decode batch, a member's as it joined.
+    _num_computed: int = 0
+    _num_output: int = 0
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0  # tokens served from the prefix cache at first admission
     admitted_step: int = -1
     first_token_s: float | None = None
     finish_s: float | None = None
     reject_reason: str | None = None
-    children: list["Request"] = field(default_factory=list)
+    children: list[Request] = field(default_factory=list)
     forked: bool = False
     # The engine's bookkeeping: the order in which the request joined the running list (the
-    # running order), and the first step of its current run in the decode batch (-1: not in it)
-    # with that batch (policies.decode_batch), whose clock advances the request's counters.
+    # running order), and the first step of its current run in the decode batch (-1: not in
+    # it; see ``in_decode_batch``) with that batch, whose clock counts a member's progress.
     run_seq: int = 0
     batch_since: int = -1
-    batch: "object | None" = None
+    batch: DecodeBatch | None = None
 
     def __post_init__(self) -> None:
         if self.content_id < 0:
             self.content_id = self.order
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is computed: the next step computes from here."""
+        batch = self.batch
+        if batch is None:
+            return self._num_computed
+        return self._num_computed + batch.clock - self.batch_since
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        batch = self.batch
+        self._num_computed = value if batch is None else value - (batch.clock - self.batch_since)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens sampled so far."""
+        batch = self.batch
+        if batch is None:
+            return self._num_output
+        return self._num_output + batch.clock - self.batch_since
+
+    @num_output_tokens.setter
+    def num_output_tokens(self, value: int) -> None:
+        batch = self.batch
+        self._num_output = value if batch is None else value - (batch.clock - self.batch_since)
 
     @property
     def num_tokens(self) -> int:
@@ -78,10 +119,22 @@ class Request:
         """Running slots the request takes: its samples fork once its prefill completes."""
         return self.n_samples if self.parent is None and not self.forked else 1
 
+    # is_prefill and is_decode read the stored counters: a batch's clock adds the same steps to
+    # both, so their difference is stored, and a member joined with an output token already.
     @property
     def is_prefill(self) -> bool:
         """True while the step would not sample a token at the end of a one-token step."""
-        return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0
+        return self.prompt_tokens + self._num_output - self._num_computed > 1 or self._num_output == 0
+
+    @property
+    def is_decode(self) -> bool:
+        """True when the next step computes one token, the last sampled, and samples the next."""
+        return self.prompt_tokens + self._num_output - self._num_computed == 1 and self._num_output > 0
+
+    @property
+    def in_decode_batch(self) -> bool:
+        """A member of the engine's persistent decode batch (policies.decode_batch)."""
+        return self.batch_since >= 0
 
     @property
     def is_finished(self) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvsim.policies.blocks import cdiv
-from kvsim.policies.plan import PlanEntry, StepPlan
+from kvsim.policies.plan import PlanDetail, PlanEntry, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.kv_quant import KVScales
@@ -84,6 +84,8 @@ class Executor:
     captured graph padded to the next size, as vLLM does (``realexec/graphs.py``); empty, or an
     int8 cache (the graph's attention path takes float caches): every step runs eagerly.
     """
+
+    plan_detail = PlanDetail.SLOTS  # the StepTimer's: it runs every token at its slot
 
     def __init__(
         self,

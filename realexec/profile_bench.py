@@ -21,7 +21,7 @@ import torch
 from kvsim.policies.blocks import cdiv, slots_for
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.engine import EngineCore
-from kvsim.policies.plan import PlanEntry, StepPlan
+from kvsim.policies.plan import PlanDetail, PlanEntry, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.backends.base import AttentionMetadata
@@ -337,6 +337,8 @@ class RecordingTimer:
 
     Request ids get ``prefix``, so several engine runs can share one executor (trace ids repeat).
     """
+
+    plan_detail = PlanDetail.SLOTS  # the executor's
 
     def __init__(self, executor: Executor, prefix: str) -> None:
         self.executor = executor

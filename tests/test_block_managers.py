@@ -48,12 +48,13 @@ def make_request(seq: int, family: int, prompt: int, output: int) -> Request:
 
 def fork_of(parent: Request, seq: int) -> Request:
     """A parallel sample of ``parent``, forked when its prefill completes (as the engine does)."""
-    return Request(
+    child = Request(
         str(seq), seq, 0.0, parent.prompt_tokens, parent.output_tokens,
         token_ids=parent.token_ids, trace_hashes=parent.trace_hashes, hash_block_size=parent.hash_block_size,
         parent=parent, content_id=parent.content_id,
-        num_computed_tokens=parent.num_computed_tokens, num_output_tokens=parent.num_output_tokens,
     )  # fmt: skip
+    child.num_computed_tokens, child.num_output_tokens = parent.num_computed_tokens, parent.num_output_tokens
+    return child
 
 
 def content(r: Request, j: int) -> tuple:

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvsim.cli.main import main
+from kvsim.policies.plan import PlanDetail
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.simulator import SimOptions, simulate
@@ -78,7 +79,7 @@ def test_watch_reads_no_block_tables_as_the_cost_model_reads_none():
     """So probes run the engine's leanest plans, as a simulate without a log does."""
     resolved = resolve(RunConfig(trace="demo"))
     timer = CostModelTimer(resolved.cost_model())
-    assert SloWatch(timer, SLO, 10).reads_block_tables is False is timer.reads_block_tables
+    assert SloWatch(timer, SLO, 10).plan_detail is PlanDetail.TOTALS is timer.plan_detail
 
 
 @pytest.mark.parametrize(("text", "expected"), [

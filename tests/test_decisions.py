@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from kvsim import traces
 from kvsim.cli.main import main
-from kvsim.policies.plan import DecodeStretch, PlanEntry, StepPlan
+from kvsim.policies.plan import BatchChanges, DecodeStretch, PlanDetail, PlanEntry, StepPlan
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, resolve
 from kvsim.sim.run.decisions import (
@@ -32,10 +32,10 @@ class Tee:
 
     def __init__(self, log: DecisionLog, whole: bool) -> None:
         self.log, self.lines, self.told_by_changes = log, [], 0
-        self.reads_changes = not whole
+        self.plan_detail = PlanDetail.TABLES if whole else PlanDetail.CHANGES
 
     def plan(self, plan) -> None:
-        if plan.changes is None:
+        if not isinstance(plan.batch, BatchChanges):
             self.lines.append(plan.to_json())
         else:
             self.told_by_changes += 1

@@ -21,6 +21,7 @@ from kvsim import traces  # noqa: E402
 from kvsim.cli.execute import REAL_DEFAULTS  # noqa: E402
 from kvsim.policies.config import EngineConfig  # noqa: E402
 from kvsim.policies.engine import EngineCore  # noqa: E402
+from kvsim.policies.plan import PlanDetail  # noqa: E402
 from kvsim.policies.request import Status  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.backends.npu import NpuBackend  # noqa: E402
@@ -142,6 +143,7 @@ class TeacherForced:
     """
 
     STEP_S = 0.02
+    plan_detail = PlanDetail.SLOTS
 
     def __init__(self, tested: Executor, reference: Executor) -> None:
         self.tested, self.reference = tested, reference

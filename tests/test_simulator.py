@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from kvsim import traces
 from kvsim.cli.main import main
 from kvsim.policies.engine import EngineCore
+from kvsim.policies.plan import PlanDetail
 from kvsim.policies.schedulers import FCFSPolicy, PriorityPolicy
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, resolve
@@ -20,6 +21,8 @@ from kvsim.sim.run.simulator import SimOptions, simulate
 
 class ReferenceLog:
     """The decision log as plain lines (``to_json`` of every plan), as the reader expands it."""
+
+    plan_detail = PlanDetail.TABLES
 
     def __init__(self) -> None:
         self.lines: list[str] = []

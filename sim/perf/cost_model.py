@@ -83,17 +83,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import reduce
 from operator import add, itemgetter
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import numpy as np
 
-from kvsim.policies.plan import StepPlan
+from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 from kvsim.sim.perf.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
 from kvsim.sim.perf.step_timer import StepTiming
 
-Num = Union[float, np.ndarray]
+Num = float | np.ndarray
 
 OPERATORS: tuple[str, ...] = tuple(OPERATOR_KEYS)
 MATRIX_OPERATORS = frozenset({"gemm", "attn_prefill", "attn_decode", "lm_head"})  # the rest use vector_flops
@@ -588,7 +588,7 @@ def _settled(previous: tuple[list[np.ndarray], np.ndarray], current: tuple[list[
 class CostModelTimer:
     """The simulator's step timer: every step's duration is the cost model's prediction."""
 
-    reads_block_tables = False  # a prediction reads a plan's entries and totals only
+    plan_detail = PlanDetail.TOTALS  # a prediction reads a plan's entries and totals only
 
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model

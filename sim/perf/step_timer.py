@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvsim.policies.plan import StepPlan
+from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 
 
@@ -24,8 +24,10 @@ class StepTiming:
 
 
 class StepTimer(Protocol):
-    """A timer may set ``reads_block_tables = False`` (the cost model's does): the simulator then
-    lets the engine leave plans' block tables and slot mapping empty unless a log or --check reads them."""
+    """``plan_detail``: what the timer reads of a plan (an executor every slot; the cost model
+    the totals): the simulator asks the engine for no more than its readers need."""
+
+    plan_detail: PlanDetail
 
     def add_request(self, request: Request) -> None:
         """A new request entered the engine (children of forks arrive through ``plan.forks``)."""
@@ -40,6 +42,8 @@ class ReplayTimer:
     With a ``predict`` function it also records what that model says of each replayed plan,
     so a cost model can be scored on exactly the plans the device ran.
     """
+
+    plan_detail = PlanDetail.SLOTS  # whole plans, as the device ran them (batch sizes count their entries)
 
     def __init__(self, durations: list[float], predict=None) -> None:
         self.durations = durations

@@ -12,7 +12,7 @@ new ones (entry and block table), entries that are not the expected next decode 
 blocks appended to a table, tables replaced, and whatever else the step holds (copies,
 swaps, preemptions, rejections, forks). Slots are derived from tables and positions and
 stored only when they differ. In the simulator the engine hands over the changes
-themselves (``StepPlan.changes``) in every step they tell, so the encoder's work and the
+themselves (``StepPlan.batch``, a ``BatchChanges``) in every step they tell, so the encoder's work and the
 engine's are what changed, not the batch: the encoder keeps the previous entries with each
 request's next position as an offset from the step, which a decoding request never updates.
 Records are gzip-compressed by a background thread (zlib releases the GIL). ``read_decisions``
@@ -42,6 +42,7 @@ from kvsim.policies.blocks import batch_slots
 from kvsim.policies.plan import (
     BatchChanges,
     DecodeStretch,
+    PlanDetail,
     StepPlan,
     expand_decision_log,
 )
@@ -61,10 +62,12 @@ _CHUNK_BYTES = 1 << 20
 class DecisionSink(Protocol):
     """Where the simulator hands each step's plan, in order.
 
-    A sink whose ``reads_changes`` is true keeps the previous step itself and takes plans that
-    carry what changed (``StepPlan.changes``, the batch's entries left out) where the engine can
-    tell a step that way; any other gets every plan whole.
+    ``plan_detail``: ``PlanDetail.CHANGES`` for a sink that keeps the previous step itself and
+    takes plans that carry what changed (``BatchChanges`` as ``StepPlan.batch``, the batch's
+    entries left out) where the engine can tell a step that way; ``TABLES`` (or more) for whole plans.
     """
+
+    plan_detail: PlanDetail
 
     def plan(self, plan: StepPlan) -> None: ...
 
@@ -115,7 +118,7 @@ class DiffEncoder:
     """Plans in, one compact JSON record each out (see the module docstring).
 
     A whole plan is compared with the previous step entry by entry; a plan that carries its
-    changes (``StepPlan.changes``: the engine's persistent batch, left out of ``entries``)
+    changes (``BatchChanges`` as ``StepPlan.batch``: the engine's persistent batch, left out of ``entries``)
     gives the same record from the changes alone.
     """
 
@@ -130,10 +133,10 @@ class DiffEncoder:
         rec: dict = {}
         if plan.step != self.previous.next_step:
             rec["n"] = plan.step
-        if plan.changes is None:
-            self._whole(rec, plan)
+        if isinstance(plan.batch, BatchChanges):
+            self._changes(rec, plan, plan.batch)
         else:
-            self._changes(rec, plan, plan.changes)
+            self._whole(rec, plan)
         for key, items in (("c", plan.copies), ("so", plan.swap_out), ("si", plan.swap_in),
                            ("p", plan.preempted), ("r", plan.rejected)):
             if items:
@@ -179,7 +182,7 @@ class DiffEncoder:
             changed = [(i, tables[i], previous_tables[j]) for i, j in enumerate(src)
                        if j is not None and tables[i] != previous_tables[j]]
         self._tables(rec, changed)
-        if not plan.slots_omitted:  # else they are the formula's by definition: nothing to store
+        if plan.slot_mapping is not None:  # else they are the formula's by definition: nothing to store
             try:
                 derived = batch_slots(pos, ns, tables, self.block_size)
             except IndexError:  # a table too short for its entry: keep the plan's own slots
@@ -216,9 +219,9 @@ class DiffEncoder:
                 rids.append(rid)
                 previous_tables[rid] = table
             offset[rid] = position + num_tokens - next_step
-        if len(rids) != len(plan.entries) + plan.batch_decodes:
+        if len(rids) != len(plan.entries) + changes.count:
             raise AssertionError(f"step {plan.step}: {len(rids)} entries kept and new, the plan has "
-                                 f"{len(plan.entries) + plan.batch_decodes}: the changes cannot tell this step")
+                                 f"{len(plan.entries) + changes.count}: the changes cannot tell this step")
         self._entries(rec, new, sorted(odd))
         changed = []
         for rid, table in changes.tables.items():
@@ -363,7 +366,7 @@ class _GzipSink:
 class DecisionLog:
     """What the simulator hands each step's plan to, for ``summary`` or ``full`` (``off``: none at all)."""
 
-    reads_changes = True  # its encoder keeps the batch: plans may carry their changes
+    plan_detail = PlanDetail.CHANGES  # its encoder keeps the batch: plans may carry their changes
 
     def __init__(self, mode: str, block_size: int, out_dir: Path | None = None) -> None:
         if mode not in ("summary", "full"):

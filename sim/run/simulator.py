@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import simpy
 
 from kvsim.policies.engine import EngineCore
-from kvsim.policies.plan import StepPlan
+from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import add_trace_request
 from kvsim.sim.perf.step_timer import StepTimer, StepTiming
@@ -82,14 +82,12 @@ class Simulation:
         self.next_index = 0
         self._wake: simpy.Event | None = None
         self._arrivals = trace.arrival_s.tolist()
-        # Plans carry block tables and slots only for a reader: --check, a timer that runs them (one
-        # that does not read them says so: ``reads_block_tables = False``), or a decision sink, which
-        # derives slots from the tables; the decision log keeps the batch itself and reads what changed.
-        timer_reads = getattr(timer, "reads_block_tables", True)
-        sink = self.options.decisions
-        engine.plan_changes = sink is not None and getattr(sink, "reads_changes", False)
-        engine.plan_tables = self.options.check or timer_reads or (sink is not None and not engine.plan_changes)
-        engine.plan_slots = self.options.check or timer_reads
+        # Plans spell out what their readers need, no more: the timer's and the decision sink's
+        # ``plan_detail``, and whole plans for --check.
+        needs = [timer.plan_detail, PlanDetail.SLOTS if self.options.check else PlanDetail.TOTALS]
+        if self.options.decisions is not None:
+            needs.append(self.options.decisions.plan_detail)
+        self.plan_detail = max(needs)
 
     # --- SimPy processes ---------------------------------------------------------------
     def _arrival_process(self):
@@ -108,7 +106,7 @@ class Simulation:
         simulator's time on long traces.
         """
         engine, env, arrivals, n = self.engine, self.env, self._arrivals, len(self._arrivals)
-        schedule, timer_step = engine.schedule, self.timer.step
+        schedule, timer_step, detail = engine.schedule, self.timer.step, self.plan_detail
         while True:
             self._admit_arrivals()
             if not engine.has_unfinished():
@@ -122,7 +120,7 @@ class Simulation:
                 self.clock = max(self.clock, upcoming)
                 continue
             start = self.clock
-            plan = schedule(start)
+            plan = schedule(start, detail)
             timing: StepTiming | None = None
             duration = 0.0
             if not plan.is_empty:

@@ -129,7 +129,7 @@ class SloWatch:
         self.misses = dict.fromkeys(self.deadlines, 0)
         self.latest_arrival = 0.0
         self.busy_s = 0.0
-        self.reads_block_tables = inner.reads_block_tables  # it reads what the cost model reads, and requests
+        self.plan_detail = inner.plan_detail  # it reads what the cost model reads, and requests
 
     def add_request(self, request: Request) -> None:
         self.inner.add_request(request)
