@@ -152,3 +152,31 @@ def test_fit_rejects_bad_input(llama_910b: CostModel) -> None:
         fit_operators(llama_910b, f, np.ones(10), ["gemm"], fixed=["matmul"])
     with pytest.raises(ValueError, match="both fitted and fixed"):
         fit_operators(llama_910b, f, np.ones(10), ["gemm"], fixed=["gemm"])
+
+
+def test_a_launch_bound_operator_keeps_its_efficiencies_within_the_bound() -> None:
+    """Times that are all launch cost, over work that varies 1000-fold: unbounded, the fit gives the
+    bytes a rate next to 0 (an efficiency in the thousands); bounded, the rate is held at its floor
+    (MAX_EFFICIENCY of the roof) and the call cost refitted beside it."""
+    rng = np.random.default_rng(1)
+    size, bandwidth = 200, 1.6e12
+    nbytes = np.exp(rng.uniform(np.log(1e6), np.log(1e9), size))
+    work = {"gemm": [np.zeros(size), nbytes, np.ones(size)]}
+    seconds = (1e-3 + nbytes * 1e-16) * rng.lognormal(0.0, 0.01, size)  # 1e-16 s/B: an efficiency of 6,250
+    start = {"gemm": [0.0, 1.0 / (0.5 * bandwidth), 1e-4]}
+    unbounded = _refine(work, seconds, seconds, start, 100)["gemm"]
+    assert 1.0 / (unbounded[1] * bandwidth) > 100 * MAX_EFFICIENCY  # what the fit did before the bound
+    floor = 1.0 / (bandwidth * MAX_EFFICIENCY)
+    bounded = _refine(work, seconds, seconds, start, 100, floors={"gemm": [0.0, floor, 0.0]})["gemm"]
+    assert bounded[1] == floor  # held at the bound
+    assert bounded[2] == pytest.approx(1e-3, rel=0.05)  # the call cost refitted beside it
+
+
+def test_fitted_efficiencies_stay_within_the_bound(llama_910b: CostModel) -> None:
+    """The same through fit_operators: one- and two-row GEMMs timed at their launch cost alone."""
+    f = _sweep(200, seed=9)
+    f = dataclasses.replace(f, num_tokens=np.minimum(f.num_tokens, 2.0))
+    seconds = 4 * llama_910b.model.num_layers * 2e-3 * np.random.default_rng(1).lognormal(0.0, 0.02, f.num_tokens.size)
+    fitted = fit_operators(llama_910b, f, seconds, ["gemm"])["gemm"]
+    assert 0 < fitted.memory_efficiency <= MAX_EFFICIENCY * (1 + 1e-12)
+    assert 0 < fitted.compute_efficiency <= MAX_EFFICIENCY * (1 + 1e-12)
