@@ -45,7 +45,13 @@ WALL_CLOCK = "wall clock (time.perf_counter), recorded beside the device clock, 
 
 @click.command(help=f"""Cross-validate the simulator against the real executor on the same trace.
 
-Default workload: {WORKLOAD}""")
+Default workload: {WORKLOAD}
+
+Exit status: 0 pass; 1 fail (the model misses by more than this machine's own repeatability
+explains); 3 inconclusive (the machine's speed moved, or its timings scattered, too much to
+tell: rerun, on a quieter machine or an accelerator); 2 a mistake in the command or its files.
+--perturb-profile and --no-row-count-terms are checks of the checker: a model known to be
+wrong must not pass.""")
 @run_options(defaults=REAL_DEFAULTS)
 @click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -56,15 +62,13 @@ Default workload: {WORKLOAD}""")
 @click.option("--quiet", is_flag=True)
 @click.option("--perturb-profile", "perturb", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
               metavar="FACTOR",
-              help="A check of the checker: every operator time the profile predicts multiplied by FACTOR (1.2: a model 20 %% "
+              help="A check of the checker: every operator time the profile predicts multiplied by FACTOR (1.2: a model 20 % "
                    "slow). A right verdict fails such a model, or calls the run inconclusive; it never passes it.")
 @click.option("--no-row-count-terms", is_flag=True,
               help="A check of the checker: the profile's row-count terms left out (steps of a few tokens then miss by "
                    "what the CPU's matrix kernels cost beyond the roofline). A right verdict never passes such a model.")
 def validate(backend: str, profile_path: Path | None, reprofile: bool, out_dir: Path, quiet: bool, perturb: float,
              no_row_count_terms: bool, **options) -> None:
-    """Exit status: 0 pass, 1 fail (the model misses by more than this machine's repeatability explains),
-    3 inconclusive (the machine moved or scattered too much to tell), 2 a mistake in the command or its files."""
     config_path = options.get("config_path")
     echo = None if quiet else click.echo
     with user_errors():  # what the user chose: thresholds, config, trace, backend (exit 2)
