@@ -217,8 +217,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     validation["timing"]["speed_check"] = speed.to_dict()
     validation["timing"]["speed_check_before"] = before.to_dict()
     say("real vs real: the run replayed with each half of its step timings; the model at the machine's measured speeds")
-    timed_steps = real_vs_real(sim_resolved, trace, timed, [h for h, t in zip(measured["half_runs_s"], real.steps.column("timed")) if t],
-                               real_summary, cost.step_time)
+    timed_steps = real_vs_real(sim_resolved, trace, timed, measured["half_runs_s"], real_summary, cost.step_time)  # one per timed step
     machine = bracket(before, speed)
     explained = errors_at_speeds(sim_resolved, trace, timed, replay_timer.predicted, real_summary, machine.speeds)
     validation["repeatability"] = {
@@ -303,6 +302,12 @@ def format_checks(validation: dict) -> str:
     lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction ({reference_ratios(speed)})"
                  + (f", against their times when profiled {reference_ratios(speed, 'profiled_s')}" if speed.get("profiled_s") else "")
                  + hint)
+    repeat = validation["repeatability"]
+    spreads = ", ".join(f"{name} {'n/a' if v is None else f'{v:.3f}'}" for name, v in repeat["spread"].items())
+    lines.append(f"real vs real (the run replayed with the medians of its even and of its odd timing runs), spread: {spreads}")
+    machine = repeat["machine_speed"]
+    lines.append(f"the machine's speed against {'its profile' if machine['against'] == 'profiled' else machine['against']}: "
+                 f"{machine['before']:.2f}x before the run, {machine['after']:.2f}x after")
     decisions = validation["decision_identity"]
     lines.append(f"decision logs: {'identical' if decisions['identical'] else 'DIVERGE at step ' + str(decisions['first_divergence']['step'])}"
                  f" over {decisions['steps_compared']} steps")
