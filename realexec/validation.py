@@ -177,3 +177,76 @@ def validate_runs(
         "memory": memory,
         "thresholds": asdict(thresholds),
     }
+
+
+# Exit codes of ``kvsim validate`` (2 is click's for a usage mistake, and kvsim's for bad input).
+PASS, FAIL, INCONCLUSIVE = 0, 1, 3
+WHAT_TO_DO = "rerun it, on a quieter machine (stop other work on it) or on an accelerator (--backend cuda)"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a validation concludes, its exit code and one line saying why."""
+
+    outcome: str  # pass | fail | inconclusive
+    exit_code: int
+    reason: str
+
+    @property
+    def line(self) -> str:
+        """The closing line: ``validation passed|failed|inconclusive: <why>``."""
+        said = {"pass": "passed", "fail": "failed"}.get(self.outcome, self.outcome)
+        return f"validation {said}: {self.reason}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "line": self.line}
+
+
+def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict[str, float | None], moved: float,
+            thresholds: Thresholds) -> Verdict:
+    """Pass, fail or inconclusive from the checks and what the machine's own behaviour explains.
+
+    ``spread``: each timing check's real-vs-real spread (realexec/repeatability.py); checks it
+    lacks (decisions, memory) have none: their failure is the model's. ``explained``: each timing
+    check's error with the model scaled to the speeds the machine ran at while measuring (the
+    least over them). ``moved``: how far the machine's speed strayed from the profile's (|speed - 1|).
+
+    - **fail**: a check misses its threshold, and still misses threshold + spread with the model
+      at the machine's speed: more than the machine's repeatability can explain.
+    - **inconclusive**: a check misses, but within what the machine's speed and spread explain; or
+      every check passes while the machine moved by more than the step threshold (a pass then
+      says little: a model off by as much as the machine moved would pass too).
+    - **pass**: every check within its threshold on a machine that held its speed.
+    Thresholds are the user's, unchanged; only the reading of a miss depends on the machine.
+    """
+    failed = [c for c in checks if not c["passed"]]
+    beyond, within = [], []
+    for c in failed:
+        allowance = spread.get(c["name"])
+        best = explained.get(c["name"])
+        if c["value"] is None or allowance is None or best is None or best > c["threshold"] + allowance:
+            beyond.append((c, allowance, best))
+        else:
+            within.append((c, allowance, best))
+    if beyond:
+        c, allowance, best = beyond[0]
+        value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
+        if allowance is None or best is None:
+            why = f"{c['name']} {value} over its limit {c['threshold']:.3f}"
+        else:
+            why = (f"{c['name']} {value} over its limit {c['threshold']:.3f}, and {best:.3f} with the model at the machine's "
+                   f"measured speed: beyond the limit plus the run's real-vs-real spread {allowance:.3f}")
+        more = f" (and {len(beyond) - 1} more)" if len(beyond) > 1 else ""
+        return Verdict("fail", FAIL, f"{why}{more}: the model misses by more than this machine's repeatability explains")
+    if within:
+        c, allowance, best = within[0]
+        more = f" (and {len(within) - 1} more)" if len(within) > 1 else ""
+        return Verdict("inconclusive", INCONCLUSIVE,
+                       f"{c['name']} {c['value']:.3f} over its limit {c['threshold']:.3f}{more}, but {best:.3f} with the "
+                       f"model at the machine's measured speed (it moved {moved:.0%} from the profile), within the limit plus the "
+                       f"run's real-vs-real spread {allowance:.3f}: the machine cannot tell this model's error from its own; {WHAT_TO_DO}")
+    if moved > thresholds.step_mape:
+        return Verdict("inconclusive", INCONCLUSIVE,
+                       f"every check passed, but the machine's speed moved {moved:.0%} from the profile's while measuring, "
+                       f"more than the step limit {thresholds.step_mape:.0%}: a model off by as much would pass too; {WHAT_TO_DO}")
+    return Verdict("pass", PASS, f"every check within its limit, the machine within {moved:.0%} of its profiled speed")
