@@ -62,11 +62,6 @@ class TimedPass:
     forward_s: float
 
 
-def _median_run(passes: list[TimedPass]) -> float:
-    """Seconds of the median run (the upper one of an even count, as the step's own median is taken)."""
-    return sorted(p.host_s + p.forward_s for p in passes)[len(passes) // 2]
-
-
 class Executor:
     """Implements ``sim.perf.step_timer.StepTimer`` on a real device.
 
@@ -83,10 +78,7 @@ class Executor:
     A CPU shared with other tenants times one run of a few milliseconds with 8-30 % noise
     (docs/benchmarks.md); the median of the repeats is the estimate the profiler fits its cases on.
     Block moves (swap, copy) run once: they are not idempotent when a plan reuses a block.
-    The first run's time alone is kept in ``single_run_s``, and the medians of the even and the
-    odd runs apart in ``half_runs_s``: two measurements of the step interleaved run by run, so a
-    change of the machine's speed hits both alike, and how far they differ is how repeatable the
-    step's time is (``kvsim validate`` replays each through the engine: realexec/repeatability.py).
+    The first run's time alone is kept in ``single_run_s``.
 
     ``capture_sizes`` (None: the backend's) replays every step of at most the largest size as a
     captured graph padded to the next size, as vLLM does (``realexec/graphs.py``); empty, or an
@@ -145,7 +137,6 @@ class Executor:
         self._prompt_lens: dict[str, int] = {}
         self.wall_s: list[float] = []  # wall-clock seconds of every step run, in order (first run of its pass)
         self.single_run_s: list[float] = []  # every step's duration from its pass's first run alone
-        self.half_runs_s: list[tuple[float, float]] = []  # every step's duration from its even runs' median and its odd runs'
 
     # ---- StepTimer -------------------------------------------------------------------
 
@@ -185,11 +176,8 @@ class Executor:
                 passes += [self._timed_pass(plan) for _ in range(count - 1)]
                 median = sorted(passes, key=lambda p: p.host_s + p.forward_s)[len(passes) // 2]
                 host_s, operators["forward"] = median.host_s, median.forward_s
-                self.half_runs_s.append((moves_s + _median_run(passes[0::2]), moves_s + _median_run(passes[1::2] or passes)))
                 for request_id, token in zip(passes[0].sampling_ids, passes[0].sampled.tolist()):
                     self._tokens[request_id].append(token)
-            else:
-                self.half_runs_s.append((moves_s, moves_s))
         for parent, children in plan.forks:
             self._fork(parent, children)
         self.wall_s.append(wall_s)

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from kvsim.realexec.cost_fit import fit_operators
 from kvsim.realexec.profile_bench import Measured, Sample, StepRecords
 from kvsim.sim.perf.cost_model import STEP_OPERATORS, CostModel, StepFeatures
 from kvsim.sim.perf.device import DeviceProfile
@@ -38,13 +37,8 @@ HOST_OPERATORS = ("host_step", "host_seq")
 # Refitted on whole steps, one profile's held-out steps' error fell from 6.4 % to 5.6 %.
 STEP_REFITTED = ("gemm", "elementwise", "lm_head", "attn_decode")
 MAX_GEMV_ROWS = 8  # token counts the gemv_rows choice looks at: a BLAS's matrix-vector path ends well below this
-ROW_COUNT_MIN_STEPS = 4  # whole steps of one token count before its row-count term is measured
-ROW_COUNT_FLOOR = 0.01  # ... the share of those steps' median time its residual must pass
-# ... and the standard errors of that median it must pass: an excess within its own steps' spread is
-# noise. On a noisy profile (issue 27) 3 steps' median excess of 6.6 ms became a term that then
-# mispredicted the most common step by a third.
-ROW_COUNT_SIGNIFICANCE = 3.0
-ROW_COUNT_FOLDS = 5  # the terms are kept only if they lower the error on steps they were not fitted on
+ROW_COUNT_MIN_STEPS = 3  # whole steps of one token count before its row-count term is measured
+ROW_COUNT_FLOOR = 0.01  # ... and the share of those steps' median time its residual must pass (below: noise)
 # gemm half_tokens tried with each gemv_rows: a GEMM's small-M efficiency loss (cost_model.py) is part of
 # the same fact (which kernel a few rows run on), so the two are chosen together.
 HALF_TOKENS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
@@ -143,12 +137,8 @@ def fit_groups(
             errors.append(FitError.of(f"{group.name} if {name}", runner_up, seconds))
     if "steps" in data.median:
         features, seconds = stack(data.features["steps"]), np.array(data.median["steps"])
-        predicted = CostModel(spec, device, block_size, kv_dtype).predict(features)
-        tokens = np.asarray(features.num_tokens)
-        terms, cross_validated = chosen_row_count_terms(tokens, seconds, predicted)
-        device = replace(device, row_count_s=terms)
-        errors.append(FitError.of("steps without row-count terms", predicted, seconds))
-        errors.append(FitError.of(f"steps, terms held out {'(kept)' if terms else '(refused)'}", cross_validated, seconds))
+        residual = seconds - CostModel(spec, device, block_size, kv_dtype).predict(features)
+        device = replace(device, row_count_s=row_count_terms(np.asarray(features.num_tokens), seconds, residual))
         errors.append(FitError.of("steps with row-count terms", CostModel(spec, device, block_size, kv_dtype).predict(features), seconds))
     return device, errors
 
@@ -156,45 +146,13 @@ def fit_groups(
 def row_count_terms(tokens: np.ndarray, seconds: np.ndarray, residual: np.ndarray) -> dict[int, float]:
     """``row_count_s``: per token count up to :data:`MAX_GEMV_ROWS`, the median ``residual`` (measured
     ``seconds`` less the fitted prediction) of the whole steps of ``tokens`` tokens, where at least
-    :data:`ROW_COUNT_MIN_STEPS` were timed, it passes :data:`ROW_COUNT_FLOOR` of their time (the term
-    only adds), and it stands out of those steps' own spread: above :data:`ROW_COUNT_SIGNIFICANCE`
-    standard errors of a median (1.2533 sigma / sqrt(n), sigma from the median absolute deviation, so
-    one wild step cannot widen it)."""
+    :data:`ROW_COUNT_MIN_STEPS` were timed and it passes :data:`ROW_COUNT_FLOOR` of their time (the term only adds)."""
     terms = {}
     for rows in range(1, MAX_GEMV_ROWS + 1):
         at = tokens == rows
-        count = int(at.sum())
-        if count < ROW_COUNT_MIN_STEPS:
-            continue
-        excess = residual[at]
-        median = float(np.median(excess))
-        sigma = 1.4826 * float(np.median(np.abs(excess - median)))
-        standard_error = 1.2533 * sigma / np.sqrt(count)
-        if median > ROW_COUNT_FLOOR * np.median(seconds[at]) and median > ROW_COUNT_SIGNIFICANCE * standard_error:
-            terms[rows] = median
+        if at.sum() >= ROW_COUNT_MIN_STEPS and np.median(residual[at]) > ROW_COUNT_FLOOR * np.median(seconds[at]):
+            terms[rows] = float(np.median(residual[at]))
     return terms
-
-
-def chosen_row_count_terms(tokens: np.ndarray, seconds: np.ndarray, predicted: np.ndarray) -> tuple[dict[int, float], np.ndarray]:
-    """The row-count terms if they predict steps they were not fitted on better than none do, else none.
-
-    :data:`ROW_COUNT_FOLDS`-fold cross-validation over the whole steps (every k-th step a fold):
-    terms fitted on the other folds, each fold's steps predicted with them. Returns the terms
-    (fitted on every step) or {}, and those cross-validated predictions. The operator fit
-    under them is the same in every fold (refitting it per fold would multiply the profile's fit
-    time by the fold count); the terms are what this choice is about.
-    """
-    residual = seconds - predicted
-    with_terms = np.empty_like(seconds)
-    index = np.arange(seconds.size)
-    for fold in range(ROW_COUNT_FOLDS):
-        test = index % ROW_COUNT_FOLDS == fold
-        terms = row_count_terms(tokens[~test], seconds[~test], residual[~test])
-        with_terms[test] = predicted[test] + np.array([terms.get(int(t), 0.0) for t in tokens[test]])
-    without = float(np.mean(np.abs(predicted / seconds - 1.0)))
-    held_out = float(np.mean(np.abs(with_terms / seconds - 1.0)))
-    terms = row_count_terms(tokens, seconds, residual)
-    return (terms if terms and held_out < without else {}), with_terms
 
 
 def structural_choices(group: str, device: DeviceProfile, features: StepFeatures) -> list[tuple[str, DeviceProfile]]:
@@ -218,8 +176,7 @@ def _fit_group(
 ) -> tuple[DeviceProfile, np.ndarray, float]:
     """The profile with ``group`` fitted, its predictions of the group's samples, and their MAPE."""
     model = CostModel(spec, device, block_size, kv_dtype)
-    fitted = device.with_operators(
-        fit_operators(model, features, seconds, group.operators, fixed=group.fixed, fixed_calls=group.fixed_calls))
+    fitted = device.with_operators(model.fit(features, seconds, group.operators, fixed=group.fixed, fixed_calls=group.fixed_calls))
     times = CostModel(spec, fitted, block_size, kv_dtype).operator_times(features)
     predicted = sum(np.broadcast_to(times[op], seconds.shape) for op in group.operators + group.fixed)
     return fitted, predicted, float(np.mean(np.abs(predicted / seconds - 1.0)))

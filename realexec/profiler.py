@@ -19,7 +19,7 @@ block sizes for attention):
 4. The speed check's reference steps, timed as ``kvsim validate`` times them and recorded in the
    profile, so that a later speed check tells the machine's drift apart from the model's error.
 
-Groups are fitted in :data:`GROUPS` order with ``cost_fit.fit_operators`` (minimum MAPE, bounded efficiencies), each with
+Groups are fitted in :data:`GROUPS` order with :meth:`CostModel.fit` (minimum MAPE), each with
 the coefficients fitted before it held fixed.
 
 The jobs live in their own modules: what to measure (``profile_shapes``), how to time it
@@ -54,33 +54,6 @@ Echo = Callable[[str], None]
 
 
 STEP_KINDS = ("prefill", "decode", "mixed")
-
-
-@dataclass(frozen=True)
-class ProfileLimits:
-    """When a machine is too noisy to profile: a profile past either limit is measured once more, then refused.
-
-    ``step_noise``: the repeat spread of whole steps (mean |single run / median - 1|); past it the
-    medians the fit sees move by more than a per-step check's margin. ``held_out_mape``: the
-    calibrated model's per-step error on an engine run it was not fitted on; past validate's step
-    bar (10 %) the profile cannot pass it on any machine state.
-    """
-
-    step_noise: float = 0.25
-    held_out_mape: float = 0.10
-
-    def problems(self, result: Profile) -> list[str]:
-        held = result.error("held-out steps").mape
-        found = []
-        if result.step_noise > self.step_noise:
-            found.append(f"whole steps' repeat spread {result.step_noise:.1%} (bound {self.step_noise:.0%})")
-        if held > self.held_out_mape:
-            found.append(f"held-out per-step error {held:.1%} (bound {self.held_out_mape:.0%})")
-        return found
-
-
-class TooNoisyToProfile(RuntimeError):
-    """The machine's timings moved too much, twice, for a profile worth using."""
 
 
 @dataclass
@@ -193,14 +166,11 @@ def run_profile(
     progress: bool = False,
     kv_dtype: str | None = None,
     enforce_eager: bool = False,
-    limits: ProfileLimits | None = ProfileLimits(),
 ) -> Profile:
     """``kvsim profile``: profile ``backend`` running ``model``, write the calibrated profile to ``out``.
 
     ``sweep`` replaces the quick or full sweep (tests run a small one); ``kv_dtype`` is the KV
-    cache dtype to profile (None: the model's), named in the profile's ``source``. A profile past
-    ``limits`` is measured once more; past them again, :class:`TooNoisyToProfile` and nothing is
-    written (None: no limits).
+    cache dtype to profile (None: the model's), named in the profile's ``source``.
     """
     spec = load_model(model)
     kernels = get_backend(backend, torch_device, enforce_eager=enforce_eager)
@@ -210,16 +180,6 @@ def run_profile(
         echo(f"profiling {backend} ({kernels.machine_name()}) with model {spec.name}, {torch.get_num_threads()} torch threads, "
              f"{'quick' if quick else 'full'} sweep, {kv_dtype or spec.kv_dtype} KV cache, starting from the {base.name} profile")
     result = profile(kernels, spec, base, sweep, seed, echo, progress, kv_dtype)
-    problems = limits.problems(result) if limits else []
-    if problems:
-        if echo:
-            echo(f"the machine was too noisy while profiling ({'; '.join(problems)}): profiling once more")
-        result = profile(kernels, spec, base, sweep, seed, echo, progress, kv_dtype)
-        problems = limits.problems(result)
-        if problems:
-            raise TooNoisyToProfile(
-                f"this machine is too noisy to profile: twice {'; '.join(problems)}. Profile on a quieter machine "
-                "(stop other work on it) or on an accelerator (--backend cuda); nothing was written")
     command = (f"kvsim profile --backend {backend} --model {model} --kv-cache-dtype {result.kv_dtype}"
                f"{' --quick' if quick else ''}{' --enforce-eager' if enforce_eager else ''} --seed {seed}")
     held = result.error("held-out steps")
@@ -228,8 +188,7 @@ def run_profile(
         f"timed on {kernels.clock}, {time.strftime('%Y-%m-%d')}; fitted from {base.name}; held-out per-step MAPE "
         f"{held.mape:.1%} against single steps whose timing noise is {result.step_noise:.1%}"
     )
-    calibrated = replace(result.device, name=f"{base.name}-calibrated", source=source, step_timing_noise=round(result.step_noise, 4),
-                         held_out_step_mape=round(held.mape, 4))
+    calibrated = replace(result.device, name=f"{base.name}-calibrated", source=source, step_timing_noise=round(result.step_noise, 4))
     result = replace(result, device=calibrated)
     save_device(result.device, out)
     if echo:

@@ -72,9 +72,8 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
 
     The summary's ``measured`` block names the clock step times were taken on, how many runs of
     each step's forward pass they are the median of (``timing_repeats``) and each step's first
-    run alone (``single_run_s``), the medians of its even and odd runs (``half_runs_s``), and
-    holds the run's wall-clock time beside them (``wall_s``, per step in ``step_wall_s``, first
-    runs only).
+    run alone (``single_run_s``), and holds the run's wall-clock time beside them (``wall_s``,
+    per step in ``step_wall_s``, first runs only).
     """
     config = for_backend(config, backend)
     resolved = resolve(config)
@@ -100,7 +99,6 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
                 "clock": backend.clock,
                 "timing_repeats": executor.timing_repeats,
                 "single_run_s": executor.single_run_s,
-                "half_runs_s": executor.half_runs_s,
                 "wall_s": sum(executor.wall_s),
                 "step_wall_s": executor.wall_s,
                 "device_s": sum(d for d in run.steps.column("device_s") if d is not None),

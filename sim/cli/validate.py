@@ -7,33 +7,19 @@ calibrated for this machine (profiled on the spot and cached when none fits), an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import numpy as np
 
 from kvsim.cli.errors import user_errors
 from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend, open_backend
 from kvsim.cli.options import run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend
 from kvsim.realexec.calibration import calibrated_profile
-from kvsim.realexec.profiler import TooNoisyToProfile
-from kvsim.realexec.repeatability import TIMING_CHECKS, bracket, metric, real_vs_real, scaled_device
-from kvsim.realexec.speed_check import SpeedCheck, speed_check
-from kvsim.realexec.validation import (
-    INCONCLUSIVE,
-    WHAT_TO_DO,
-    Thresholds,
-    compare_decisions,
-    reference_ratios,
-    rel_error,
-    step_errors,
-    validate_runs,
-    verdict,
-)
-from kvsim.sim.perf.cost_model import CostModel, CostModelTimer
-from kvsim.sim.perf.device import load_device, save_device
+from kvsim.realexec.speed_check import speed_check
+from kvsim.realexec.validation import Thresholds, compare_decisions, reference_ratios, step_errors, validate_runs
+from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.step_timer import ReplayTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.decisions import DecisionLog, read_decisions
@@ -45,13 +31,7 @@ WALL_CLOCK = "wall clock (time.perf_counter), recorded beside the device clock, 
 
 @click.command(help=f"""Cross-validate the simulator against the real executor on the same trace.
 
-Default workload: {WORKLOAD}
-
-Exit status: 0 pass; 1 fail (the model misses by more than this machine's own repeatability
-explains); 3 inconclusive (the machine's speed moved, or its timings scattered, too much to
-tell: rerun, on a quieter machine or an accelerator); 2 a mistake in the command or its files.
---perturb-profile and --no-row-count-terms are checks of the checker: a model known to be
-wrong must not pass.""")
+Default workload: {WORKLOAD}""")
 @run_options(defaults=REAL_DEFAULTS)
 @click.option("--backend", type=click.Choice(BACKEND_NAMES), default="cpu", show_default=True)
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -62,15 +42,8 @@ wrong must not pass.""")
 @click.option("--out", "out_dir", default=Path("runs/validate"), show_default=True,
               type=click.Path(file_okay=False, path_type=Path), help="Where the runs, validation.json and report.html go.")
 @click.option("--quiet", is_flag=True)
-@click.option("--perturb-profile", "perturb", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True,
-              metavar="FACTOR",
-              help="A check of the checker: every operator time the profile predicts multiplied by FACTOR (1.2: a model 20 % "
-                   "slow). A right verdict fails such a model, or calls the run inconclusive; it never passes it.")
-@click.option("--no-row-count-terms", is_flag=True,
-              help="A check of the checker: the profile's row-count terms left out (steps of a few tokens then miss by "
-                   "what the CPU's matrix kernels cost beyond the roofline). A right verdict never passes such a model.")
 def validate(backend: str, profile_path: Path | None, reprofile: bool, enforce_eager: bool, out_dir: Path, quiet: bool,
-             perturb: float, no_row_count_terms: bool, **options) -> None:
+             **options) -> None:
     config_path = options.get("config_path")
     echo = None if quiet else click.echo
     with user_errors():  # what the user chose: thresholds, config, trace, backend (exit 2)
@@ -78,16 +51,10 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, enforce_e
         config = run_config_from(options, base=REAL_DEFAULTS)
         trace = load_run_trace(config)
         kernels = open_backend(backend, enforce_eager)
-    checker = ModelChange(perturb, not no_row_count_terms)
     try:
-        before = None
         if profile_path is None:
-            profile_path, before = machine_profile(kernels, config, reprofile, thresholds, echo)
-        validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet,
-                                    before=before, change=checker, echo=echo)
-    except TooNoisyToProfile as exc:  # not the model's fault nor the user's: inconclusive
-        click.echo(f"validation inconclusive: {exc}", err=True)
-        raise SystemExit(INCONCLUSIVE) from None
+            profile_path = machine_profile(kernels, config, reprofile, echo)
+        validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet)
     except (ValueError, KeyError, RuntimeError) as exc:  # profiling or a run failed on the device (exit 1)
         raise click.ClickException(str(exc).strip("'\"")) from None
 
@@ -97,47 +64,13 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, enforce_e
     if not quiet:
         click.echo(format_checks(validation))
     click.echo(f"report: {report}")
-    outcome = validation["verdict"]
-    if outcome["outcome"] == "fail":
-        raise click.ClickException(outcome["line"])
-    click.echo(outcome["line"], err=outcome["outcome"] != "pass")
-    if outcome["exit_code"]:
-        raise SystemExit(outcome["exit_code"])
+    if not validation["passed"]:
+        failed = ", ".join(c["name"] for c in validation["checks"] if not c["passed"])
+        raise click.ClickException(f"validation failed: {failed}")
 
 
-@dataclass(frozen=True)
-class ModelChange:
-    """A deliberate change to the profile the simulation runs (``--perturb-profile``, ``--no-row-count-terms``):
-    checks of the checker, which must then not pass."""
-
-    factor: float = 1.0
-    row_count_terms: bool = True
-
-    @property
-    def changes(self) -> bool:
-        return self.factor != 1.0 or not self.row_count_terms
-
-    def apply(self, profile_path: Path, out_dir: Path) -> Path:
-        """The profile the simulation runs: ``profile_path`` itself, or the changed copy written beside the runs."""
-        if not self.changes:
-            return profile_path
-        device = scaled_device(load_device(profile_path), self.factor, self.row_count_terms)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        return save_device(device, out_dir / "profile-changed.toml")
-
-    def to_dict(self) -> dict:
-        return {"perturb_profile": self.factor, "row_count_terms": self.row_count_terms}
-
-
-def machine_profile(
-    kernels: KernelBackend, config: RunConfig, reprofile: bool, thresholds: Thresholds, echo
-) -> tuple[Path, SpeedCheck | None]:
-    """This machine's calibrated profile, measured anew (once) when the machine no longer runs at its speed,
-    with the speed check that judged it (None when it was measured anew: the run measures its own).
-
-    A profile whose held-out per-step error (recorded by ``kvsim profile``) is above the step
-    threshold cannot pass on any machine state: a cached one is measured anew; a fresh one (the
-    profiler refuses past 10 %, so only a stricter threshold) makes the run inconclusive.
+def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, echo) -> Path:
+    """This machine's calibrated profile, measured anew (once) when the machine no longer runs at its speed.
 
     The stale-profile decision is the speed check's (on the backend's clock): reference steps
     timed now against the profile's prediction, off by more than its timing noise (at least
@@ -149,21 +82,13 @@ def machine_profile(
     """
     kv_dtype = resolve(config).memory.kv_dtype  # the profile must time the KV cache the run will use
     calibrated = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh="--reprofile" if reprofile else None, echo=echo)
-    held_out = load_device(calibrated.path).held_out_step_mape
-    if held_out is not None and held_out > thresholds.step_mape:
-        reason = f"the profile's held-out per-step error {held_out:.3f} is above the step limit {thresholds.step_mape:.3f}"
-        if not calibrated.cached:
-            raise TooNoisyToProfile(f"{reason}: a model fitted on this machine now cannot pass; {WHAT_TO_DO}")
-        calibrated = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo)
     cost = resolve(config.updated(device=str(calibrated.path))).cost_model()
-    if echo:
-        echo("speed check: timing the reference steps before the run")
     check = speed_check(kernels, cost, seed=config.seed)
     if not stale(check.ratio, load_device(calibrated.path).step_timing_noise):
-        return calibrated.path, check
+        return calibrated.path
     which = "the cached profile is stale" if calibrated.cached else "the machine's speed changed while it was profiled"
     reason = f"{which}: reference steps took {check.ratio:.2f}x its prediction on {kernels.clock}"
-    return calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo).path, None
+    return calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo).path
 
 
 def stale(ratio: float, noise: float | None) -> bool:
@@ -172,27 +97,12 @@ def stale(ratio: float, noise: float | None) -> bool:
 
 
 def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_path: Path, out_dir: Path,
-                   thresholds: Thresholds, progress: bool = False, before: SpeedCheck | None = None,
-                   change: ModelChange = ModelChange(), echo=None) -> dict:
-    """The three runs (real, replay, free simulation), their comparison, the machine's repeatability
-    and the verdict; writes validation.json.
-
-    ``before``: the speed check just taken with this profile (None: taken here). ``change``: the
-    simulation runs a changed copy of the profile (checks of the checker); the speed checks
-    and the machine's speed always read the profile as measured.
-    """
-    say = echo or (lambda _: None)
+                   thresholds: Thresholds, progress: bool = False) -> dict:
+    """The three runs (real, replay, free simulation) and their comparison; writes validation.json."""
     config = for_backend(config, backend)
-    measured_cost = resolve(config.updated(device=str(profile_path))).cost_model()
-    if before is None:
-        say("speed check: timing the reference steps before the run")
-        before = speed_check(backend, measured_cost, seed=config.seed)
-    say("the real run: every step on the device, each step's forward pass timed "
-        f"{backend.timing_repeats} times (the medians of its even and odd runs kept apart: real vs real)")
     real, real_summary = execute_run(config, backend, out_dir / "real", trace=trace, progress=progress, decisions="full")
 
-    simulated_profile = change.apply(profile_path, out_dir)
-    sim_resolved = resolve(config.updated(device=str(simulated_profile), num_blocks=real.engine.config.num_blocks))
+    sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))
     cost = sim_resolved.cost_model()
 
     timed = [d for d, t in zip(real.steps.column("duration_s"), real.steps.column("timed")) if t]
@@ -205,8 +115,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
         replay_log.close()
     decisions = compare_decisions(list(read_decisions(out_dir / "real")), list(read_decisions(out_dir / "replay")))
 
-    say("speed check: timing the reference steps after the run")
-    speed = speed_check(backend, measured_cost, seed=config.seed)  # right after the real run: the machine as it ran
+    speed = speed_check(backend, cost, seed=config.seed)  # right after the real run: the machine as it ran
     _, sim_summary = run_trace(sim_resolved, trace, CostModelTimer(cost), out_dir / "sim", progress=progress)
 
     memory = resolve(config).memory  # what the memory model says the real run's device holds
@@ -219,26 +128,12 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     validation["timing"]["per_step"]["single_run"] = step_errors(replay_timer.predicted, measured["single_run_s"], replay_timer.kinds,
                                                                   replay_timer.batch_sizes)
     validation["timing"]["speed_check"] = speed.to_dict()
-    validation["timing"]["speed_check_before"] = before.to_dict()
-    say("real vs real: the run replayed with each half of its step timings; the model at the machine's measured speeds")
-    timed_steps = real_vs_real(sim_resolved, trace, timed, measured["half_runs_s"], real_summary, cost.step_time)  # one per timed step
-    machine = bracket(before, speed)
-    explained = errors_at_speeds(sim_resolved, trace, timed, replay_timer.predicted, real_summary, machine.speeds)
-    validation["repeatability"] = {
-        **timed_steps,
-        "machine_speed": {"before": machine.before, "after": machine.after, "moved": machine.moved,
-                          "against": "profiled" if before.profiled_s and speed.profiled_s else "the check before the run"},
-        "errors_at_machine_speed": explained,
-    }
-    validation["model_change"] = change.to_dict()
-    validation["verdict"] = verdict(validation["checks"], timed_steps["spread"], explained, machine.moved, thresholds).to_dict()
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(
         backend=backend.name,
         kv_dtype=memory.kv_dtype,
         clocks=clocks(backend.clock),
-        profile=str(simulated_profile),  # what the simulation ran: the measured profile, or its changed copy
-        measured_profile=str(profile_path),
+        profile=str(profile_path),
         config=config.to_dict(),
         series={"step_time": {"measured": timed, "predicted": replay_timer.predicted, "kind": replay_timer.kinds,
                               "batch_size": replay_timer.batch_sizes,
@@ -246,23 +141,6 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     )
     (out_dir / "validation.json").write_text(json.dumps(validation, indent=2) + "\n")
     return validation
-
-
-def errors_at_speeds(resolved, trace, measured: list[float], predicted: list[float], real_summary: dict,
-                     speeds: tuple[float, ...]) -> dict[str, float | None]:
-    """Each timing check's error with the model run at each of the machine's measured speeds
-    (every prediction times the speed), the least of them: what the model misses that the machine's move does not explain."""
-    steps, model = np.asarray(measured), np.asarray(predicted)
-    least: dict[str, float | None] = {"step_mape": min(float(np.mean(np.abs(model * s - steps) / steps)) for s in speeds)}
-    summaries = []
-    for s in speeds:
-        device = resolved.device if s == 1.0 else scaled_device(resolved.device, s)
-        timer = CostModelTimer(CostModel(resolved.model, device, resolved.config.block_size, resolved.memory.kv_dtype))
-        summaries.append(simulate(trace, resolved.new_engine(), timer, SimOptions()).summary())
-    for check in TIMING_CHECKS[1:]:
-        values = [rel_error(metric(summary, check), metric(real_summary, check)) for summary in summaries]
-        least[check] = None if None in values else min(values)
-    return least
 
 
 def clocks(device_clock: str) -> dict[str, str]:
@@ -306,12 +184,6 @@ def format_checks(validation: dict) -> str:
     lines.append(f"speed check: reference steps took {speed['ratio']:.2f}x the profile's prediction ({reference_ratios(speed)})"
                  + (f", against their times when profiled {reference_ratios(speed, 'profiled_s')}" if speed.get("profiled_s") else "")
                  + hint)
-    repeat = validation["repeatability"]
-    spreads = ", ".join(f"{name} {'n/a' if v is None else f'{v:.3f}'}" for name, v in repeat["spread"].items())
-    lines.append(f"real vs real (the run replayed with the medians of its even and of its odd timing runs), spread: {spreads}")
-    machine = repeat["machine_speed"]
-    lines.append(f"the machine's speed against {'its profile' if machine['against'] == 'profiled' else machine['against']}: "
-                 f"{machine['before']:.2f}x before the run, {machine['after']:.2f}x after")
     decisions = validation["decision_identity"]
     verdict = "identical" if decisions["identical"] else f"DIVERGE at step {decisions['first_divergence']['step']}"
     lines.append(f"decision logs: {verdict} over {decisions['steps_compared']} steps")

@@ -154,10 +154,6 @@ class DeviceProfile:
     # while profiling. No model predicts single steps better than this on that machine, so
     # ``kvsim validate`` reports it beside the per-step error. None for profiles not measured.
     step_timing_noise: float | None = None
-    # Written by ``kvsim profile``: the per-step MAPE of the calibrated model on an engine run it was
-    # not fitted on. ``kvsim validate`` refuses a profile whose held-out error alone would fail its
-    # step check (realexec/calibration.py). None for profiles not measured.
-    held_out_step_mape: float | None = None
     # Written by ``kvsim profile``: the speed check's reference steps (label -> median seconds),
     # timed as ``kvsim validate`` times them, right after the profile's cases. The speed check
     # compares what they take now with these, so a change of the machine's speed is told apart
@@ -206,8 +202,6 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines.append(f"gemv_rows = {profile.gemv_rows}")
     if profile.step_timing_noise is not None:
         lines.append(f"step_timing_noise = {_toml_num(profile.step_timing_noise)}")
-    if profile.held_out_step_mape is not None:
-        lines.append(f"held_out_step_mape = {_toml_num(profile.held_out_step_mape)}")
     if profile.engine is not None:
         lines += ["", *engine_toml_lines(profile.engine)]
     if profile.row_count_s:
@@ -251,9 +245,8 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     for key in ("gemv_rows", "attention_query_tile"):
         if key in data:
             values[key] = _number(data, key, int, path, "", allow_zero=True)
-    for key in ("step_timing_noise", "held_out_step_mape"):
-        if key in data:
-            values[key] = _number(data, key, float, path, "", allow_zero=True)
+    if "step_timing_noise" in data:
+        values["step_timing_noise"] = _number(data, "step_timing_noise", float, path, "", allow_zero=True)
     matrix = _table(data, "matrix_flops", path)
     _reject_unknown(matrix, set(MATRIX_DTYPES), path, "matrix_flops.")
     values["matrix_flops"] = {dt: _number(matrix, dt, float, path, "matrix_flops.") for dt in MATRIX_DTYPES}
