@@ -4,7 +4,7 @@ vLLM captures the model's forward pass at a list of token counts (its capture si
 is 1, 2, 4, then 8 to 256 by 8, then 272 to 512 by 16) and replays the smallest captured graph
 that holds a step, padding the step's tokens up to that size; larger steps run eagerly. The
 executor does the same with the sizes of the device profile's ``[engine] capture_sizes``, the list
-the cost model pads a graph step's GEMMs to (``sim/engine_overhead.py``): one list for both.
+the cost model pads a graph step's GEMMs to (``sim/perf/engine_overhead.py``): one list for both.
 
 Where it differs from vLLM, and why:
 

@@ -13,7 +13,7 @@ Notation: ``L`` layers, ``h`` hidden size, ``q = heads*head_dim``, ``kv = kv_hea
 ``I`` MLP size, ``V`` vocabulary, ``a``/``w`` activation/weight dtype bytes, ``c`` KV bytes of one token
 in one layer (K and V, + int8 scales), ``P = h(q+2kv) + qh + 3hI`` matmul weights of one layer,
 ``T`` = num_tokens, ``T'`` = T padded to the engine's nearest captured graph size (``T' = T`` outside
-a graph; sim/engine_overhead.py), ``S`` = num_sampled, other names as in :class:`StepFeatures`,
+a graph; sim/perf/engine_overhead.py), ``S`` = num_sampled, other names as in :class:`StepFeatures`,
 ``[x]`` = 1 if x > 0 else 0. Roofs: *matrix* = ``matrix_flops[activation dtype]``, *vector* =
 ``vector_flops``, *HBM* = ``hbm_bandwidth``, *host* = ``host_link_bandwidth``. Per operator,
 ``flops | bytes | calls``:
@@ -57,7 +57,7 @@ backend, and the serving profiles of the bundled devices carry values fitted on 
 serving measurements (``kvsim fidelity``).
 
 How kernels and host work combine into a step is the device's ``[engine]`` (eager dispatch,
-graph replay with padding, async scheduling: sim/engine_overhead.py). A profile without one (the
+graph replay with padding, async scheduling: sim/perf/engine_overhead.py). A profile without one (the
 CPU executor's) adds them up: step = kernels + host terms.
 
 Mixed batches count one attention launch per layer for each of prefill and decode, as separate

@@ -37,7 +37,7 @@ from kvsim.traces.schema import Trace
 @dataclass
 class SimOptions:
     check: bool = False  # verify engine invariants and each plan after every step
-    decisions: DecisionSink | None = None  # takes every plan (sim.decisions.DecisionLog); None: no log
+    decisions: DecisionSink | None = None  # takes every plan (sim.run.decisions.DecisionLog); None: no log
     on_progress: Callable[[int], None] | None = None  # called with newly ended requests
     max_steps: int = 0  # safety cap; 0 = none
 
