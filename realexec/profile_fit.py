@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
+from kvsim.realexec.cost_fit import fit_operators
 from kvsim.realexec.profile_bench import Measured, Sample, StepRecords
 from kvsim.sim.perf.cost_model import STEP_OPERATORS, CostModel, StepFeatures
 from kvsim.sim.perf.device import DeviceProfile
@@ -176,7 +177,8 @@ def _fit_group(
 ) -> tuple[DeviceProfile, np.ndarray, float]:
     """The profile with ``group`` fitted, its predictions of the group's samples, and their MAPE."""
     model = CostModel(spec, device, block_size, kv_dtype)
-    fitted = device.with_operators(model.fit(features, seconds, group.operators, fixed=group.fixed, fixed_calls=group.fixed_calls))
+    fitted = device.with_operators(
+        fit_operators(model, features, seconds, group.operators, fixed=group.fixed, fixed_calls=group.fixed_calls))
     times = CostModel(spec, fitted, block_size, kv_dtype).operator_times(features)
     predicted = sum(np.broadcast_to(times[op], seconds.shape) for op in group.operators + group.fixed)
     return fitted, predicted, float(np.mean(np.abs(predicted / seconds - 1.0)))

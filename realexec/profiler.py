@@ -19,7 +19,7 @@ block sizes for attention):
 4. The speed check's reference steps, timed as ``kvsim validate`` times them and recorded in the
    profile, so that a later speed check tells the machine's drift apart from the model's error.
 
-Groups are fitted in :data:`GROUPS` order with :meth:`CostModel.fit` (minimum MAPE), each with
+Groups are fitted in :data:`GROUPS` order with ``cost_fit.fit_operators`` (minimum MAPE, bounded efficiencies), each with
 the coefficients fitted before it held fixed.
 
 The jobs live in their own modules: what to measure (``profile_shapes``), how to time it

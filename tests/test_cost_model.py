@@ -1,4 +1,4 @@
-"""Cost model: features from plans, roofline sanity, one step vs many at once, and calibration."""
+"""Cost model: features from plans, roofline sanity, one step vs many at once (calibration: test_cost_fit.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from kvsim.sim.perf.cost_model import (
     CostModel,
     CostModelTimer,
     StepFeatures,
-    _refine,
     features_from_plan,
     in_order_sum,
 )
@@ -229,143 +228,6 @@ def test_no_operator_beats_its_roofline(llama_910b: CostModel) -> None:
         assert times[op] >= max(work[op].flops / peak, work[op].bytes / bandwidth), op
 
 
-def _sweep(size: int, seed: int) -> StepFeatures:
-    """Features spanning memory- and compute-bound regimes of every operator."""
-    rng = np.random.default_rng(seed)
-    tokens = np.exp(rng.uniform(0, np.log(8192), size)).round()
-    ctx = np.exp(rng.uniform(np.log(16), np.log(200_000), size)).round()
-    return StepFeatures(
-        num_tokens=tokens,
-        num_seqs=np.minimum(tokens, 64),
-        num_sampled=np.minimum(tokens, 64),
-        prefill_tokens=tokens,
-        attn_pairs=tokens * ctx / 2 + tokens,
-        decode_seqs=np.minimum(tokens, 256),
-        decode_ctx_tokens=ctx * rng.uniform(1, 64, size),
-        prefill_ctx_tokens=ctx,
-        blocks_touched=ctx / rng.choice([16, 32, 64, 128], size),
-        copy_blocks=rng.integers(1, 64, size).astype(float),
-        swap_blocks=rng.integers(1, 64, size).astype(float),
-        padded_attn_pairs=tokens * ctx * rng.uniform(1, 4, size),
-        padded_prefill_ctx_tokens=ctx * rng.uniform(1, 4, size),
-        padded_decode_ctx_tokens=ctx * rng.uniform(64, 128, size),
-        padded_blocks_touched=ctx / 8,
-        prefill_max_tokens=tokens,
-    )
-
-
-@pytest.mark.parametrize("operators", [["gemm"], ["attn_decode", "paged_gather"], ["attn_prefill"], ["block_copy"], ["swap"], ["sampling"]])
-def test_fit_recovers_the_coefficients_that_made_the_times(operators: list[str]) -> None:
-    model, default = load_model("llama-3-8b"), load_device("ascend-910b3")
-    flash = dataclasses.replace(default.operators["attn_prefill"], shape=0.0)  # prefill can be compute-bound
-    default = default.with_operators({"attn_prefill": flash})
-    truth = {
-        op: OperatorCoefficients(
-            call_s=default.operators[op].call_s * 2.5,
-            compute_efficiency=None if default.operators[op].compute_efficiency is None else 0.43,
-            memory_efficiency=None if default.operators[op].memory_efficiency is None else 0.61,
-            shape=default.operators[op].shape,  # shape terms are profile facts, not fitted here
-        )
-        for op in operators
-    }
-    true_model = CostModel(model, default.with_operators(truth), 128)
-    f = _sweep(400, seed=3)
-    seconds = sum(true_model.operator_times(f)[op] for op in operators)
-    fitted = CostModel(model, default, 128).fit(f, seconds, operators)
-    work = true_model.operator_work(f)
-    for op in operators:
-        per_flop, per_byte, _ = true_model.unit_costs(op)
-        # A roof is identifiable only where it binds some sample; decode attention (about 4 FLOP
-        # per KV byte) and sampling are never compute-bound, so those efficiencies stay as profiled.
-        compute_binds = np.any(work[op].flops * per_flop > work[op].bytes * per_byte)
-        expected = {
-            "call_s": truth[op].call_s,
-            "compute_efficiency": truth[op].compute_efficiency if compute_binds else default.operators[op].compute_efficiency,
-            "memory_efficiency": truth[op].memory_efficiency,
-        }
-        for key, value in expected.items():
-            got = getattr(fitted[op], key)
-            assert (value is None) == (got is None), (op, key)
-            if value is not None:
-                assert got == pytest.approx(value, rel=1e-6), (op, key)
-    compute_bound = {
-        op for op in operators
-        if np.any(work[op].flops * true_model.unit_costs(op)[0] > work[op].bytes * true_model.unit_costs(op)[1])
-    }
-    assert compute_bound == {"gemm", "attn_prefill"} & set(operators)
-    calibrated = CostModel(model, default.with_operators(fitted), 128)
-    np.testing.assert_allclose(sum(calibrated.operator_times(f)[op] for op in operators), seconds, rtol=1e-6)
-
-
-def test_fit_tolerates_measurement_noise() -> None:
-    model, device = load_model("llama-3-8b"), load_device("ascend-910b3")
-    truth = OperatorCoefficients(call_s=5e-6, compute_efficiency=0.55, memory_efficiency=0.75)
-    f = _sweep(600, seed=11)
-    seconds = CostModel(model, device.with_operators({"gemm": truth}), 128).operator_times(f)["gemm"]
-    noisy = seconds * np.random.default_rng(5).lognormal(0.0, 0.03, seconds.size)
-    fitted = CostModel(model, device, 128).fit(f, noisy, ["gemm"])["gemm"]
-    assert fitted.compute_efficiency == pytest.approx(0.55, rel=0.03)
-    assert fitted.memory_efficiency == pytest.approx(0.75, rel=0.03)
-
-
-def test_fit_is_not_pulled_off_by_a_few_outliers() -> None:
-    """It minimises absolute relative errors: samples a roofline cannot explain stay outliers."""
-    model, device = load_model("llama-3-8b"), load_device("ascend-910b3")
-    truth = OperatorCoefficients(call_s=5e-6, compute_efficiency=0.55, memory_efficiency=0.75)
-    f = _sweep(400, seed=12)
-    seconds = CostModel(model, device.with_operators({"gemm": truth}), 128).operator_times(f)["gemm"]
-    seconds[::25] *= 3.0  # one sample in 25 three times slower (a cache cliff, a preempted run)
-    fitted = CostModel(model, device, 128).fit(f, seconds, ["gemm"])["gemm"]
-    assert fitted.compute_efficiency == pytest.approx(0.55, rel=1e-3)
-    assert fitted.memory_efficiency == pytest.approx(0.75, rel=1e-3)
-    assert fitted.call_s == pytest.approx(5e-6, rel=1e-2)
-
-
-def test_fit_with_fixed_operators_recovers_the_host_terms(llama_910b: CostModel) -> None:
-    """Whole steps: every kernel's coefficients known, the per-step and per-sequence host work fitted."""
-    host = {"host_step": OperatorCoefficients(call_s=3e-4), "host_seq": OperatorCoefficients(call_s=8e-6)}
-    executor = dataclasses.replace(llama_910b.device, engine=None)  # as kvsim profile writes: terms add up
-    truth = CostModel(llama_910b.model, executor.with_operators(host), 128)
-    f = _sweep(300, seed=4)
-    kernels = [op for op in OPERATORS if op not in host and op != "swap"]
-    fitted = CostModel(llama_910b.model, executor, 128).fit(f, truth.predict(f), list(host), fixed=kernels)
-    assert fitted["host_step"].call_s == pytest.approx(3e-4, rel=1e-6)
-    assert fitted["host_seq"].call_s == pytest.approx(8e-6, rel=1e-6)
-    assert llama_910b.predict(f).min() > 0 and llama_910b.device.operators["host_step"].call_s == 0  # bundled: not modelled
-
-
-def test_refine_does_not_depend_on_the_order_of_the_frozen_operators() -> None:
-    """The frozen call terms are summed in the operators' order, not the frozen set's (whose order
-    follows PYTHONHASHSEED): the same measurements give the same fit in every process. Here the
-    terms 1, 1e-16 and 1e-16 sum to different floats in the two orders a set could give."""
-    size = 8
-    rng = np.random.default_rng(0)
-    work = {
-        "gemm": [rng.uniform(1, 2, size), rng.uniform(1, 2, size), np.ones(size)],
-        "host_step": [np.zeros(size), np.zeros(size), np.ones(size)],
-        "host_seq": [np.zeros(size), np.zeros(size), np.ones(size)],
-        "host_token": [np.zeros(size), np.zeros(size), np.ones(size)],
-    }
-    rates = {"gemm": [1.0, 0.5, 0.1], "host_step": [0.0, 0.0, 1e-16], "host_seq": [0.0, 0.0, 1e-16], "host_token": [0.0, 0.0, 1.0]}
-    seconds = rng.uniform(3, 4, size)
-    fits = [_refine(work, seconds, seconds, rates, 100, frozen_calls=order)
-            for order in (["host_token", "host_step", "host_seq"], ["host_step", "host_seq", "host_token"])]
-    assert (0.0 + 1.0 + 1e-16 + 1e-16) != (0.0 + 1e-16 + 1e-16 + 1.0)  # the two orders' sums differ
-    assert fits[0] == fits[1]
-
-
-def test_fit_rejects_bad_input(llama_910b: CostModel) -> None:
-    f = _sweep(10, seed=0)
-    with pytest.raises(ValueError, match="positive times"):
-        llama_910b.fit(f, np.zeros(10), ["gemm"])
-    with pytest.raises(ValueError, match="unknown operator"):
-        llama_910b.fit(f, np.ones(10), ["matmul"])
-    with pytest.raises(ValueError, match="unknown operator"):
-        llama_910b.fit(f, np.ones(10), ["gemm"], fixed=["matmul"])
-    with pytest.raises(ValueError, match="both fitted and fixed"):
-        llama_910b.fit(f, np.ones(10), ["gemm"], fixed=["gemm"])
-
-
 # --- the engine: eager dispatch, graph replay with padding, async scheduling, operator shapes ----
 # The bundled 910B3's fitted host terms set to 0: tests of one engine effect isolate it.
 NO_HOST = {op: OperatorCoefficients(call_s=0.0) for op in ("host_step", "host_seq", "host_token")}
@@ -438,19 +300,24 @@ def _random_plans(rng: np.random.Generator, count: int) -> list[StepPlan]:
     return plans
 
 
-@pytest.mark.parametrize("engine", ["graph", "eager", "async", "none"])
+@pytest.mark.parametrize("engine", ["graph", "eager", "async", "none", "none, row-count terms"])
 def test_one_step_predicts_bit_for_bit_what_the_array_path_does(llama_910b: CostModel, engine: str) -> None:
     """A step's prediction skips numpy and the per-operator dict on scalars; it must still be the
-    very float the array path (the same formulas over many steps at once) gives for that step."""
+    very float the array path (the same formulas over many steps at once) gives for that step.
+    The two forms of the roofline (CostModel._times, CostModel._one_step_times) are held together here alone."""
     host = {"host_step": OperatorCoefficients(call_s=3e-4), "host_seq": OperatorCoefficients(call_s=2e-6),
             "host_token": OperatorCoefficients(call_s=1e-7)}  # fmt: skip
-    if engine == "none":
-        cost = CostModel(llama_910b.model, dataclasses.replace(llama_910b.device, engine=None).with_operators(host), 128)
+    if engine.startswith("none"):
+        device = dataclasses.replace(llama_910b.device, engine=None).with_operators(host)
+        if engine.endswith("terms"):  # a CPU profile's shape: one matrix-vector product a row below 3 rows, terms at 1-3 rows
+            device = dataclasses.replace(device, gemv_rows=3, row_count_s={1: 1e-3, 2: 2.5e-3, 3: 7e-4})
+        cost = CostModel(llama_910b.model, device, 128)
     else:
         changes = {"mode": "eager", "dispatch_s": 2e-5} if engine == "eager" else {"async_scheduling": engine == "async"}
         cost = _with_engine(llama_910b, **changes, **host)
     timer = CostModelTimer(cost)
-    steps = [features_from_plan(p, 128) for p in _random_plans(np.random.default_rng(11), 300)]
+    few = [decode_plan([100 * (k + 1)] * (k % 4 + 1), step=k) for k in range(12)]  # 1-4 tokens: the row-count terms' steps
+    steps = [features_from_plan(p, 128) for p in _random_plans(np.random.default_rng(11), 300) + few]
     stacked = StepFeatures(**{name: np.array([getattr(f, name) for f in steps]) for name in FEATURE_NAMES})
     batched = cost.step_split(stacked)
     totals = cost.predict(stacked)

@@ -74,12 +74,11 @@ queries run in tiles, each against the context its last row sees (the portable p
 ``predict`` sums the step's split (:meth:`CostModel.step_split`), which leaves out ``swap``: swap
 traffic crosses the host link and the simulator accounts for it separately through
 :meth:`CostModel.swap_time`. Block copies (copy-on-write) are part of the step.
-:meth:`CostModel.fit` recovers the coefficients from measured operator times.
+Calibration (the coefficients from measured operator times) is realexec/cost_fit.py's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import reduce
 from operator import add, itemgetter
@@ -89,7 +88,7 @@ import numpy as np
 
 from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
-from kvsim.sim.perf.device import OPERATOR_KEYS, DeviceProfile, OperatorCoefficients
+from kvsim.sim.perf.device import OPERATOR_KEYS, DeviceProfile
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
 from kvsim.sim.perf.step_timer import StepTiming
 
@@ -132,11 +131,6 @@ LOGIT_BYTES = 4  # logits and probabilities are fp32
 SAMPLING_FLOPS_PER_LOGIT = 5  # temperature, max, exp, sum, divide
 SAMPLING_PASSES = 3  # softmax read + write, then the draw reads the probabilities
 SAMPLING_LAUNCHES = 3
-# Relative residuals below this weigh as if they were this large: the absolute-error fit's weights stay finite.
-ABSOLUTE_ERROR_FLOOR = 1e-4
-# Compute rates the fit starts from, as multiples of the profile's: which roof binds where is
-# found by alternation, which can settle on a wrong split; starting on both sides of it finds the best.
-REGIME_STARTS = (1.0, 1e-3, 1e-2, 0.1, 10.0, 100.0, 1e3)
 
 
 @dataclass
@@ -352,7 +346,13 @@ class CostModel:
 
     # --- time ------------------------------------------------------------------------------
     def _times(self, rows: tuple[tuple[Num, Num, Num], ...], tokens: Num) -> dict[str, Num]:
-        """Seconds per operator from its work rows and the step's (padded) token count (arrays in, arrays out)."""
+        """Seconds per operator from its work rows and the step's (padded) token count (arrays in, arrays out).
+
+        The roofline formula has a second, plain-float form for one step in :meth:`_one_step_times`
+        (the simulator's hot path). The two are held to the same float, bit for bit, by
+        tests/test_cost_model.py ``test_one_step_predicts_bit_for_bit_what_the_array_path_does``,
+        over every engine and with row-count terms: change one, change the other.
+        """
         times = {}
         for op, (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(OPERATORS, rows, self._rate_rows):
             compute, memory = flops * per_flop, nbytes * per_byte
@@ -373,7 +373,8 @@ class CostModel:
         """One step's seconds per operator (in ``_SPLIT_OPERATORS`` order) and dispatched kernel count, in plain floats.
 
         The token-shaped operators' times are memoised by (tokens, sampled rows), which repeat
-        from step to step; the batch-shaped ones are computed. Same operations as ``_times``.
+        from step to step; the batch-shaped ones are computed. The same operations as :meth:`_times`,
+        in the same order, tested bit for bit against it (its docstring names the test).
         """
         key = (f.num_tokens, f.num_sampled)
         token = self._token_memo.get(key)
@@ -455,134 +456,6 @@ class CostModel:
         """Host-link transfer of ``num_blocks`` blocks (all layers' K and V), either direction."""
         only_swap = StepFeatures(**{**dict.fromkeys(_FEATURE_NAMES, 0.0), "swap_blocks": float(num_blocks)})
         return float(self.operator_times(only_swap)["swap"])
-
-    # --- calibration -----------------------------------------------------------------------
-    def fit(
-        self,
-        features: StepFeatures,
-        seconds: np.ndarray,
-        operators: Sequence[str],
-        max_iterations: int = 100,
-        fixed: Sequence[str] = (),
-        fixed_calls: Sequence[str] = (),
-    ) -> dict[str, OperatorCoefficients]:
-        """Coefficients of ``operators`` that minimise the mean absolute relative error of measured times.
-
-        ``seconds[k]`` is the measured time of the named operators together (e.g. one attention
-        kernel: ``["attn_decode", "paged_gather"]``) over all layers for the step described by
-        sample ``k`` of ``features`` (array fields), plus that of the ``fixed`` operators, whose
-        coefficients are known (fitted before) and kept: their predicted time is taken off first
-        (e.g. whole steps: the host terms fitted, every kernel fixed).
-
-        Each operator's time is linear in its unknowns (seconds per flop, per byte, per call) once
-        it is known which roof binds each sample, so the fit alternates: assign roofs with the
-        current coefficients, solve a weighted relative-error least squares, repeat until both
-        settle. The weights are those of iteratively reweighted least squares for the absolute
-        error (1 / |relative residual|): the fit minimises MAPE, and a few samples a roofline cannot
-        explain (a cache cliff, a noisy run) do not pull it off the rest as squared errors would.
-        Alternation can settle on a wrong split between the roofs, so it starts from several
-        compute rates on either side of the profile's, and the lowest MAPE wins (the profile's own
-        start on ties). Unknowns the samples cannot identify (no calls, or a roof that binds no
-        sample even at the profile's rate, e.g. compute in decode attention) keep the profile's
-        values. ``fixed_calls`` operators keep their cost per call and fit only their rates: whole
-        steps launch every kernel once per layer, so their per-call costs are not identifiable
-        apart from each other there. Returns coefficients for :meth:`DeviceProfile.with_operators`.
-        """
-        seconds = np.asarray(seconds, dtype=np.float64)
-        if seconds.ndim != 1 or not np.all(seconds > 0):
-            raise ValueError("seconds must be a 1-D array of positive times")
-        unknown = (set(operators) | set(fixed)) - set(OPERATORS)
-        if unknown:
-            raise ValueError(f"unknown operator(s) {sorted(unknown)}; known: {list(OPERATORS)}")
-        if set(operators) & set(fixed):
-            raise ValueError(f"operator(s) {sorted(set(operators) & set(fixed))} both fitted and fixed")
-        all_work = self.operator_work(features)
-        size = seconds.size
-        known = self.operator_times(features)
-        target = seconds - sum((np.broadcast_to(known[op], (size,)) for op in fixed), np.zeros(size))
-        work = {
-            op: [np.broadcast_to(np.asarray(x, dtype=np.float64), (size,)) for x in (w.flops, w.bytes, w.calls)]
-            for op, w in all_work.items()
-            if op in operators
-        }
-        fits = []
-        for factor in REGIME_STARTS:  # the profile's own rates first: it wins ties
-            start = {op: [self._rates[op][0] * factor, *self._rates[op][1:]] for op in operators}
-            rates = _refine(work, target, seconds, start, max_iterations, frozen_calls=set(fixed_calls))
-            fits.append((_mape(work, rates, target, seconds), rates))
-        best = min(error for error, _ in fits)
-        error, rates = next((error, rates) for error, rates in fits if error <= best + 1e-9)
-        for op in operators:  # a roof that binds no sample at the profile's rate either keeps the profile's rate
-            for j in (0, 1):
-                trial = {**rates, op: [self._rates[op][j] if k == j else r for k, r in enumerate(rates[op])]}
-                if _mape(work, trial, target, seconds) <= error:
-                    rates = trial
-        return {op: self._coefficients(op, rates[op]) for op in operators}
-
-    def _coefficients(self, op: str, rate: list[float]) -> OperatorCoefficients:
-        current = self.device.operators[op]
-        peak, bandwidth = self.roofs(op)
-        compute = None if current.compute_efficiency is None else 1.0 / (rate[0] * peak)
-        memory = None if current.memory_efficiency is None else 1.0 / (rate[1] * bandwidth)
-        return OperatorCoefficients(call_s=rate[2], compute_efficiency=compute, memory_efficiency=memory, shape=current.shape)
-
-
-def _refine(
-    work: dict[str, list[np.ndarray]], target: np.ndarray, seconds: np.ndarray, rates: dict[str, list[float]], max_iterations: int,
-    frozen_calls: set[str] = frozenset(),
-) -> dict[str, list[float]]:
-    """Alternate roof assignment and reweighted least squares from ``rates`` until both settle (see ``fit``).
-
-    The call costs of ``frozen_calls`` operators keep their values in ``rates``. Sums run in
-    ``work``'s order (the operators'), never a set's, whose order follows the hash seed: a float
-    sum's last bits depend on its order, and the fit's flat directions amplify them.
-    """
-    rates = {op: list(r) for op, r in rates.items()}
-    size = seconds.size
-    target = target - sum((work[op][2] * rates[op][2] for op in work if op in frozen_calls), np.zeros(size))
-    columns = [(op, j) for op in work for j in range(3) if np.any(work[op][j] > 0) and not (j == 2 and op in frozen_calls)]
-    scale = 1.0 / seconds  # rows in relative terms, times the square root of each sample's weight
-    previous = None
-    for _ in range(max_iterations):
-        regimes = {op: work[op][0] * rates[op][0] >= work[op][1] * rates[op][1] for op in work}
-        state = [regimes[op] for op in work], np.array([rates[op] for op in work])
-        if previous is not None and _settled(previous, state):
-            break
-        previous = state
-        values = {(op, j): _fit_column(work[op], regimes[op], j) for op, j in columns}
-        active = list(columns)
-        while active:
-            inactive = sum((values[col] * rates[col[0]][col[1]] for col in columns if col not in active), np.zeros(size))
-            design = np.column_stack([values[col] for col in active]) * scale[:, None]
-            solution = np.linalg.lstsq(design, (target - inactive) * scale, rcond=None)[0]
-            if np.all(solution > 0):
-                for (op, j), value in zip(active, solution):
-                    rates[op][j] = float(value)
-                break
-            active = [col for col, value in zip(active, solution) if value > 0]
-        residual = (sum((values[col] * rates[col[0]][col[1]] for col in columns), np.zeros(size)) - target) / seconds
-        scale = 1.0 / (seconds * np.sqrt(np.maximum(np.abs(residual), ABSOLUTE_ERROR_FLOOR)))
-    return rates
-
-
-def _mape(work: dict[str, list[np.ndarray]], rates: dict[str, list[float]], target: np.ndarray, seconds: np.ndarray) -> float:
-    """Mean absolute relative error of the rooflines with ``rates`` (each sample at its binding roof)."""
-    predicted = sum(np.maximum(w[0] * rates[op][0], w[1] * rates[op][1]) + w[2] * rates[op][2] for op, w in work.items())
-    return float(np.mean(np.abs(predicted - target) / seconds))
-
-
-def _fit_column(work: list[np.ndarray], compute_bound: np.ndarray, j: int) -> np.ndarray:
-    if j == 0:
-        return np.where(compute_bound, work[0], 0.0)
-    if j == 1:
-        return np.where(compute_bound, 0.0, work[1])
-    return work[2]
-
-
-def _settled(previous: tuple[list[np.ndarray], np.ndarray], current: tuple[list[np.ndarray], np.ndarray]) -> bool:
-    """The same roofs bind every sample, and no coefficient moved by more than a part in a million."""
-    same_roofs = all(np.array_equal(a, b) for a, b in zip(previous[0], current[0]))
-    return same_roofs and np.allclose(previous[1], current[1], rtol=1e-6, atol=0.0)
 
 
 class CostModelTimer:
