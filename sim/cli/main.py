@@ -20,6 +20,7 @@ from kvsim.cli.errors import BUG_EXIT, UserError, bug_message, debug_enabled, de
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("kvsim.cli.trace:trace", "Inspect, synthesise and convert request traces."),
     "simulate": ("kvsim.cli.simulate:simulate", "Replay a trace through the SimPy simulator."),
+    "model": ("kvsim.cli.model:model", "Parameters, MoE / MLA layout and KV bytes of a model (any config.json)."),
     "memory": ("kvsim.cli.memory:memory", "HBM breakdown and KV block count for a model on a device."),
     "fidelity": ("kvsim.cli.fidelity:fidelity", "Predicted vs published vLLM / vllm-ascend serving figures."),
     "sweep": ("kvsim.cli.sweep:sweep", "Run many what-if simulations (local processes or Ray)."),

@@ -17,6 +17,7 @@ import click
 
 from kvsim.cli.aliases import AliasedOption
 from kvsim.cli.errors import user_errors
+from kvsim.sim.perf.model_spec import QUANTIZATIONS
 from kvsim.sim.run.config import KV_DTYPES, RunConfig, load_run_config
 
 
@@ -33,7 +34,13 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
                              "[default: the trace's own]"}),
     (("--rate-scale", "--scale-rate"), "rate_scale", {"type": float, "help": "Or: arrivals this many times as frequent as in the trace."}),
     (("--max-requests",), "max_requests", {"type": int, "help": "Replay only the first N requests (0: all)."}),
-    (("--model",), "model", {"help": "Model name (sim/models) or TOML path."}),
+    (("--model",), "model", {"help": "Model: a bundled name (sim/models), a kvsim TOML, a Hugging Face config.json "
+                                      "or a directory holding one."}),
+    (("--quantization",), "quantization",
+     {"type": click.Choice(list(QUANTIZATIONS)), "help": "Weights and activations in int8 (vllm-ascend's W8A8 schemes). "
+                                                        "[default: the model's dtype]"}),
+    (("--expert-routing-skew",), "expert_routing_skew",
+     {"type": float, "help": "MoE models: Zipf skew of the experts' popularity; 0 is uniform routing."}),
     (("--device",), "device", {"help": "Device name (sim/devices, or NAME.toml in the working directory) or TOML path."}),
     (("--scheduler",), "scheduler",
      {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's "

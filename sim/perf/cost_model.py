@@ -89,13 +89,19 @@ import numpy as np
 from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 from kvsim.sim.perf.device import OPERATOR_KEYS, DeviceProfile
+from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
 from kvsim.sim.perf.step_timer import StepTiming
 
 Num = float | np.ndarray
 
 OPERATORS: tuple[str, ...] = tuple(OPERATOR_KEYS)
-MATRIX_OPERATORS = frozenset({"gemm", "attn_prefill", "attn_decode", "lm_head"})  # the rest use vector_flops
+MATRIX_OPERATORS = frozenset({"gemm", "moe", "attn_prefill", "attn_decode", "lm_head"})  # the rest use vector_flops
+QUANTIZED_OPERATORS = frozenset({"gemm", "moe"})  # run in int8 under W8A8 (ModelSpec.matmul_dtype)
+W8A8_QUANT_FLOPS = 3  # scale, round, clamp per quantised activation
+MOE_LAUNCHES = 6  # per MoE layer: gating top-k, token permute, two grouped matmuls, SwiGLU, unpermute
+MLA_DECODE_LAUNCHES = 3  # per layer: q absorbed into the latent, attention over latents, output up-projection
+MLA_PREFILL_LAUNCHES = 2  # per layer: cached latents up-projected to K and V, then attention
 STEP_OPERATORS: tuple[str, ...] = tuple(op for op in OPERATORS if op != "swap")
 HOST_OPERATORS: tuple[str, ...] = ("host_step", "host_seq", "host_token")
 KERNEL_OPERATORS: tuple[str, ...] = tuple(op for op in STEP_OPERATORS if op not in HOST_OPERATORS)
@@ -103,7 +109,7 @@ KERNEL_OPERATORS: tuple[str, ...] = tuple(op for op in STEP_OPERATORS if op not 
 DISPATCHED_OPERATORS: tuple[str, ...] = tuple(op for op in KERNEL_OPERATORS if op != "paged_gather")
 _KERNEL_TIMES, _HOST_TIMES = itemgetter(*KERNEL_OPERATORS), itemgetter(*HOST_OPERATORS)
 # The order of _token_rows and _context_rows; the memo of one step's token-shaped times is bounded.
-_TOKEN_OPERATORS = ("gemm", "elementwise", "kv_write", "lm_head", "sampling", "host_token")
+_TOKEN_OPERATORS = ("gemm", "moe", "elementwise", "kv_write", "lm_head", "sampling", "host_token")
 _CONTEXT_OPERATORS = ("attn_prefill", "attn_decode", "paged_gather", "block_copy", "swap", "host_step", "host_seq")
 _SPLIT_OPERATORS = _TOKEN_OPERATORS + _CONTEXT_OPERATORS
 assert sorted(_SPLIT_OPERATORS) == sorted(OPERATORS), "every operator is token- or batch-shaped"
@@ -196,7 +202,8 @@ def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
 class CostModel:
     """Per-operator rooflines for one model on one device at one block size and KV dtype."""
 
-    def __init__(self, model: ModelSpec, device: DeviceProfile, block_size: int, kv_dtype: str | None = None) -> None:
+    def __init__(self, model: ModelSpec, device: DeviceProfile, block_size: int, kv_dtype: str | None = None,
+                 expert_routing_skew: float = 0.0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model, self.device, self.block_size = model, device, block_size
@@ -207,19 +214,28 @@ class CostModel:
         L, h, q, kv, inter = m.num_layers, m.hidden_size, m.q_size, m.kv_size, m.intermediate_size
         self._L = L
         self._a = DTYPE_BYTES[m.activation_dtype]
-        self._w = DTYPE_BYTES[m.weight_dtype]
-        self._layer_matmul_params = h * (q + 2 * kv) + q * h + 3 * h * inter
-        self._gemm_act_elems = 4 * h + 2 * q + 2 * kv + 3 * inter
+        self._w = m.linear_weight_bytes
+        self._w_head = DTYPE_BYTES[m.weight_dtype]
         k = int(m.qk_norm)
-        self._elem_moved = L * (8 * h + (2 + 2 * k) * (q + kv) + 3 * inter) + 6 * h
-        self._elem_flops = L * (8 * h + (3 + 4 * k) * (q + kv) + 5 * inter) + 10 * h
+        self._moe_layers = 0
+        if m.is_moe or m.is_mla or m.quantization:
+            self._init_general_layers()
+        else:  # a dense Llama-style model: every layer the same (the module docstring's formulas, verbatim)
+            self._gemm_layers, self._layer_matmul_params = L, h * (q + 2 * kv) + q * h + 3 * h * inter
+            self._gemm_act_elems = 4 * h + 2 * q + 2 * kv + 3 * inter
+            self._gemm_launches = 4 * L
+            self._elem_moved = L * (8 * h + (2 + 2 * k) * (q + kv) + 3 * inter) + 6 * h
+            self._elem_flops = L * (8 * h + (3 + 4 * k) * (q + kv) + 5 * inter) + 10 * h
         self._elem_launches = 4 * L + 2 + k * L
         self._kv_token_layer = m.kv_bytes_per_token(self.kv_dtype) / L  # c
+        self._kv_in = m.kv_entry_size  # values a new token's K and V (or latent) hand the cache write
         self._block_bytes = m.bytes_per_block(block_size, self.kv_dtype)
+        self.routing = ExpertRouting(m.num_experts, m.num_experts_per_tok, expert_routing_skew) if m.is_moe else None
         self._rates = {op: self._unit_costs(op) for op in OPERATORS}
         self._rate_rows = tuple(self._rates[op] for op in OPERATORS)
         self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
         self._half_tokens = device.operators["gemm"].shape
+        self._moe_half_tokens = device.operators["moe"].shape
         self._gemv_rows = device.gemv_rows
         self._row_count_s = device.row_count_s
         self._half_context = device.operators["attn_decode"].shape
@@ -228,6 +244,35 @@ class CostModel:
         self._token_rates = tuple(self._rates[op] for op in _TOKEN_OPERATORS)
         self._context_rates = tuple(self._rates[op] for op in _CONTEXT_OPERATORS)
         self._token_memo: dict[tuple[float, float], tuple[list[float], int]] = {}
+
+    def _init_general_layers(self) -> None:
+        """Per-step totals over layers that differ (MoE layers after dense ones, MLA projections,
+        W8A8): the same terms as the dense formulas, summed layer by layer (module docstring)."""
+        m, a = self.model, self._a
+        L, h = m.num_layers, m.hidden_size
+        attention = m.attention_linears()
+        dense_mlp = m.mlp_linears(m.intermediate_size, h)
+        shared = m.mlp_linears(m.shared_expert_intermediate_size, h)
+        dense_layers, moe_layers = m.num_dense_mlp_layers, m.num_moe_layers
+        router = [(m.num_experts, h)] if m.is_moe else []
+        per_layer = [(L, attention), (dense_layers, dense_mlp), (moe_layers, shared + router)]
+        self._gemm_layers, self._layer_matmul_params = 1, m.per_token_matmul_params()
+        self._gemm_act_elems = sum(n * (o + i) for n, linears in per_layer for o, i in linears)
+        self._gemm_launches = sum(n * len(linears) for n, linears in per_layer)
+        k = int(m.qk_norm)
+        g = m.q_size + (m.kv_entry_size if m.is_mla else m.kv_size)  # what RoPE and the q/k norms touch
+        mlp_width = dense_layers * m.intermediate_size + moe_layers * (
+            m.num_experts_per_tok * m.moe_intermediate_size + m.shared_expert_intermediate_size)
+        self._elem_moved = L * (8 * h + (2 + 2 * k) * g) + 3 * mlp_width + 2 * moe_layers * m.num_experts + 6 * h
+        self._elem_flops = L * (8 * h + (3 + 4 * k) * g) + 5 * mlp_width + 5 * moe_layers * m.num_experts + 10 * h
+        if m.quantization:  # W8A8: every quantised linear's input is read in the activation dtype, written in int8
+            inputs = sum(n * i for n, linears in per_layer[:2] for _, i in linears) + moe_layers * (
+                sum(i for _, i in shared) + h + m.num_experts_per_tok * m.moe_intermediate_size)
+            self._elem_moved += (a + 1) * inputs
+            self._elem_flops += W8A8_QUANT_FLOPS * inputs
+        self._moe_layers = moe_layers
+        self._expert_params = m.expert_params()
+        self._expert_act_elems = 2 * h + 3 * m.moe_intermediate_size  # in, gate/up out, activated, down out
 
     def unit_costs(self, op: str) -> tuple[float, float, float]:
         """(seconds per flop, seconds per byte, seconds per call) of an operator; 0 for an unread roof."""
@@ -242,7 +287,8 @@ class CostModel:
 
     def roofs(self, op: str) -> tuple[float, float]:
         """(peak FLOP/s, bandwidth B/s) that an operator's efficiencies scale."""
-        peak = self.device.matrix_peak(self.model.activation_dtype) if op in MATRIX_OPERATORS else self.device.vector_flops
+        dtype = self.model.matmul_dtype if op in QUANTIZED_OPERATORS else self.model.activation_dtype
+        peak = self.device.matrix_peak(dtype) if op in MATRIX_OPERATORS else self.device.vector_flops
         return peak, (self.device.host_link_bandwidth if op == "swap" else self.device.hbm_bandwidth)
 
     # --- work ------------------------------------------------------------------------------
@@ -264,16 +310,16 @@ class CostModel:
 
     def _work(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
         """(flops, bytes, calls) of every operator in ``OPERATORS`` order: one step costs tuples, not a dict."""
-        gemm, elementwise, kv_write, lm_head, sampling, host_token = self._token_rows(f.num_tokens, f.num_sampled)
+        gemm, moe, elementwise, kv_write, lm_head, sampling, host_token = self._token_rows(f.num_tokens, f.num_sampled)
         attn_prefill, attn_decode, paged_gather, block_copy, swap, host_step, host_seq = self._context_rows(f)
-        return (gemm, elementwise, kv_write, attn_prefill, attn_decode, paged_gather, lm_head, sampling, block_copy,
+        return (gemm, moe, elementwise, kv_write, attn_prefill, attn_decode, paged_gather, lm_head, sampling, block_copy,
                 swap, host_step, host_seq, host_token)
 
     def _token_rows(self, T: Num, S: Num) -> tuple[tuple[Num, Num, Num], ...]:
         """The rows that depend on the step's tokens ``T`` and sampled rows ``S`` alone:
-        gemm, elementwise, kv_write, lm_head, sampling, host_token."""
+        gemm, moe, elementwise, kv_write, lm_head, sampling, host_token."""
         m, L, a, w, c = self.model, self._L, self._a, self._w, self._kv_token_layer
-        kv, h, vocab = m.kv_size, m.hidden_size, m.vocab_size
+        h, vocab = m.hidden_size, m.vocab_size
         Tp = self._padded(T)
         half_tokens = self._half_tokens
         on_T, on_S = T > 0, S > 0  # 1 where the operator runs at all: gates launches and weight reads
@@ -285,20 +331,35 @@ class CostModel:
         return (
             # gemm
             (
-                2 * (Tp + half_tokens * on_T * (1 - gemv_T)) * L * P,
-                weight_reads_T * L * P * w + a * Tp * L * self._gemm_act_elems,
-                4 * L * on_T,
+                2 * (Tp + half_tokens * on_T * (1 - gemv_T)) * self._gemm_layers * P,
+                weight_reads_T * self._gemm_layers * P * w + a * Tp * self._gemm_layers * self._gemm_act_elems,
+                self._gemm_launches * on_T,
             ),
+            # moe
+            self._moe_row(Tp, on_T) if self._moe_layers else (0.0, 0.0, 0),
             # elementwise
             (Tp * self._elem_flops, a * Tp * self._elem_moved, self._elem_launches * on_T),
             # kv_write
-            (0.0, Tp * L * (2 * kv * a + c), L * on_T),
+            (0.0, Tp * L * (self._kv_in * a + c), L * on_T),
             # lm_head
-            (2 * S * h * vocab, weight_reads_S * vocab * h * w + S * (h * a + LOGIT_BYTES * vocab), on_S),
+            (2 * S * h * vocab, weight_reads_S * vocab * h * self._w_head + S * (h * a + LOGIT_BYTES * vocab), on_S),
             # sampling
             (SAMPLING_FLOPS_PER_LOGIT * S * vocab, SAMPLING_PASSES * LOGIT_BYTES * S * vocab, SAMPLING_LAUNCHES * on_S),
             # host_token
             (0.0, 0.0, T),
+        )
+
+    def _moe_row(self, Tp: Num, on_T: Num) -> tuple[Num, Num, Num]:
+        """The routed experts of every MoE layer: each token runs top-k experts; the weights read are
+        those of the distinct experts the step's tokens touch (sim/perf/expert_routing.py), and each
+        touched expert's grouped matmul pays the small-M loss once (``half_tokens`` of the moe table)."""
+        m, Lm, Pe = self.model, self._moe_layers, self._expert_params
+        k = m.num_experts_per_tok
+        touched = self.routing.distinct_experts(Tp)
+        return (
+            2 * (Tp * k + self._moe_half_tokens * touched) * Lm * Pe,
+            touched * Lm * Pe * self._w + self._a * Tp * k * Lm * self._expert_act_elems,
+            MOE_LAUNCHES * Lm * on_T,
         )
 
     def _context_rows(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
@@ -320,19 +381,22 @@ class CostModel:
                 pairs = pairs - (f.num_seqs - f.decode_seqs) * tile * (k - 1) * (longest - tile * k / 2)
         else:
             pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
-        return (
-            # attn_prefill
-            (
+        if m.is_mla:
+            attn_prefill, attn_decode = self._mla_attention_rows(f, pairs, prefill_ctx, decode_ctx)
+        else:
+            attn_prefill = (
                 4 * q * L * pairs,
                 L * (prefill_ctx * c + 2 * q * a * f.prefill_tokens + score_bytes * m.num_heads * pairs),
                 L * (f.prefill_tokens > 0),
-            ),
-            # attn_decode
-            (
+            )
+            attn_decode = (
                 4 * q * L * decode_ctx,
                 L * ((decode_ctx + half_context * f.decode_seqs) * c + 2 * q * a * f.decode_seqs),
                 L * (f.decode_seqs > 0),
-            ),
+            )
+        return (
+            attn_prefill,
+            attn_decode,
             # paged_gather
             (0.0, 0.0, L * blocks),
             # block_copy
@@ -343,6 +407,31 @@ class CostModel:
             (0.0, 0.0, (f.num_seqs > 0)),
             (0.0, 0.0, f.num_seqs),
         )
+
+    def _mla_attention_rows(self, f: StepFeatures, pairs: Num, prefill_ctx: Num, decode_ctx: Num
+                            ) -> tuple[tuple[Num, Num, Num], tuple[Num, Num, Num]]:
+        """MLA as vLLM and vllm-ascend run it (module docstring): prefill up-projects the cached
+        latents to per-head K and V and attends over them (the naive form: compute-cheap for many
+        queries); decode absorbs the up-projection into the query and the output and attends over
+        the latents themselves, reading ``kv_lora_rank + qk_rope_head_dim`` values a token."""
+        m, L, a, c = self.model, self._L, self._a, self._kv_token_layer
+        n, latent, rope = m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
+        nope, v = m.qk_nope_head_dim, m.v_head_dim
+        up_params = m.mla_up_projection_params()  # n (nope + v) latent
+        up_bytes = up_params * self._w
+        prefill = (
+            L * (2 * n * (nope + rope + v) * pairs + 2 * up_params * prefill_ctx),
+            L * (prefill_ctx * (c + 2 * a * n * (nope + v)) + a * n * (nope + rope + v) * f.prefill_tokens
+                 + self._score_bytes * n * pairs + up_bytes * (f.prefill_tokens > 0)),
+            MLA_PREFILL_LAUNCHES * L * (f.prefill_tokens > 0),
+        )
+        decode = (
+            L * (2 * n * (2 * latent + rope) * decode_ctx + 2 * up_params * f.decode_seqs),
+            L * ((decode_ctx + self._half_context * f.decode_seqs) * c + a * n * (2 * latent + rope) * f.decode_seqs
+                 + up_bytes * (f.decode_seqs > 0)),
+            MLA_DECODE_LAUNCHES * L * (f.decode_seqs > 0),
+        )
+        return prefill, decode
 
     # --- time ------------------------------------------------------------------------------
     def _times(self, rows: tuple[tuple[Num, Num, Num], ...], tokens: Num) -> dict[str, Num]:

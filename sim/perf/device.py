@@ -62,6 +62,7 @@ MATRIX_DTYPES = ("fp16", "bf16", "fp32", "int8")
 # ``launch_s`` is optional everywhere it appears and defaults to the device's launch_overhead_s.
 OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
+    "moe": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
     "elementwise": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "kv_write": ("memory_efficiency", "launch_s"),
     "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s", "score_bytes"),
@@ -85,6 +86,10 @@ CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s", "token_s")
 # Operators a profile may leave out, costing nothing then: host overhead is a measured figure
 # (kvsim profile), and the bundled roofline estimates have no source for one.
 OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq", "host_token"})
+# Operators a profile may leave out, priced then as the operator named: an MoE layer's grouped
+# expert matmuls run on the matrix units as the dense GEMMs do. A profile measured on an MoE model
+# (kvsim profile) or fitted on MoE serving figures sets its own.
+INHERITED_OPERATORS = {"moe": "gemm"}
 
 _SCALAR_FIELDS: dict[str, type] = {
     "hbm_bytes": int,
@@ -252,7 +257,11 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     values["matrix_flops"] = {dt: _number(matrix, dt, float, path, "matrix_flops.") for dt in MATRIX_DTYPES}
     ops = _table(data, "operators", path)
     _reject_unknown(ops, set(OPERATOR_KEYS), path, "operators.")
-    values["operators"] = {op: _operator(ops, op, values["launch_overhead_s"], path) for op in OPERATOR_KEYS}
+    operators: dict[str, OperatorCoefficients] = {}
+    for op in OPERATOR_KEYS:  # an inherited operator comes after the one it inherits from
+        inherit = INHERITED_OPERATORS.get(op)
+        operators[op] = operators[inherit] if inherit and op not in ops else _operator(ops, op, values["launch_overhead_s"], path)
+    values["operators"] = operators
     if "engine" in data:
         values["engine"] = parse_engine(_table(data, "engine", path), path)
     if "row_count_s" in data:

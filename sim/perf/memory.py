@@ -16,7 +16,10 @@ larger of two moments (``a`` = activation dtype bytes, ``T`` = max_num_batched_t
         three hidden-size buffers (the residual stream, the normed hidden states and the
         block's output) stay live while either the
         attention block (fused QKV output + attention output) or the MLP block (fused gate/up
-        output 2I + activated product I) holds its intermediates. The count of hidden-size
+        output 2I + activated product I) holds its intermediates. Under MLA the attention block
+        holds the latents (kv_lora_rank + rope) and their per-head up-projection n (nope + v)
+        instead of 2kv; an MoE layer's block holds each token's top-k copies k (h + 3 I_moe) and
+        the shared experts' 3 I_shared. The count of hidden-size
         buffers is read off vLLM's own profile: 3h + 3I is 110,592 bytes a token for Llama 3.1
         8B, where vLLM logged (17.06 - 14.99) GiB for 20,000 tokens = 111,196 (fidelity row
         vllm10517-20k, a fit row; 2h + 3I, the earlier count, was 8 % short);
@@ -112,8 +115,13 @@ def activation_workspace_bytes(model: ModelSpec, max_num_batched_tokens: int, ma
     a = DTYPE_BYTES[model.activation_dtype]
     tokens, h = max_num_batched_tokens, model.hidden_size
     sampled = min(max_num_seqs, tokens)
-    attention_block = 2 * model.q_size + 2 * model.kv_size
-    mlp_block = 3 * model.intermediate_size
+    attention_block = 2 * model.q_size + model.kv_entry_size
+    if model.is_mla:  # prefill up-projects latents to per-head K (no-rope part) and V
+        attention_block += model.num_heads * (model.qk_nope_head_dim + model.v_head_dim)
+    mlp_block = 3 * model.intermediate_size if model.num_dense_mlp_layers else 0
+    if model.is_moe:  # fused MoE: each token's top-k copies, their gate/up outputs and activations
+        moe_block = model.num_experts_per_tok * (h + 3 * model.moe_intermediate_size) + 3 * model.shared_expert_intermediate_size
+        mlp_block = max(mlp_block, moe_block)
     in_layer = a * tokens * (HIDDEN_BUFFERS * h + max(attention_block, mlp_block))
     at_head = a * tokens * h + 2 * LOGIT_BYTES * sampled * model.vocab_size
     return max(in_layer, at_head)

@@ -25,8 +25,9 @@ from kvsim.policies.engine import EngineCore
 from kvsim.policies.hashing import check_block_size_compatible
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import DeviceProfile, load_device
+from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.memory import MemoryPlan, plan_memory
-from kvsim.sim.perf.model_spec import ModelSpec, load_model
+from kvsim.sim.perf.model_spec import QUANTIZATIONS, ModelSpec, load_model
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.schema import Trace
 
@@ -41,6 +42,8 @@ class RunConfig:
     request_rate: float | None = None  # what-if: scale the trace to this mean rate (req/s, as vLLM bench's)
     max_requests: int = 0  # replay only the first N requests; 0 = all
     model: str = "llama-2-7b"
+    quantization: str | None = None  # vLLM's --quantization: w8a8 or w8a8_dynamic (vllm-ascend); None: the model's weights
+    expert_routing_skew: float = 0.0  # MoE models: Zipf skew of the experts' popularity (0: uniform routing)
     device: str = "ascend-910b3"
     scheduler: str = "fcfs"
     scheduler_params: dict = field(default_factory=dict)
@@ -133,6 +136,9 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("swap_space_gb", "must be a finite number >= 0 (GiB)", math.isfinite(c.swap_space_gb) and c.swap_space_gb >= 0),
         ("watermark", "must be in [0, 1)", 0 <= c.watermark < 1),
         ("max_waiting", "must be >= 0 (0: no cap)", c.max_waiting >= 0),
+        ("quantization", f"must be one of {', '.join(QUANTIZATIONS)}", c.quantization in (None, *QUANTIZATIONS)),
+        ("expert_routing_skew", "must be a finite number >= 0 (0: uniform)",
+         math.isfinite(c.expert_routing_skew) and c.expert_routing_skew >= 0),
     ]
 
 
@@ -204,26 +210,31 @@ class ResolvedRun:
 
     def cost_model(self) -> CostModel:
         """The cost model for this run's model, device, block size and KV dtype."""
-        return CostModel(self.model, self.device, self.config.block_size, self.memory.kv_dtype)
+        return CostModel(self.model, self.device, self.config.block_size, self.memory.kv_dtype,
+                         expert_routing_skew=self.config.expert_routing_skew)
 
     def to_dict(self) -> dict:
-        return {
-            **self.config.to_dict(),
-            "resolved": {
-                "kv_dtype": self.memory.kv_dtype,
-                "max_model_len": self.engine_config.max_model_len,
-                "num_blocks": self.engine_config.num_blocks,
-                "num_host_blocks": self.engine_config.num_host_blocks,
-                "bytes_per_block": self.memory.bytes_per_block,
-                "kv_pool_bytes": self.engine_config.num_blocks * self.memory.bytes_per_block,
-            },
+        resolved = {
+            "kv_dtype": self.memory.kv_dtype,
+            "max_model_len": self.engine_config.max_model_len,
+            "num_blocks": self.engine_config.num_blocks,
+            "num_host_blocks": self.engine_config.num_host_blocks,
+            "bytes_per_block": self.memory.bytes_per_block,
+            "kv_pool_bytes": self.engine_config.num_blocks * self.memory.bytes_per_block,
         }
+        facts = self.model.facts()
+        if set(facts) - {"architecture", "total_params", "active_params"}:  # MoE, MLA or W8A8: say what was used
+            if "moe" in facts:
+                routing = ExpertRouting(self.model.num_experts, self.model.num_experts_per_tok, self.config.expert_routing_skew)
+                facts["moe"]["routing"] = routing.describe()
+            resolved["model"] = facts
+        return {**self.config.to_dict(), "resolved": resolved}
 
 
 def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> ResolvedRun:
     """Look up the model and device and size the KV pool exactly as an engine would."""
     config = config.validate().normalized()
-    model = load_model(config.model)
+    model = load_model(config.model, quantization=config.quantization)
     device = load_device(config.device, search_dirs=search_dirs)
     memory = plan_memory(
         model,

@@ -111,6 +111,24 @@ def _scaled(dist: dict, key: str, factor: float) -> str:
     return "n/a" if v is None else f"{v * factor:.2f}"
 
 
+def model_fact_lines(name: str, facts: dict) -> list[str]:
+    """What a run used of an MoE, MLA or W8A8 model (ModelSpec.facts), one line each."""
+    lines = [f"Model: {name} ({facts['architecture']}), {facts['total_params'] / 1e9:.2f}B parameters, "
+             f"{facts['active_params'] / 1e9:.2f}B active per token"]
+    moe = facts.get("moe")
+    if moe:
+        routing = moe.get("routing", f"top-{moe['num_experts_per_tok']} of {moe['num_experts']} experts")
+        shared = f", shared experts {moe['shared_expert_intermediate_size']} wide" if moe["shared_expert_intermediate_size"] else ""
+        lines.append(f"MoE: {routing}; {moe['moe_layers']} MoE layers, {moe['dense_layers']} dense{shared}")
+    mla = facts.get("mla")
+    if mla:
+        lines.append(f"MLA: {mla['cached_values_per_token_per_layer']} cached values per token per layer "
+                     f"(latent {mla['kv_lora_rank']} + rope key {mla['qk_rope_head_dim']}); decode {mla['decode']}")
+    if facts.get("quantization"):
+        lines.append(f"Quantization: {facts['quantization']} (decoder-layer matmuls in int8)")
+    return lines
+
+
 def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
     """A summary table in the style of vLLM's serving benchmark."""
     width = 50
@@ -119,6 +137,9 @@ def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
     def row(label: str, value) -> None:
         lines.append(f"{label:<40}{value:>10}")
 
+    facts = summary.get("config", {}).get("resolved", {}).get("model")
+    if facts:
+        lines += model_fact_lines(summary["config"]["model"], facts)
     row("Successful requests:", summary["requests_completed"])
     row("Rejected requests:", summary["requests_rejected"])
     row("Duration (s):", f"{summary['duration_s']:.2f}")
