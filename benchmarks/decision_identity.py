@@ -35,6 +35,10 @@ SCHEDULERS = ("fcfs", "chunked", "priority", "sjf", "static")
 MANAGERS = ("paged", "prefix", "contiguous")
 VOLATILE_SUMMARY_KEYS = ("wall_s", "macro_stretches")  # macro_stretches: gone since macro-stepping was removed
 REMOVED_CONFIG_KEYS = ("exact",)  # RunConfig.exact (macro-stepping off): gone with it; older summaries still carry it
+# Fields added since with the value that turns their feature off: a run with the feature off writes
+# that value where an older version wrote nothing, which is not a change of any decision.
+ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_parallel_size": 1,
+                     "pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False}
 
 
 def workloads() -> dict[str, list[str]]:
@@ -83,8 +87,12 @@ def fingerprint(out: Path) -> dict[str, str]:
     summary = json.loads((out / "summary.json").read_text())
     for key in VOLATILE_SUMMARY_KEYS:
         summary.pop(key, None)
+    config = summary.get("config", {})
     for key in REMOVED_CONFIG_KEYS:
-        summary.get("config", {}).pop(key, None)
+        config.pop(key, None)
+    for key, off in ADDED_CONFIG_KEYS.items():
+        if key in config and config[key] == off:
+            del config[key]
     prints["summary.json"] = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()
     return prints
 

@@ -19,6 +19,7 @@ from kvsim.sim.perf.cost_model import (
     in_order_sum,
 )
 from kvsim.sim.perf.device import OperatorCoefficients, load_device
+from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.model_spec import load_model
 
 FEATURE_NAMES = [f.name for f in dataclasses.fields(StepFeatures)]
@@ -300,7 +301,8 @@ def _random_plans(rng: np.random.Generator, count: int) -> list[StepPlan]:
     return plans
 
 
-@pytest.mark.parametrize("engine", ["graph", "eager", "async", "none", "none, row-count terms"])
+@pytest.mark.parametrize("engine", ["graph", "eager", "async", "none", "none, row-count terms", "graph, MoE + MLA + W8A8",
+                                    "graph, MoE with skewed routing"])
 def test_one_step_predicts_bit_for_bit_what_the_array_path_does(llama_910b: CostModel, engine: str) -> None:
     """A step's prediction skips numpy and the per-operator dict on scalars; it must still be the
     very float the array path (the same formulas over many steps at once) gives for that step.
@@ -315,6 +317,10 @@ def test_one_step_predicts_bit_for_bit_what_the_array_path_does(llama_910b: Cost
     else:
         changes = {"mode": "eager", "dispatch_s": 2e-5} if engine == "eager" else {"async_scheduling": engine == "async"}
         cost = _with_engine(llama_910b, **changes, **host)
+    if "MoE" in engine:
+        model = load_model("deepseek-v2-lite", quantization="w8a8" if "W8A8" in engine else None)
+        routing = ExpertRouting(model.num_experts, model.num_experts_per_tok, skew=0.8 if "skewed" in engine else 0.0)
+        cost = CostModel(model, cost.device, 128, routing=routing)
     timer = CostModelTimer(cost)
     few = [decode_plan([100 * (k + 1)] * (k % 4 + 1), step=k) for k in range(12)]  # 1-4 tokens: the row-count terms' steps
     steps = [features_from_plan(p, 128) for p in _random_plans(np.random.default_rng(11), 300) + few]

@@ -9,6 +9,8 @@ import click
 
 from kvsim.cli.aliases import AliasedOption
 from kvsim.cli.errors import UserError
+from kvsim.sim.parallel.layout import ParallelLayout
+from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
 from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.memory import (
     DEFAULT_BLOCK_SIZE,
@@ -16,13 +18,15 @@ from kvsim.sim.perf.memory import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MEMORY_UTILIZATION,
     MemoryPlan,
-    plan_memory,
 )
-from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
+from kvsim.sim.run.outputs import model_fact_lines
 
 
 @click.command()
-@click.option("--model", "model_name", required=True, help="Bundled model name or a model .toml path.")
+@click.option("--model", "model_name", required=True,
+              help="A bundled name, a kvsim TOML, a Hugging Face config.json or a directory holding one.")
+@click.option("--quantization", type=click.Choice(list(QUANTIZATIONS)), help="Weights and activations in int8 (W8A8).")
 @click.option("--device", "device_name", required=True, help="Bundled device, NAME.toml in the working directory, or a .toml path.")
 @click.option("--kv-cache-dtype", "--kv-dtype", "kv_dtype", cls=AliasedOption, type=click.Choice(["fp16", "bf16", "int8", "fp32"]),
               help="KV cache dtype [default: the model's].")
@@ -34,9 +38,18 @@ from kvsim.sim.perf.model_spec import load_model
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, show_default=True,
               help="Rows sampled in the largest step.")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Report how many sequences of this length fit [default: max-model-len].")
+@click.option("--tensor-parallel-size", "-tp", "tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Devices that split each layer's heads and columns.")
+@click.option("--pipeline-parallel-size", "-pp", "pp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Stages the layers are split into.")
+@click.option("--data-parallel-size", "-dp", "dp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Replicas, each with its own KV pool.")
+@click.option("--enable-expert-parallel/--no-enable-expert-parallel", "ep", default=False, show_default=True,
+              help="Spread the routed experts over TP x DP devices.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def memory(
     model_name: str,
+    quantization: str | None,
     device_name: str,
     kv_dtype: str | None,
     block_size: int,
@@ -45,18 +58,26 @@ def memory(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     seq_len: int | None,
+    tp: int,
+    pp: int,
+    dp: int,
+    ep: bool,
     as_json: bool,
 ) -> None:
     """HBM breakdown (weights, activations, reserve, KV pool) and KV block count, sized as vLLM sizes it.
 
-    Exits with status 1 when the model does not fit or the pool cannot hold one max-length sequence.
+    Under a parallel layout every figure is one rank's (each rank sizes its own pool, as vLLM's
+    workers do). Exits with status 1 when the model does not fit or the pool cannot hold one
+    max-length sequence.
     """
     try:
-        model = load_model(model_name)
+        model = load_model(model_name, quantization=quantization)
         device = load_device(device_name, search_dirs=[Path.cwd()])
-        plan = plan_memory(
+        layout = ParallelLayout(tp, pp, dp, ep)
+        plan = plan_rank_memory(
             model,
             device,
+            layout,
             kv_dtype=kv_dtype,
             block_size=block_size,
             memory_utilization=memory_utilization,
@@ -67,17 +88,28 @@ def memory(
     except ValueError as exc:
         raise UserError(str(exc)) from None
     seq_len = seq_len or plan.max_model_len
+    buffers = buffer_bytes(device, layout)
     if as_json:
-        click.echo(json.dumps({**plan.to_dict(), "seq_len": seq_len, "max_sequences": plan.max_sequences(seq_len)}, indent=2))
+        parallel = {} if layout.is_single_device else {
+            "layout": layout.describe(), "world_size": layout.world_size, "per_rank": True,
+            "communication_buffer_bytes": buffers, "blocks_per_rank": plan.num_blocks,
+            "kv_blocks_of_the_instance": plan.num_blocks * dp}
+        click.echo(json.dumps({**plan.to_dict(), "seq_len": seq_len, "max_sequences": plan.max_sequences(seq_len),
+                               "model_facts": model.facts(), **({"parallel": parallel} if parallel else {})}, indent=2))
     else:
-        click.echo(format_plan(plan, seq_len))
+        click.echo(format_plan(plan, seq_len, buffers))
+        if not layout.is_single_device:
+            click.echo(f"{layout.describe()}: every figure above is one rank's; the instance holds "
+                       f"{plan.num_blocks * dp} blocks ({dp} data-parallel pool{'s' if dp > 1 else ''})")
+        if model.is_moe or model.is_mla or model.quantization:
+            click.echo("\n".join(model_fact_lines(model.name, model.facts())))
     if not plan.fits:
         if not as_json:
             click.echo(f"error: {plan.problem}", err=True)
         raise SystemExit(1)
 
 
-def format_plan(plan: MemoryPlan, seq_len: int) -> str:
+def format_plan(plan: MemoryPlan, seq_len: int, buffer_bytes: int = 0) -> str:
     kv_note = f"{plan.num_blocks} blocks x {_size(plan.bytes_per_block).strip()}"
     rows = [
         ("device memory", plan.total_bytes, ""),
@@ -85,10 +117,12 @@ def format_plan(plan: MemoryPlan, seq_len: int) -> str:
         ("  weights", plan.weight_bytes, ""),
         ("  activations", plan.activation_bytes,
          f"{plan.max_num_batched_tokens} tokens, {min(plan.max_num_seqs, plan.max_num_batched_tokens)} sampled rows"),
-        ("  runtime reserve", plan.reserve_bytes, ""),
+        ("  runtime reserve", plan.reserve_bytes - buffer_bytes, ""),
         ("  KV pool", plan.kv_pool_bytes, kv_note),
         ("  unused", plan.unused_bytes, "less than one block" if plan.fits else ""),
     ]
+    if buffer_bytes:
+        rows.insert(5, ("  collective buffers", buffer_bytes, "one per communication group (HCCL_BUFFSIZE)"))
     if plan.kv_scale_bytes:
         rows.insert(-1, ("  KV scales", plan.kv_scale_bytes, "static per-channel (C8), once for all blocks"))
     lines = [

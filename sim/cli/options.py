@@ -42,6 +42,13 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--expert-routing-skew",), "expert_routing_skew",
      {"type": float, "help": "MoE models: Zipf skew of the experts' popularity; 0 is uniform routing."}),
     (("--device",), "device", {"help": "Device name (sim/devices, or NAME.toml in the working directory) or TOML path."}),
+    (("--tensor-parallel-size", "-tp"), "tensor_parallel_size",
+     {"type": int, "help": "Devices that split each layer's heads and columns (vLLM's TP)."}),
+    (("--pipeline-parallel-size", "-pp"), "pipeline_parallel_size", {"type": int, "help": "Stages the layers are split into."}),
+    (("--data-parallel-size", "-dp"), "data_parallel_size",
+     {"type": int, "help": "Replicas that each run their own batch (MoE layers run together across them)."}),
+    ((_switch("enable-expert-parallel"),), "enable_expert_parallel",
+     {"help": "Spread the routed experts over TP x DP devices instead of splitting each by TP. [default: off]"}),
     (("--scheduler",), "scheduler",
      {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's "
               "AscendScheduler) | module:Class."}),

@@ -203,7 +203,9 @@ class CostModel:
     """Per-operator rooflines for one model on one device at one block size and KV dtype."""
 
     def __init__(self, model: ModelSpec, device: DeviceProfile, block_size: int, kv_dtype: str | None = None,
-                 expert_routing_skew: float = 0.0) -> None:
+                 routing: ExpertRouting | None = None) -> None:
+        """``routing``: which experts an MoE model's tokens pick (default: uniform over the model's
+        experts, on one rank); an expert-parallel rank's is given with its EP and DP sizes."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model, self.device, self.block_size = model, device, block_size
@@ -230,7 +232,9 @@ class CostModel:
         self._kv_token_layer = m.kv_bytes_per_token(self.kv_dtype) / L  # c
         self._kv_in = m.kv_entry_size  # values a new token's K and V (or latent) hand the cache write
         self._block_bytes = m.bytes_per_block(block_size, self.kv_dtype)
-        self.routing = ExpertRouting(m.num_experts, m.num_experts_per_tok, expert_routing_skew) if m.is_moe else None
+        if m.is_moe and routing is None:
+            routing = ExpertRouting(m.num_experts, m.num_experts_per_tok)
+        self.routing = routing
         self._rates = {op: self._unit_costs(op) for op in OPERATORS}
         self._rate_rows = tuple(self._rates[op] for op in OPERATORS)
         self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
@@ -352,13 +356,13 @@ class CostModel:
     def _moe_row(self, Tp: Num, on_T: Num) -> tuple[Num, Num, Num]:
         """The routed experts of every MoE layer: each token runs top-k experts; the weights read are
         those of the distinct experts the step's tokens touch (sim/perf/expert_routing.py), and each
-        touched expert's grouped matmul pays the small-M loss once (``half_tokens`` of the moe table)."""
-        m, Lm, Pe = self.model, self._moe_layers, self._expert_params
-        k = m.num_experts_per_tok
-        touched = self.routing.distinct_experts(Tp)
+        touched expert's grouped matmul pays the small-M loss once (``half_tokens`` of the moe table).
+        Under expert parallelism: the busiest rank's token copies and experts."""
+        Lm, Pe = self._moe_layers, self._expert_params
+        copies, touched = self.routing.busiest_rank(Tp)
         return (
-            2 * (Tp * k + self._moe_half_tokens * touched) * Lm * Pe,
-            touched * Lm * Pe * self._w + self._a * Tp * k * Lm * self._expert_act_elems,
+            2 * (copies + self._moe_half_tokens * touched) * Lm * Pe,
+            touched * Lm * Pe * self._w + self._a * copies * Lm * self._expert_act_elems,
             MOE_LAUNCHES * Lm * on_T,
         )
 

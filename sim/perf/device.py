@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from kvsim.sim.perf.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
+from kvsim.sim.perf.topology import Topology, parse_topology, topology_toml_lines
 from kvsim.sim.toml_io import load_toml
 
 DEVICES_DIR = Path(__file__).parents[1] / "devices"  # sim/devices/, the data beside the rooms
@@ -166,6 +167,8 @@ class DeviceProfile:
     reference_steps_s: dict[str, float] = field(default_factory=dict)
     # How the serving engine runs steps (sim/perf/engine_overhead.py); None: kernels and host terms add up.
     engine: EngineProfile | None = None
+    # How devices are wired inside and between nodes (sim/perf/topology.py); None: a single device.
+    topology: Topology | None = None
 
     def matrix_peak(self, dtype: str) -> float:
         try:
@@ -209,6 +212,8 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines.append(f"step_timing_noise = {_toml_num(profile.step_timing_noise)}")
     if profile.engine is not None:
         lines += ["", *engine_toml_lines(profile.engine)]
+    if profile.topology is not None:
+        lines += ["", *topology_toml_lines(profile.topology)]
     if profile.row_count_s:
         lines += ["", "[row_count_s]"]
         lines += [f'"{rows}" = {_toml_num(seconds)}' for rows, seconds in sorted(profile.row_count_s.items())]
@@ -264,6 +269,8 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     values["operators"] = operators
     if "engine" in data:
         values["engine"] = parse_engine(_table(data, "engine", path), path)
+    if "topology" in data:
+        values["topology"] = parse_topology(_table(data, "topology", path), path)
     if "row_count_s" in data:
         values["row_count_s"] = _row_counts(_table(data, "row_count_s", path), path)
     if "reference_steps_s" in data:

@@ -12,6 +12,13 @@ auxiliary-loss-free balancing and Qwen3's balancing loss aim for) has ``p_e = k 
 ``s > 0`` gives the experts Zipf popularity ``p_e`` proportional to ``1 / rank^s``, scaled to sum
 to k and capped at 1: fewer distinct experts for the same tokens, and a busiest expert (what an
 expert-parallel rank waits for) that takes more than its share.
+
+Under expert parallelism the experts are spread over ``ep_size`` ranks in contiguous ranges (as
+vLLM places them), and the tokens of ``dp_size`` data-parallel members meet in each MoE layer. A
+step costs what its busiest rank does: the range holding the most popular experts, which receives
+``G sum_{e in range} p_e`` token copies from the ``G = dp_size x tokens`` tokens and reads the
+weights of ``sum_{e in range} 1 - (1 - p_e)^G`` distinct experts. One rank (``ep_size = 1``)
+receives ``k T`` copies and reads all the distinct experts above.
 """
 
 from __future__ import annotations
@@ -27,8 +34,12 @@ class ExpertRouting:
     num_experts: int
     top_k: int
     skew: float = 0.0  # Zipf exponent of the experts' popularity; 0: uniform
+    ep_size: int = 1  # ranks the experts are spread over (expert parallelism)
+    dp_size: int = 1  # data-parallel members whose tokens meet in a MoE layer
 
     def __post_init__(self) -> None:
+        if self.ep_size < 1 or self.num_experts % self.ep_size:
+            raise ValueError(f"{self.num_experts} experts do not split over {self.ep_size} expert-parallel ranks")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top-k {self.top_k} must be in [1, num_experts {self.num_experts}]")
         if not (np.isfinite(self.skew) and self.skew >= 0):
@@ -60,6 +71,21 @@ class ExpertRouting:
             return (1.0 - (1.0 - p[None, :]) ** tokens[:, None]).sum(axis=1)
         return float((1.0 - (1.0 - p) ** tokens).sum())
 
+    def busiest_rank(self, tokens: float | np.ndarray) -> tuple[float | np.ndarray, float | np.ndarray]:
+        """(token copies, distinct experts) of the busiest expert-parallel rank when each data-parallel
+        member runs ``tokens`` tokens (module docstring); one rank: (k tokens, distinct_experts)."""
+        group = tokens * self.dp_size if self.dp_size > 1 else tokens
+        if self.ep_size == 1:
+            return group * self.top_k, self.distinct_experts(group)
+        per_rank = self.num_experts // self.ep_size
+        if self.skew == 0:
+            return group * self.top_k / self.ep_size, per_rank * (1.0 - (1.0 - self.top_k / self.num_experts) ** group)
+        p = self.pick_probabilities[:per_rank]  # the most popular range
+        if isinstance(group, np.ndarray):
+            return group * p.sum(), (1.0 - (1.0 - p[None, :]) ** group[:, None]).sum(axis=1)
+        return group * float(p.sum()), float((1.0 - (1.0 - p) ** group).sum())
+
     def describe(self) -> str:
         kind = "uniform" if self.skew == 0 else f"Zipf skew {self.skew:g}"
-        return f"top-{self.top_k} of {self.num_experts} experts, {kind} routing"
+        spread = f", spread over {self.ep_size} EP ranks" if self.ep_size > 1 else ""
+        return f"top-{self.top_k} of {self.num_experts} experts, {kind} routing{spread}"

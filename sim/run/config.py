@@ -23,10 +23,13 @@ from kvsim import traces
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.hashing import check_block_size_compatible
+from kvsim.sim.parallel.layout import ParallelLayout
+from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
+from kvsim.sim.parallel.rank_cost import ParallelCostModel
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import DeviceProfile, load_device
 from kvsim.sim.perf.expert_routing import ExpertRouting
-from kvsim.sim.perf.memory import MemoryPlan, plan_memory
+from kvsim.sim.perf.memory import MemoryPlan
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, ModelSpec, load_model
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.schema import Trace
@@ -45,6 +48,11 @@ class RunConfig:
     quantization: str | None = None  # vLLM's --quantization: w8a8 or w8a8_dynamic (vllm-ascend); None: the model's weights
     expert_routing_skew: float = 0.0  # MoE models: Zipf skew of the experts' popularity (0: uniform routing)
     device: str = "ascend-910b3"
+    # vLLM's parallel flags (sim/parallel/layout.py): one instance over TP x PP x DP devices
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     scheduler: str = "fcfs"
     scheduler_params: dict = field(default_factory=dict)
     block_manager: str = "prefix"
@@ -136,6 +144,9 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("swap_space_gb", "must be a finite number >= 0 (GiB)", math.isfinite(c.swap_space_gb) and c.swap_space_gb >= 0),
         ("watermark", "must be in [0, 1)", 0 <= c.watermark < 1),
         ("max_waiting", "must be >= 0 (0: no cap)", c.max_waiting >= 0),
+        ("tensor_parallel_size", "must be >= 1", c.tensor_parallel_size >= 1),
+        ("pipeline_parallel_size", "must be >= 1", c.pipeline_parallel_size >= 1),
+        ("data_parallel_size", "must be >= 1", c.data_parallel_size >= 1),
         ("quantization", f"must be one of {', '.join(QUANTIZATIONS)}", c.quantization in (None, *QUANTIZATIONS)),
         ("expert_routing_skew", "must be a finite number >= 0 (0: uniform)",
          math.isfinite(c.expert_routing_skew) and c.expert_routing_skew >= 0),
@@ -205,13 +216,23 @@ class ResolvedRun:
     memory: MemoryPlan
     engine_config: EngineConfig
 
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+
     def new_engine(self) -> EngineCore:
         return EngineCore(self.engine_config)
 
-    def cost_model(self) -> CostModel:
-        """The cost model for this run's model, device, block size and KV dtype."""
-        return CostModel(self.model, self.device, self.config.block_size, self.memory.kv_dtype,
-                         expert_routing_skew=self.config.expert_routing_skew)
+    def cost_model(self) -> CostModel | ParallelCostModel:
+        """The cost model for this run's model, device, block size and KV dtype (one rank plus its
+        collectives under a parallel layout: sim/parallel/rank_cost.py)."""
+        if self.layout.is_single_device:
+            return CostModel(self.model, self.device, self.config.block_size, self.memory.kv_dtype, routing=self.routing())
+        return ParallelCostModel(self.model, self.device, self.layout, self.config.block_size, self.memory.kv_dtype,
+                                 routing=self.routing(), max_num_batched_tokens=self.config.max_num_batched_tokens)
+
+    def routing(self) -> ExpertRouting | None:
+        """The routing assumption of an MoE model (None for a dense one)."""
+        m = self.model
+        return ExpertRouting(m.num_experts, m.num_experts_per_tok, self.config.expert_routing_skew) if m.is_moe else None
 
     def to_dict(self) -> dict:
         resolved = {
@@ -225,9 +246,13 @@ class ResolvedRun:
         facts = self.model.facts()
         if set(facts) - {"architecture", "total_params", "active_params"}:  # MoE, MLA or W8A8: say what was used
             if "moe" in facts:
-                routing = ExpertRouting(self.model.num_experts, self.model.num_experts_per_tok, self.config.expert_routing_skew)
-                facts["moe"]["routing"] = routing.describe()
+                facts["moe"]["routing"] = self.routing().describe()
             resolved["model"] = facts
+        if not self.layout.is_single_device:
+            resolved["parallel"] = {"layout": self.layout.describe(), "world_size": self.layout.world_size,
+                                    "expert_parallel_size": self.layout.expert_parallel_size,
+                                    "blocks_per_rank": self.memory.num_blocks,
+                                    "communication_buffer_bytes": buffer_bytes(self.device, self.layout)}
         return {**self.config.to_dict(), "resolved": resolved}
 
 
@@ -236,9 +261,12 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
     config = config.validate().normalized()
     model = load_model(config.model, quantization=config.quantization)
     device = load_device(config.device, search_dirs=search_dirs)
-    memory = plan_memory(
+    layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size,
+                            config.enable_expert_parallel)
+    memory = plan_rank_memory(  # one rank's pool; a DP group's engine holds every member's (module docstring of rank_cost)
         model,
         device,
+        layout,
         kv_dtype=config.kv_dtype,
         block_size=config.block_size,
         memory_utilization=config.memory_utilization,
@@ -246,14 +274,15 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
     )
-    num_blocks = config.num_blocks or memory.require_fit().num_blocks
+    dp = layout.data_parallel_size
+    num_blocks = config.num_blocks or memory.require_fit().num_blocks * dp
     engine_config = EngineConfig(
         num_blocks=num_blocks,
         block_size=config.block_size,
-        num_host_blocks=int(config.swap_space_gb * GIB) // memory.bytes_per_block,
+        num_host_blocks=int(config.swap_space_gb * GIB) // memory.bytes_per_block * dp,
         max_model_len=memory.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs * dp,
+        max_num_batched_tokens=config.max_num_batched_tokens * dp,
         scheduler=config.scheduler,
         scheduler_params=dict(config.scheduler_params),
         block_manager=config.block_manager,
@@ -264,7 +293,7 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         batch_blocks_within_pool=config.batch_blocks_within_pool,
     )
-    resolved = ResolvedRun(config, model, device, memory, engine_config)
+    resolved = ResolvedRun(config, model, device, memory, engine_config, layout)
     _check_policies(resolved)
     return resolved
 

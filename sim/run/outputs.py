@@ -137,9 +137,13 @@ def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
     def row(label: str, value) -> None:
         lines.append(f"{label:<40}{value:>10}")
 
-    facts = summary.get("config", {}).get("resolved", {}).get("model")
-    if facts:
-        lines += model_fact_lines(summary["config"]["model"], facts)
+    resolved = summary.get("config", {}).get("resolved", {})
+    if resolved.get("model"):
+        lines += model_fact_lines(summary["config"]["model"], resolved["model"])
+    if "parallel" in summary:
+        p = summary["parallel"]
+        lines.append(f"Layout: {p['layout']}, {resolved['parallel']['blocks_per_rank']} KV blocks per rank; "
+                     f"collectives {100 * p['collective_share']:.1f} % of step time")
     row("Successful requests:", summary["requests_completed"])
     row("Rejected requests:", summary["requests_rejected"])
     row("Duration (s):", f"{summary['duration_s']:.2f}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from kvsim.sim.parallel.rank_cost import ParallelCostModel
+from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun
 from kvsim.sim.run.decisions import DecisionLog
@@ -55,6 +57,8 @@ def run_trace(
         if summary_extras is not None:
             summary.update(summary_extras(run))
         summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
+        if isinstance(timer, CostModelTimer) and isinstance(timer.cost_model, ParallelCostModel):
+            summary["parallel"] = timer.cost_model.summary()  # the layout's collectives over the run
         summary["config"] = resolved.to_dict()
         summary["memory"] = resolved.memory.to_dict()
         summary["warnings"] = run_warnings(resolved, trace, summary, run.requests, run.times.first_scheduled)

@@ -1,0 +1,36 @@
+"""Device memory of one rank of a parallel layout: its weight shard, KV pool, workspace and buffers.
+
+Each rank sizes its own KV pool from what its share of the weights leaves, as vLLM's workers do
+(every TP rank ends with the same block count: the engine takes the minimum). A rank caches its
+stage's layers for its KV heads (or the whole MLA latent). Collective libraries keep a buffer per
+communication group outside the framework's allocator (HCCL_BUFFSIZE), counted in the reserve.
+"""
+
+from __future__ import annotations
+
+from kvsim.sim.parallel.layout import ParallelLayout, rank_model
+from kvsim.sim.perf.device import DeviceProfile
+from kvsim.sim.perf.memory import MemoryPlan, plan_memory
+from kvsim.sim.perf.model_spec import ModelSpec
+
+
+def communication_groups(layout: ParallelLayout) -> int:
+    """Groups a rank communicates in: TP, the pipeline hand-over, EP (or DP's dummy-batch sync)."""
+    groups = int(layout.tensor_parallel_size > 1) + int(layout.pipeline_parallel_size > 1)
+    return groups + int(layout.expert_parallel_size > 1 or layout.data_parallel_size > 1)
+
+
+def buffer_bytes(device: DeviceProfile, layout: ParallelLayout) -> int:
+    if layout.is_single_device or device.topology is None:
+        return 0
+    return communication_groups(layout) * device.topology.buffer_bytes
+
+
+def plan_rank_memory(model: ModelSpec, device: DeviceProfile, layout: ParallelLayout, **sizing) -> MemoryPlan:
+    """One rank's memory plan (``sizing``: plan_memory's keywords); the reserve includes the buffers."""
+    if layout.is_single_device:
+        return plan_memory(model, device, **sizing)
+    layout.check(model, device.topology, device.name)
+    reserve = sizing.pop("reserve_bytes", None)
+    reserve = (device.runtime_reserve_bytes if reserve is None else reserve) + buffer_bytes(device, layout)
+    return plan_memory(rank_model(model, layout), device, reserve_bytes=reserve, **sizing)

@@ -1,0 +1,104 @@
+"""What MoE, MLA and W8A8 change in a step's cost: expert reads by distinct experts, latent KV reads, int8 GEMMs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvsim.sim.perf.cost_model import CostModel, StepFeatures
+from kvsim.sim.perf.device import load_device
+from kvsim.sim.perf.expert_routing import ExpertRouting
+from kvsim.sim.perf.memory import plan_memory
+from kvsim.sim.perf.model_spec import load_model
+
+DEVICE = load_device("ascend-910b3")
+FEATURE_NAMES = [f.name for f in dataclasses.fields(StepFeatures)]
+
+
+def _step(tokens: float, decode_seqs: float = 0.0, context: float = 1024.0) -> StepFeatures:
+    """A decode step of ``decode_seqs`` sequences at ``context``, or one prefill of ``tokens`` tokens."""
+    values = dict.fromkeys(FEATURE_NAMES, 0.0)
+    if decode_seqs:
+        values.update(num_tokens=decode_seqs, num_seqs=decode_seqs, num_sampled=decode_seqs, decode_seqs=decode_seqs,
+                      decode_ctx_tokens=decode_seqs * context, blocks_touched=decode_seqs * context / 128)
+    else:
+        values.update(num_tokens=tokens, num_seqs=1.0, num_sampled=1.0, prefill_tokens=tokens, prefill_ctx_tokens=tokens,
+                      attn_pairs=tokens * (tokens + 1) / 2, blocks_touched=tokens / 128)
+    return StepFeatures(**values)
+
+
+def test_uniform_routing_touches_top_k_for_one_token_and_nearly_all_for_many() -> None:
+    routing = ExpertRouting(num_experts=128, top_k=8)
+    assert routing.distinct_experts(1.0) == pytest.approx(8.0)
+    counts = routing.distinct_experts(np.array([1.0, 8.0, 64.0, 4096.0]))
+    assert np.all(np.diff(counts) > 0) and counts[-1] == pytest.approx(128.0)
+    assert 8 < counts[1] < 64  # 8 tokens x top-8 overlap: fewer than 64 distinct experts
+    skewed = ExpertRouting(num_experts=128, top_k=8, skew=1.0)
+    assert skewed.pick_probabilities.sum() == pytest.approx(8.0) and skewed.pick_probabilities.max() <= 1.0
+    assert skewed.distinct_experts(8.0) < routing.distinct_experts(8.0)  # popular experts are shared more
+    assert skewed.distinct_experts(np.array([8.0]))[0] == pytest.approx(skewed.distinct_experts(8.0))
+
+
+def test_routing_rejects_top_k_above_the_expert_count() -> None:
+    with pytest.raises(ValueError, match="top-k 9"):
+        ExpertRouting(num_experts=8, top_k=9)
+
+
+def test_a_decode_step_reads_far_fewer_expert_weights_than_a_long_prefill() -> None:
+    model = load_model("qwen3-30b-a3b")
+    cost = CostModel(model, DEVICE, 128)
+    expert_bytes = model.expert_params() * model.num_moe_layers * 2  # one expert of every MoE layer, bf16
+    decode = cost.operator_work(_step(0, decode_seqs=8))["moe"].bytes
+    prefill = cost.operator_work(_step(4096))["moe"].bytes
+    assert 8 * expert_bytes < decode < 64 * expert_bytes  # neither one expert nor all 128
+    assert prefill > 127 * expert_bytes  # a 4,096-token prefill touches essentially every expert
+    assert prefill / decode > 2
+
+
+def test_dense_models_have_no_moe_work_and_moe_models_no_dense_mlp_in_gemm() -> None:
+    dense = CostModel(load_model("qwen3-32b"), DEVICE, 128).operator_work(_step(512))
+    assert dense["moe"] == (0.0, 0.0, 0)
+    moe_model = load_model("qwen3-30b-a3b")
+    gemm = CostModel(moe_model, DEVICE, 128).operator_work(_step(1.0))["gemm"]
+    per_token = moe_model.per_token_matmul_params()
+    assert gemm.flops == pytest.approx(2 * per_token)  # attention + router, no expert
+    assert per_token < 0.1 * moe_model.param_counts().routed_experts
+
+
+def test_mla_decode_reads_the_latent_not_per_head_kv() -> None:
+    model = load_model("deepseek-v2-lite")
+    cost = CostModel(model, DEVICE, 128)
+    long, short = (cost.operator_work(_step(0, decode_seqs=8, context=ctx))["attn_decode"] for ctx in (8192.0, 1024.0))
+    per_token_layer = (long.bytes - short.bytes) / (8 * 7168 * model.num_layers)
+    assert per_token_layer == pytest.approx(576 * 2)  # 512 latent + 64 rope key, bf16: 1,152 bytes
+    # the same heads with per-head K and V (16 heads x (192 + 128)) would read 10,240 bytes
+    assert model.kv_bytes_per_token() == 27 * 576 * 2
+
+
+def test_mla_prefill_pays_the_up_projection_of_every_cached_token() -> None:
+    model = load_model("deepseek-v2-lite")
+    cost = CostModel(model, DEVICE, 128)
+    fresh = cost.operator_work(_step(2048))["attn_prefill"]
+    cached = cost.operator_work(StepFeatures(**{**vars(_step(2048)), "prefill_ctx_tokens": 2048.0 + 8192.0}))["attn_prefill"]
+    up = 2 * model.mla_up_projection_params() * 8192 * model.num_layers
+    assert cached.flops - fresh.flops == pytest.approx(up)
+
+
+def test_w8a8_runs_gemms_at_the_int8_rate_and_reads_half_the_weights() -> None:
+    bf16 = CostModel(load_model("qwen3-32b"), DEVICE, 128)
+    w8a8 = CostModel(load_model("qwen3-32b", quantization="w8a8"), DEVICE, 128)
+    assert w8a8.roofs("gemm")[0] == DEVICE.matrix_flops["int8"] and w8a8.roofs("lm_head")[0] == DEVICE.matrix_flops["bf16"]
+    prefill, decode = _step(4096), _step(0, decode_seqs=1)
+    assert w8a8.operator_times(prefill)["gemm"] == pytest.approx(bf16.operator_times(prefill)["gemm"] / 2, rel=0.02)
+    assert w8a8.operator_work(decode)["gemm"].bytes < 0.55 * bf16.operator_work(decode)["gemm"].bytes
+    assert w8a8.operator_work(decode)["elementwise"].bytes > bf16.operator_work(decode)["elementwise"].bytes  # quantising
+
+
+def test_mla_and_int8_kv_hold_more_tokens_in_the_same_memory() -> None:
+    lite = load_model("deepseek-v2-lite")
+    plan = plan_memory(lite, DEVICE, max_model_len=32768)
+    int8 = plan_memory(lite, DEVICE, kv_dtype="int8", max_model_len=32768)
+    assert plan.bytes_per_block == 128 * 27 * 576 * 2 and int8.bytes_per_block * 2 == plan.bytes_per_block
+    assert int8.num_blocks > 1.9 * plan.num_blocks
