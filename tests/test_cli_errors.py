@@ -58,6 +58,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "out under a file": ([*sim, "--out", str(tmp / "a_file" / "run")], ["a_file", "not a directory"]),
         "out read-only": ([*sim, "--out", _read_only_dir(tmp)], ["--out", "kvsim-test-out" if os.geteuid() == 0 else "locked"]),
         "out not empty": ([*sim, "--out", str(tmp / "full")], ["full", "--overwrite"]),
+        "tp not dividing the heads": ([*sim, "--model", "llama-3.1-70b", "-tp", "3", *out], ["--tensor-parallel-size 3", "64"]),
+        "ep without experts": ([*sim, "--model", "qwen3-32b", "-tp", "2", "--enable-expert-parallel", *out],
+                               ["--enable-expert-parallel", "not an MoE model"]),
+        "parallel on the real executor": (["validate", "-tp", "2", *out], ["real executor runs one device"]),
         "memory model is a directory": (["memory", "--model", str(tmp / "a_dir"), "--device", "ascend-910b3"], ["a_dir"]),
         "block size vs trace hash block size": (
             ["simulate", "--quiet", "--trace", "mooncake_500", "--block-size", "100", *out], ["block_size 100", "hash block size"]),

@@ -60,8 +60,17 @@ def open_backend(name: str, enforce_eager: bool = False) -> KernelBackend:
         raise UserError(str(exc)) from None
 
 
+def require_one_device(config: RunConfig) -> None:
+    """The real executor runs one device: a parallel layout is the simulator's alone for now."""
+    sizes = (config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size)
+    if sizes != (1, 1, 1) or config.enable_expert_parallel:
+        raise UserError("--tensor/pipeline/data-parallel-size, --enable-expert-parallel: the real executor runs one "
+                        "device; parallel layouts are simulated only (kvsim simulate, sweep, capacity, memory)")
+
+
 def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
     """The config as the backend's kernels require it (the npu's FIA limits a batch's block sum)."""
+    require_one_device(config)
     return config.updated(batch_blocks_within_pool=True) if backend.needs_batch_blocks_within_pool else config
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from kvsim.cli.errors import user_errors
-from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend, open_backend
+from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend, open_backend, require_one_device
 from kvsim.cli.options import run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend
 from kvsim.realexec.calibration import calibrated_profile
@@ -49,6 +49,7 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, enforce_e
     with user_errors():  # what the user chose: thresholds, config, trace, backend (exit 2)
         thresholds = Thresholds.from_toml(config_path)
         config = run_config_from(options, base=REAL_DEFAULTS)
+        require_one_device(config)
         trace = load_run_trace(config)
         kernels = open_backend(backend, enforce_eager)
     try:

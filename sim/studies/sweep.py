@@ -11,6 +11,10 @@ product::
     kv_cache_dtype = ["bf16", "int8"]
     request_rate = [1.0, 2.0]
 
+A key that names several fields, comma-separated, varies them together: its values are lists
+with one value per field (``"tensor_parallel_size,data_parallel_size" = [[8, 2], [16, 1]]``:
+two layouts of 16 devices, not four combinations).
+
 Runs go to local worker processes by default, or to a Ray cluster (``backend="ray"``,
 ``pip install 'kvsim[dist]'``); either way each run writes its own directory and one row
 of ``sweep.csv``, with one column per varied setting; a point that fails is a row with its
@@ -50,8 +54,11 @@ def load_grid_file(path: str | Path, require_grid: bool = True) -> tuple[RunConf
     if not_lists:
         raise ValueError(f"{path}: [grid] values must be non-empty lists: {not_lists}")
     for key, values in grid.items():
+        fields = key.split(",")
         for value in values:
-            config_fields({key: value}, f"{path} [grid]")
+            if len(fields) > 1 and (not isinstance(value, list) or len(value) != len(fields)):
+                raise ValueError(f"{path}: [grid] {key}: every value must list {len(fields)} values, one per field; got {value!r}")
+            config_fields(dict(zip(fields, value)) if len(fields) > 1 else {key: value}, f"{path} [grid]")
     return base, grid, extra
 
 
@@ -66,7 +73,9 @@ def expand_grid(base: RunConfig, grid: dict[str, list]) -> Iterator[tuple[str, d
     """(name, varied settings, config) for every combination, named like ``block_size=16,kv_dtype=int8``."""
     keys = sorted(grid)
     for values in itertools.product(*(grid[k] for k in keys)):
-        settings = dict(zip(keys, values))
+        settings = {}
+        for key, value in zip(keys, values):  # a joint key ("a,b") sets its fields together
+            settings.update(zip(key.split(","), value) if "," in key else [(key, value)])
         name = ",".join(f"{k}={v}" for k, v in settings.items())
         yield name, settings, base.updated(**{VLLM_KEYS.get(k, k): v for k, v in settings.items()})
 
