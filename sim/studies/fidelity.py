@@ -73,6 +73,7 @@ from kvsim.traces.sharegpt import (
     sample_lengths,
 )
 from kvsim.traces.synth import poisson_arrivals
+from kvsim.traces.tokenizers import get_tokenizer
 
 PUBLISHED = Path(__file__).parent / "published" / "serving.toml"
 SPLITS = ("fit", "check")
@@ -340,6 +341,7 @@ def sharegpt_unavailable(model: str) -> str:
     if model not in SHAREGPT_TOKENIZERS:
         return f"no tokenizer is known for {model} (traces/tokenizers.py)"
     try:
+        get_tokenizer(SHAREGPT_TOKENIZERS[model])
         _bundled_conversations()
     except MissingExtraError as exc:
         return str(exc)
