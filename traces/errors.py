@@ -77,3 +77,13 @@ class RowProblems:
             f"skipped {n} bad row{'s' if n > 1 else ''}: {kind} (first at line {first_line[kind]})"
             for kind, n in counts.most_common()
         ]
+
+
+FIDELITY_EXTRA = "pip install 'kvsim[fidelity]'"
+
+
+class MissingExtraError(ImportError):
+    """An optional package kvsim does not require is needed: the message names the extra to install."""
+
+    def __init__(self, what: str, package: str) -> None:
+        super().__init__(f"{what} needs the package {package!r}, which is not installed: {FIDELITY_EXTRA}")

@@ -6,21 +6,28 @@ import json
 from pathlib import Path
 
 import click
+import numpy as np
 
 from kvsim.sim.studies.fidelity import (
     HAND_FITTED,
+    LENGTH_SOURCES,
     PARAMETERS,
     PUBLISHED,
     SUMMARIES,
     Result,
+    Row,
     bundled_devices_for,
+    dataset_lengths,
     evaluate,
     fit_parameters,
     get_parameter,
     load_published,
+    row_lengths,
     runs_with_fit_rows,
+    sharegpt_unavailable,
     summarize_errors,
 )
+from kvsim.traces.errors import FIDELITY_EXTRA
 
 
 @click.command()
@@ -31,7 +38,11 @@ from kvsim.sim.studies.fidelity import (
 @click.option("--fit/--no-fit", default=True, show_default=True,
               help="Solve the fit rows' parameters first (else: the device profiles as they are).")
 @click.option("--only", default="", help="Only rows whose id starts with this.")
-def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str) -> None:
+@click.option("--lengths", type=click.Choice(LENGTH_SOURCES), default="auto", show_default=True,
+              help="ShareGPT rows' lengths: vLLM's draw from the [fidelity] extra's ShareGPT file (as drawn, or "
+              "scaled to the published totals), or lognormal at the published totals; auto: sharegpt where the extra "
+              "is installed.")
+def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str) -> None:
     """Replay published vLLM / vllm-ascend measurements; print predicted vs measured and signed errors."""
     try:
         published = load_published(data_path)
@@ -40,10 +51,14 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str) -> None:
     rows = [r for r in published.rows if r.id.startswith(only)]
     if not rows:
         raise click.ClickException(f"no row id starts with {only!r}")
+    try:
+        lengths_text = describe_lengths(rows, lengths)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     devices = bundled_devices_for(rows)
     if fit:
-        devices = fit_parameters(rows, devices)
-    results = evaluate(rows, devices)
+        devices = fit_parameters(rows, devices, lengths=lengths)
+    results = evaluate(rows, devices, lengths)
     fitted = {
         f"{r.device}:{r.fits}": {"row": r.id, "value": get_parameter(devices[r.device], r.fits)}
         for r in rows
@@ -52,6 +67,8 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str) -> None:
     fitted.update({r.fits: {"row": r.id, "value": float(eval_hand_fitted(r.fits))} for r in rows if r.fits in HAND_FITTED})
     fitted_runs = runs_with_fit_rows(rows)
     click.echo(format_table(results, fitted_runs))
+    if lengths_text:
+        click.echo(lengths_text)
     summary = {split: summarize_errors(results, split) for split in SUMMARIES}
     for split, s in summary.items():
         if s["rows"]:
@@ -64,12 +81,41 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str) -> None:
         "fitted": fitted,
         "parameters_searched": {k: list(v) for k, v in PARAMETERS.items()},
         "summary": summary,
+        "sharegpt_lengths": {r.id: dataset_lengths(r, lengths) for r in rows if r.input_total},
         "sources": {s.id: {"url": s.url, "title": s.title} for s in published.sources.values()},
         "rows": [{**r.to_dict(), "same_run_as_a_fit_row": r.row.run in fitted_runs} for r in results],
     }
     (out_dir / "fidelity.json").write_text(json.dumps(payload, indent=2))
     write_html(results, fitted_runs, summary, fitted, published.sources, out_dir / "fidelity.html")
     click.echo(f"wrote {out_dir / 'fidelity.json'} and {out_dir / 'fidelity.html'}")
+
+
+def describe_lengths(rows: list[Row], lengths: str) -> str:
+    """Where the ShareGPT rows' lengths came from, and each sample's lengths beside the published totals.
+
+    The sources give only totals (no percentiles); a sample drawn from the cut-off file has its own.
+    """
+    dataset_rows = [r for r in rows if r.input_total]
+    if not dataset_rows:
+        return ""
+    runs: dict[tuple, Row] = {}
+    for r in dataset_rows:
+        runs.setdefault((r.model, r.num_prompts, r.seed, r.input_total, r.output_total), r)
+    lines = ["ShareGPT rows' lengths:"]
+    for r in runs.values():
+        source = dataset_lengths(r, lengths)
+        prompts, outputs = row_lengths(r, lengths)
+        why = f" ({sharegpt_unavailable(r.model) or '--lengths lognormal'})" if source == "lognormal" else ""
+        lines.append(f"  {r.model}, {r.num_prompts} prompts, seed {r.seed}: {source}{why}")
+        for name, column, published in (("prompt", prompts, r.input_total), ("output", outputs, r.output_total)):
+            p50, p90, p99 = np.percentile(column, [50, 90, 99])
+            lines.append(
+                f"    {name}: p50 {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, mean {column.mean():.1f}, total {int(column.sum()):,}"
+                f" (published total {published:,}, {column.sum() / published - 1:+.1%})"
+            )
+    if any(dataset_lengths(r, lengths) == "lognormal" for r in dataset_rows) and lengths == "auto":
+        lines.append(f"  lognormal lengths are the fallback; for vLLM's own ShareGPT draw: {FIDELITY_EXTRA}")
+    return "\n".join(lines)
 
 
 def eval_hand_fitted(name: str) -> float:

