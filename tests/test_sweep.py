@@ -79,3 +79,22 @@ def test_grid_values_are_type_checked(tmp_path):
     result = CliRunner().invoke(main, ["sweep", str(bad), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
     assert "bad.toml [grid]: block_size = '32': expected an integer" in result.output
+
+
+def test_a_joint_key_varies_its_fields_together(tmp_path):
+    from pathlib import Path
+
+    import pytest
+
+    from kvsim.sim.studies.sweep import load_grid_file
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "capacity_deepseek_layouts.toml"
+    base, grid, _ = load_grid_file(example, require_grid=False)
+    points = list(expand_grid(base, grid))
+    layouts = [(c.device, c.tensor_parallel_size, c.data_parallel_size) for _, _, c in points]
+    assert len(points) == 6 and all(tp * dp == 16 for _, tp, dp in layouts)
+    assert points[0][1] == {"device": "ascend-910b3", "tensor_parallel_size": 16, "data_parallel_size": 1}
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[grid]\n"tensor_parallel_size,data_parallel_size" = [[8, 2], [16]]\n')
+    with pytest.raises(ValueError, match="one per field"):
+        load_grid_file(bad)
