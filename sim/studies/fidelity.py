@@ -8,6 +8,10 @@ the same figure. Rows are ``fit`` or ``check``: :func:`fit_parameters` solves ea
 named parameter (``fits``) so that row is matched, in file order, and check rows are only
 predicted, never used to choose a value, so their error is the model's accuracy.
 
+A row may carry vLLM's ``quantization`` and parallel flags (``tensor_parallel_size`` and the rest,
+defaults off / 1); they go into the RunConfig it replays, so a multi-device row is priced by
+sim/parallel/ (one rank plus its collectives) and a memory row is one rank's pool.
+
 Each row runs the scheduler its source's engine ran (``scheduler``): ``fcfs`` for vLLM V1's mixed,
 chunked steps; ``vllm-v0`` (policies/v0_scheduler.py) for vLLM V0 and vllm-ascend's AscendScheduler,
 which run whole prompts in prefill-only steps. Rows of vLLM's V0 engine (``engine_core = "v0"``)
