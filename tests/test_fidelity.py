@@ -247,7 +247,7 @@ def test_multi_device_rows_replay_with_their_layout_and_quantization(published) 
 
 
 @pytest.mark.xfail(strict=True, reason="issue 29 item 4's 3 % target is not met: vllm21348-tp4 is predicted +80 % "
-                   "(docs/fidelity.md, 'Multi-device rows'); strict, so meeting it fails until this mark goes")
+                   "(docs/fidelity.md, 'Multi-device and MoE rows'); strict, so meeting it fails until this mark goes")
 def test_the_multi_device_memory_row_is_within_3_percent(published) -> None:
     row = next(r for r in published.rows if r.id == "vllm21348-tp4")
     assert abs(predict_row(row, load_device(row.device)) / row.measured - 1) <= 0.03
