@@ -17,14 +17,17 @@ from kvsim.cli.fidelity import describe_lengths
 from kvsim.cli.main import main
 from kvsim.sim.perf.api_server import serve_queue
 from kvsim.sim.perf.device import load_device
+from kvsim.sim.perf.model_spec import load_model
 from kvsim.sim.studies import fidelity
 from kvsim.sim.studies.fidelity import (
     PUBLISHED,
     Result,
     Row,
+    _resolved,
     dataset_lengths,
     fit_parameters,
     get_parameter,
+    layout_label,
     load_published,
     predict_row,
     row_lengths,
@@ -49,7 +52,7 @@ def test_the_table_has_enough_independent_rows(published) -> None:
     metrics = {r.metric for r in rows}
     assert metrics & {"ttft_mean", "ttft_median", "tpot_mean", "tpot_median"} and "output_throughput" in metrics
     for r in rows:
-        assert r.source in published.sources and r.wording and r.parallelism == "TP1"
+        assert r.source in published.sources and r.wording and r.parallelism == layout_label(r.layout)
         assert published.sources[r.source].url.startswith("https://") and published.sources[r.source].quote.strip()
         assert (r.split == "fit") == bool(r.fits), r.id
 
@@ -85,7 +88,9 @@ max_num_batched_tokens = 29000
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (('parallelism = "TP1"', 'parallelism = "TP2"'), "only TP1 rows"),
+        (('parallelism = "TP1"', 'parallelism = "TP2"'), "does not name the layout of its sizes \\('TP1'\\)"),
+        (('parallelism = "TP1"', 'parallelism = "TP1"\ntensor_parallel_size = 0'), "tensor_parallel_size must be >= 1"),
+        (('parallelism = "TP1"', 'parallelism = "TP1"\nquantization = "fp4"'), "quantization must be one of"),
         (('split = "check"', 'split = "fit"'), "names the parameter it fits"),
         (('source = "vllm-10517"', 'source = "nowhere"'), "not a \\[\\[source\\]\\] id"),
         (("measured = 1478", "measured = 1478\nrate_qps = 3"), "unknown field"),
@@ -264,11 +269,37 @@ def test_the_third_pass_parameters_are_recovered_from_their_figure(name: str, va
     assert get_parameter(fitted["ascend-910b3"], name) == pytest.approx(value, rel=0.02)
 
 
-def test_memory_rows_match_vllms_logged_block_counts_within_3_percent(published) -> None:
-    memory = [r for r in published.rows if r.workload == "memory"]
+def test_single_device_memory_rows_match_vllms_logged_block_counts_within_3_percent(published) -> None:
+    memory = [r for r in published.rows if r.workload == "memory" and r.layout.is_single_device]
     assert memory
     for r in memory:
         assert abs(predict_row(r, load_device(r.device)) / r.measured - 1) <= 0.03, r.id
+
+
+def test_multi_device_rows_replay_with_their_layout_and_quantization(published) -> None:
+    """A row's parallel flags and quantization reach the RunConfig it replays: the TP4 memory row
+    is sized per rank (one of Qwen3-235B's 4 KV heads: 94 layers x 2 x 128 x 2 bytes a token) with
+    one byte per weight; a TP8 serving row runs the parallel cost model with TP8."""
+    by_id = {r.id: r for r in published.rows}
+    multi = [r for r in published.rows if not r.layout.is_single_device]
+    assert len(multi) >= 8 and len({r.source for r in multi}) >= 2
+    memory = by_id["vllm21348-tp4"]
+    resolved = _resolved(memory, load_device(memory.device))
+    assert resolved.config.tensor_parallel_size == 4 and resolved.config.quantization == "w8a8"
+    assert resolved.memory.kv_bytes_per_token == 94 * 2 * 128 * 2
+    assert load_model(memory.model).kv_bytes_per_token() == 4 * resolved.memory.kv_bytes_per_token  # the whole model's
+    serving = by_id["gsq235-tp8-sharegpt-total"]
+    cost = _resolved(serving, load_device(serving.device)).cost_model()
+    assert cost.layout.tensor_parallel_size == 8 and cost.summary()["layout"].startswith("TP8")
+    ep = by_id["gsq235-fp8-tp4ep-sharegpt-total"]
+    assert _resolved(ep, load_device(ep.device)).layout.expert_parallel_size == 4
+
+
+@pytest.mark.xfail(strict=True, reason="issue 29 item 4's 3 % target is not met: vllm21348-tp4 is predicted +80 % "
+                   "(docs/fidelity.md, 'Multi-device and MoE rows'); strict, so meeting it fails until this mark goes")
+def test_the_multi_device_memory_row_is_within_3_percent(published) -> None:
+    row = next(r for r in published.rows if r.id == "vllm21348-tp4")
+    assert abs(predict_row(row, load_device(row.device)) / row.measured - 1) <= 0.03
 
 
 def test_cli_writes_json_and_html(tmp_path: Path) -> None:

@@ -8,6 +8,10 @@ the same figure. Rows are ``fit`` or ``check``: :func:`fit_parameters` solves ea
 named parameter (``fits``) so that row is matched, in file order, and check rows are only
 predicted, never used to choose a value, so their error is the model's accuracy.
 
+A row may carry vLLM's ``quantization`` and parallel flags (``tensor_parallel_size`` and the rest,
+defaults off / 1); they go into the RunConfig it replays, so a multi-device row is priced by
+sim/parallel/ (one rank plus its collectives) and a memory row is one rank's pool.
+
 Each row runs the scheduler its source's engine ran (``scheduler``): ``fcfs`` for vLLM V1's mixed,
 chunked steps; ``vllm-v0`` (policies/v0_scheduler.py) for vLLM V0 and vllm-ascend's AscendScheduler,
 which run whole prompts in prefill-only steps. Rows of vLLM's V0 engine (``engine_core = "v0"``)
@@ -52,12 +56,13 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.policies.registry import SCHEDULERS
+from kvsim.sim.parallel.layout import ParallelLayout
+from kvsim.sim.parallel.memory import plan_rank_memory
 from kvsim.sim.perf.api_server import serve_queue
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.device import SHAPE_KEYS, DeviceProfile, OperatorCoefficients, load_device
 from kvsim.sim.perf.engine_overhead import EngineProfile
-from kvsim.sim.perf.memory import plan_memory
-from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
 from kvsim.sim.run.runner import run_trace
 from kvsim.sim.toml_io import load_toml
@@ -127,7 +132,7 @@ class Row:
     model: str
     device: str
     engine: str  # engine and version, as the source states it
-    parallelism: str
+    parallelism: str  # the layout as ParallelLayout.describe() names it ("TP1", "TP4 x EP4"), checked against the sizes below
     workload: str
     wording: str  # the source's line this figure comes from
     fits: str = ""  # fit rows: the parameter solved on this row
@@ -152,6 +157,17 @@ class Row:
     total_gib: float = 0.0  # memory rows: device memory the log reports
     seed: int = 0
     notes: str = ""
+    # vLLM's --quantization and parallel flags, passed into the replayed RunConfig ("" / 1 / off: one device, the model's weights)
+    quantization: str = ""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
+                              self.enable_expert_parallel)
 
     @property
     def run(self) -> Row:
@@ -178,7 +194,9 @@ class Result:
             "id": r.id, "source": r.source, "split": r.split, "metric": r.metric, "measured": r.measured,
             "predicted": self.predicted, "signed_error": self.signed_error, "fits": r.fits, "model": r.model,
             "device": r.device, "engine": r.engine, "engine_mode": r.engine_mode, "engine_core": r.engine_core,
-            "scheduler": r.scheduler, "parallelism": r.parallelism,
+            "scheduler": r.scheduler, "parallelism": r.parallelism, "quantization": r.quantization or None,
+            "tensor_parallel_size": r.tensor_parallel_size, "pipeline_parallel_size": r.pipeline_parallel_size,
+            "data_parallel_size": r.data_parallel_size, "enable_expert_parallel": r.enable_expert_parallel,
             "workload": r.workload, "num_prompts": r.num_prompts, "input_len": r.input_len or None,
             "output_len": r.output_len or None, "input_total": r.input_total or None,
             "output_total": r.output_total or None, "rate": r.rate or None, "concurrency": r.concurrency or None,
@@ -244,8 +262,15 @@ def _check_row(row: Row, sources: dict[str, Source], path: Path, where: str) -> 
         problems.append(f"a fit row names the parameter it fits, one of {sorted(PARAMETERS) + sorted(HAND_FITTED)}")
     if row.split == "check" and row.fits:
         problems.append("a check row fits nothing")
-    if row.parallelism != "TP1":
-        problems.append("kvsim models one device: only TP1 rows can be replayed")
+    if row.quantization and row.quantization not in QUANTIZATIONS:
+        problems.append(f"quantization must be one of {QUANTIZATIONS} (or left out)")
+    try:
+        label = layout_label(row.layout)
+    except ValueError as exc:
+        problems.append(str(exc))
+    else:
+        if row.parallelism != label:
+            problems.append(f"parallelism {row.parallelism!r} does not name the layout of its sizes ({label!r})")
     if row.workload == "poisson" and not row.rate > 0:
         problems.append("poisson rows need rate > 0")
     if row.workload == "concurrency" and row.concurrency < 1:
@@ -258,6 +283,11 @@ def _check_row(row: Row, sources: dict[str, Source], path: Path, where: str) -> 
         problems.append("give input_len and output_len, or input_total and output_total")
     if problems:
         raise ValueError(f"{path}: {where}: " + "; ".join(problems))
+
+
+def layout_label(layout: ParallelLayout) -> str:
+    """The layout as a row's ``parallelism`` spells it: ParallelLayout.describe() without the device count."""
+    return layout.describe().split(" (")[0]
 
 
 # --- devices as a row runs them ------------------------------------------------------------
@@ -402,6 +432,9 @@ def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
         memory_utilization=row.memory_utilization, max_num_seqs=row.max_num_seqs,
         max_num_batched_tokens=row.max_num_batched_tokens, max_model_len=row.max_model_len or None,
         block_manager="paged", scheduler=row.scheduler, watermark=row.watermark, seed=row.seed,
+        quantization=row.quantization or None, tensor_parallel_size=row.tensor_parallel_size,
+        pipeline_parallel_size=row.pipeline_parallel_size, data_parallel_size=row.data_parallel_size,
+        enable_expert_parallel=row.enable_expert_parallel,
     )  # fmt: skip
     resolved = resolve(config)
     return replace(resolved, device=device)
@@ -537,10 +570,12 @@ def _metric(metric: str, replay: Replay, prompts: np.ndarray, outputs: np.ndarra
 
 
 def _memory_blocks(row: Row, device: DeviceProfile) -> int:
-    """KV blocks as the engine sizes them, on a device reporting ``total_gib`` of memory."""
+    """KV blocks as the engine sizes them, on a device reporting ``total_gib`` of memory: one rank's
+    under a parallel layout (every rank of a layout ends with the same count, as vLLM's do)."""
     sized = replace(device, hbm_bytes=int(round(row.total_gib * 2**30)))
-    plan = plan_memory(
-        load_model(row.model), sized, block_size=row.block_size, memory_utilization=row.memory_utilization,
+    plan = plan_rank_memory(
+        load_model(row.model, quantization=row.quantization or None), sized, row.layout,
+        block_size=row.block_size, memory_utilization=row.memory_utilization,
         max_num_batched_tokens=row.max_num_batched_tokens, max_num_seqs=row.max_num_seqs,
         max_model_len=row.max_model_len or None,
     )  # fmt: skip
