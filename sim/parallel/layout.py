@@ -114,6 +114,7 @@ def rank_model(model: ModelSpec, layout: ParallelLayout) -> ModelSpec:
         "num_heads": model.num_heads // tp,
         "num_kv_heads": model.num_heads // tp if model.is_mla else max(1, model.num_kv_heads // tp),
         "vocab_size": math.ceil(model.vocab_size / tp),
+        "logits_vocab_size": model.vocab_size,  # the LM head is split, its logits gathered on every rank (vLLM V1)
         "intermediate_size": model.intermediate_size // tp,
     }
     if model.is_moe and layout.enable_expert_parallel:  # whole experts, E / ep of them (the routing is priced apart)

@@ -323,7 +323,7 @@ class CostModel:
         """The rows that depend on the step's tokens ``T`` and sampled rows ``S`` alone:
         gemm, moe, elementwise, kv_write, lm_head, sampling, host_token."""
         m, L, a, w, c = self.model, self._L, self._a, self._w, self._kv_token_layer
-        h, vocab = m.hidden_size, m.vocab_size
+        h, vocab, sampled = m.hidden_size, m.vocab_size, m.sampled_vocab_size  # a TP rank samples every logit
         Tp = self._padded(T)
         half_tokens = self._half_tokens
         on_T, on_S = T > 0, S > 0  # 1 where the operator runs at all: gates launches and weight reads
@@ -348,7 +348,7 @@ class CostModel:
             # lm_head
             (2 * S * h * vocab, weight_reads_S * vocab * h * self._w_head + S * (h * a + LOGIT_BYTES * vocab), on_S),
             # sampling
-            (SAMPLING_FLOPS_PER_LOGIT * S * vocab, SAMPLING_PASSES * LOGIT_BYTES * S * vocab, SAMPLING_LAUNCHES * on_S),
+            (SAMPLING_FLOPS_PER_LOGIT * S * sampled, SAMPLING_PASSES * LOGIT_BYTES * S * sampled, SAMPLING_LAUNCHES * on_S),
             # host_token
             (0.0, 0.0, T),
         )

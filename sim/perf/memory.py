@@ -123,7 +123,7 @@ def activation_workspace_bytes(model: ModelSpec, max_num_batched_tokens: int, ma
         moe_block = model.num_experts_per_tok * (h + 3 * model.moe_intermediate_size) + 3 * model.shared_expert_intermediate_size
         mlp_block = max(mlp_block, moe_block)
     in_layer = a * tokens * (HIDDEN_BUFFERS * h + max(attention_block, mlp_block))
-    at_head = a * tokens * h + 2 * LOGIT_BYTES * sampled * model.vocab_size
+    at_head = a * tokens * h + 2 * LOGIT_BYTES * sampled * model.sampled_vocab_size
     return max(in_layer, at_head)
 
 

@@ -94,6 +94,9 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     quantization: str = ""  # "" or one of QUANTIZATIONS
+    # The vocabulary the sampler's logits span when it differs from vocab_size: a tensor-parallel
+    # rank holds vocab_size / tp of the LM head but gathers every logit (vLLM V1). 0: vocab_size.
+    logits_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -177,6 +180,10 @@ class ModelSpec:
     def linear_weight_bytes(self) -> int:
         """Bytes of one weight of a decoder-layer linear layer (1 under W8A8)."""
         return 1 if self.quantization else DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def sampled_vocab_size(self) -> int:
+        return self.logits_vocab_size or self.vocab_size
 
     @property
     def q_size(self) -> int:
