@@ -98,3 +98,24 @@ def shared_trace() -> Callable:
         return cache[key]
 
     return load
+
+
+def run_to_the_end(engine: EngineCore, workload: list[tuple[int, int, int]], detail, check: bool = False) -> list[StepPlan]:
+    """Add (prompt, output, samples) requests at t = 0 and step one second at a time until all end."""
+    for i, (prompt, output, n) in enumerate(workload):
+        engine.add_request(f"r{i}", 0.0, prompt, output, n_samples=n)
+    plans, now = [], 0.0
+    while engine.has_unfinished():
+        plan = engine.schedule(now, detail)
+        now += 1.0
+        engine.commit(plan, now)
+        if check:
+            engine.check_invariants()
+        plans.append(plan)
+    return plans
+
+
+@pytest.fixture
+def step_all() -> Callable[..., list[StepPlan]]:
+    """:func:`run_to_the_end`, for tests that compare the plans of two engines."""
+    return run_to_the_end

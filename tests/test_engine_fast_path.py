@@ -89,30 +89,17 @@ class PlainPagedFast(PlainPaged, DecodeFastPath):
 WORKLOAD = [(30, 5, 1), (1, 9, 1), (9, 6, 2), (17, 8, 1), (5, 3, 3), (6, 12, 1)]  # chunks, forks, preemption
 
 
-def _run(engine, detail: PlanDetail) -> list:
-    for i, (prompt, output, n) in enumerate(WORKLOAD):
-        engine.add_request(f"r{i}", 0.0, prompt, output, n_samples=n)
-    plans, now = [], 0.0
-    while engine.has_unfinished():
-        plan = engine.schedule(now, detail)
-        now += 1.0
-        engine.commit(plan, now)
-        engine.check_invariants()
-        plans.append(plan)
-    return plans
-
-
-def test_a_manager_without_the_fast_path_decides_the_same(make_engine) -> None:
+def test_a_manager_without_the_fast_path_decides_the_same(make_engine, step_all) -> None:
     geometry = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 6, "num_blocks": 12}
-    general = _run(make_engine(block_manager="test-plain-paged", **geometry), PlanDetail.SLOTS)
-    fast = _run(make_engine(block_manager="test-plain-paged-fast", **geometry), PlanDetail.SLOTS)
+    general = step_all(make_engine(block_manager="test-plain-paged", **geometry), WORKLOAD, PlanDetail.SLOTS, check=True)
+    fast = step_all(make_engine(block_manager="test-plain-paged-fast", **geometry), WORKLOAD, PlanDetail.SLOTS, check=True)
     assert any(p.preempted for p in general) and any(p.forks for p in general)
     assert [p.to_json() for p in general] == [p.to_json() for p in fast]
 
 
-def test_only_a_manager_that_opts_in_gets_the_decode_batch(make_engine) -> None:
+def test_only_a_manager_that_opts_in_gets_the_decode_batch(make_engine, step_all) -> None:
     geometry = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 6, "num_blocks": 12}
-    general = _run(make_engine(block_manager="test-plain-paged", **geometry), PlanDetail.TOTALS)
-    fast = _run(make_engine(block_manager="test-plain-paged-fast", **geometry), PlanDetail.TOTALS)
+    general = step_all(make_engine(block_manager="test-plain-paged", **geometry), WORKLOAD, PlanDetail.TOTALS, check=True)
+    fast = step_all(make_engine(block_manager="test-plain-paged-fast", **geometry), WORKLOAD, PlanDetail.TOTALS, check=True)
     assert sum(p.batch_decodes for p in general) == 0 < sum(p.batch_decodes for p in fast)
     assert [p.totals for p in general] == [p.totals for p in fast]

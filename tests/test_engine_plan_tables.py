@@ -22,21 +22,9 @@ WORKLOAD = [(30, 5, 1), (1, 4, 1), (9, 6, 2), (17, 8, 1), (5, 3, 3)]  # chunks, 
 GEOMETRY = {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 6, "num_blocks": 12}
 
 
-def _step_all(engine, detail: PlanDetail) -> list:
-    for i, (prompt, output, n) in enumerate(WORKLOAD):
-        engine.add_request(f"r{i}", 0.0, prompt, output, n_samples=n)
-    plans, now = [], 0.0
-    while engine.has_unfinished():
-        plan = engine.schedule(now, detail)
-        now += 1.0
-        engine.commit(plan, now)
-        plans.append(plan)
-    return plans
-
-
-def test_plans_without_tables_keep_every_decision(make_engine) -> None:
-    with_tables = _step_all(make_engine(**GEOMETRY), PlanDetail.SLOTS)
-    bare = _step_all(make_engine(**GEOMETRY), PlanDetail.TOTALS)
+def test_plans_without_tables_keep_every_decision(make_engine, step_all) -> None:
+    with_tables = step_all(make_engine(**GEOMETRY), WORKLOAD, PlanDetail.SLOTS)
+    bare = step_all(make_engine(**GEOMETRY), WORKLOAD, PlanDetail.TOTALS)
     assert any(p.preempted for p in with_tables) and any(p.forks for p in with_tables)
     assert len(bare) == len(with_tables)
     for a, b in zip(with_tables, bare):
@@ -53,9 +41,9 @@ def test_plans_without_tables_keep_every_decision(make_engine) -> None:
     assert sum(p.batch_decodes for p in bare) > 0, "the workload must exercise the decode batch"
 
 
-def test_plans_without_slots_derive_the_same_ones(make_engine) -> None:
-    whole = _step_all(make_engine(**GEOMETRY), PlanDetail.SLOTS)
-    slotless = _step_all(make_engine(**GEOMETRY), PlanDetail.TABLES)
+def test_plans_without_slots_derive_the_same_ones(make_engine, step_all) -> None:
+    whole = step_all(make_engine(**GEOMETRY), WORKLOAD, PlanDetail.SLOTS)
+    slotless = step_all(make_engine(**GEOMETRY), WORKLOAD, PlanDetail.TABLES)
     assert len(whole) == len(slotless) and any(p.entries for p in slotless)
     for a, b in zip(whole, slotless):
         assert a.slot_mapping is not None and b.slot_mapping is None
