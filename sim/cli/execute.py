@@ -60,17 +60,21 @@ def open_backend(name: str, enforce_eager: bool = False) -> KernelBackend:
         raise UserError(str(exc)) from None
 
 
-def require_one_device(config: RunConfig) -> None:
-    """The real executor runs one device: a parallel layout is the simulator's alone for now."""
+def require_executor_setup(config: RunConfig) -> None:
+    """What the real executor runs: one device, vLLM V1's synchronous steps. A parallel layout,
+    async scheduling and the V0 engine are the simulator's alone for now."""
     sizes = (config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size)
     if sizes != (1, 1, 1) or config.enable_expert_parallel:
         raise UserError("--tensor/pipeline/data-parallel-size, --enable-expert-parallel: the real executor runs one "
                         "device; parallel layouts are simulated only (kvsim simulate, sweep, capacity, memory)")
+    if config.async_scheduling or config.engine_core != "v1":
+        raise UserError("--async-scheduling, --engine-core v0: the real executor runs vLLM V1's synchronous steps; "
+                        "these are simulated only")
 
 
 def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
     """The config as the backend's kernels require it (the npu's FIA limits a batch's block sum)."""
-    require_one_device(config)
+    require_executor_setup(config)
     return config.updated(batch_blocks_within_pool=True) if backend.needs_batch_blocks_within_pool else config
 
 
@@ -127,18 +131,17 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
 @click.option("--weights", type=click.Path(exists=True, path_type=Path),
               help="safetensors file or directory (default: seeded random weights).")
 @click.option("--check", is_flag=True, help="Verify every plan and the engine's invariants (slower; not for timing).")
-@click.option("--enforce-eager", is_flag=True,
-              help="Run every step eagerly, as vLLM's --enforce-eager: no captured graphs (cpu and npu always run eagerly).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Run directory.")
 @click.option("--quiet", is_flag=True)
 @decisions_option("summary")
-def execute(backend: str, weights: Path | None, check: bool, enforce_eager: bool, out_dir: Path, quiet: bool,
+def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quiet: bool,
             decisions: str, **options) -> None:
     """Run a trace on a real device; write the same files as simulate, with measured times."""
     with user_errors():  # what the user chose: config, trace, backend (exit 2)
         config = run_config_from(options, base=REAL_DEFAULTS)
+        require_executor_setup(config)
         trace = load_run_trace(config)
-        kernels = open_backend(backend, enforce_eager)
+        kernels = open_backend(backend, bool(config.enforce_eager))
     try:
         _, summary = execute_run(config, kernels, out_dir, trace=trace, weights=weights, check=check, progress=not quiet,
                                  decisions=decisions)

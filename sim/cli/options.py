@@ -49,6 +49,15 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"type": int, "help": "Replicas that each run their own batch (MoE layers run together across them)."}),
     ((_switch("enable-expert-parallel"),), "enable_expert_parallel",
      {"help": "Spread the routed experts over TP x DP devices instead of splitting each by TP. [default: off]"}),
+    ((_switch("enforce-eager"),), "enforce_eager",
+     {"help": "vLLM's switch: every step dispatched kernel by kernel, no captured graphs (simulate: the device's "
+              "engine runs eagerly; execute / validate: the executor captures none). [default: the device's]"}),
+    ((_switch("async-scheduling"),), "async_scheduling",
+     {"help": "vLLM's switch: the next step is scheduled while the device runs this one (simulated only). "
+              "[default: the device's]"}),
+    (("--engine-core",), "engine_core",
+     {"type": click.Choice(["v1", "v0"]), "help": "vLLM's engine generation to model: v0 adds its host time per "
+                                                  "sequence per step (simulated only; pair with --scheduler vllm-v0)."}),
     (("--scheduler",), "scheduler",
      {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's "
               "AscendScheduler) | module:Class."}),

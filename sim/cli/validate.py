@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from kvsim.cli.errors import user_errors
-from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend, open_backend, require_one_device
+from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend, open_backend, require_executor_setup
 from kvsim.cli.options import run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend
 from kvsim.realexec.calibration import calibrated_profile
@@ -37,21 +37,19 @@ Default workload: {WORKLOAD}""")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibrated device profile (from kvsim profile); default: this machine's cached one, else profile now.")
 @click.option("--reprofile", is_flag=True, help="Profile this machine again even if a cached profile fits.")
-@click.option("--enforce-eager", is_flag=True,
-              help="Run every step eagerly, as vLLM's --enforce-eager: no captured graphs (cpu and npu always run eagerly).")
 @click.option("--out", "out_dir", default=Path("runs/validate"), show_default=True,
               type=click.Path(file_okay=False, path_type=Path), help="Where the runs, validation.json and report.html go.")
 @click.option("--quiet", is_flag=True)
-def validate(backend: str, profile_path: Path | None, reprofile: bool, enforce_eager: bool, out_dir: Path, quiet: bool,
+def validate(backend: str, profile_path: Path | None, reprofile: bool, out_dir: Path, quiet: bool,
              **options) -> None:
     config_path = options.get("config_path")
     echo = None if quiet else click.echo
     with user_errors():  # what the user chose: thresholds, config, trace, backend (exit 2)
         thresholds = Thresholds.from_toml(config_path)
         config = run_config_from(options, base=REAL_DEFAULTS)
-        require_one_device(config)
+        require_executor_setup(config)
         trace = load_run_trace(config)
-        kernels = open_backend(backend, enforce_eager)
+        kernels = open_backend(backend, bool(config.enforce_eager))
     try:
         if profile_path is None:
             profile_path = machine_profile(kernels, config, reprofile, echo)

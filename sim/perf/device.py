@@ -184,6 +184,39 @@ class DeviceProfile:
         return replace(self, operators={**self.operators, **updates}, source=self.source if source is None else source)
 
 
+ENGINE_CORES = ("v0", "v1")  # vLLM's engine generation: V0 LLMEngine, V1 EngineCore
+
+
+def engine_as_run(device: DeviceProfile, enforce_eager: bool | None = None, async_scheduling: bool | None = None,
+                  engine_core: str = "v1") -> DeviceProfile:
+    """The device as a given vLLM setup runs it: ``enforce_eager`` (None: the device's mode; True:
+    eager dispatch; False: graph replay), ``async_scheduling`` (None: the device's), and vLLM's V0
+    engine, which pays ``[engine] v0_seq_s`` host time per sequence per step on top of ``host_seq``.
+    A device without an ``[engine]`` (an executor's calibrated CPU profile) runs every step eagerly:
+    enforce_eager changes nothing there, and the other two have nothing to apply to."""
+    if engine_core not in ENGINE_CORES:
+        raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, got {engine_core!r}")
+    engine = device.engine
+    if engine is None:
+        if async_scheduling is not None or engine_core != "v1":
+            raise ValueError(f"device {device.name} has no [engine] table: async scheduling and the V0 engine "
+                             "are not modelled on it")
+        return device
+    updates: dict = {}
+    if enforce_eager is not None:
+        if not enforce_eager and not engine.capture_sizes:
+            raise ValueError(f"device {device.name}: graph mode (--no-enforce-eager) needs [engine] capture_sizes")
+        updates["mode"] = "eager" if enforce_eager else "graph"
+    if async_scheduling is not None:
+        updates["async_scheduling"] = async_scheduling
+    if updates:
+        device = replace(device, engine=replace(engine, **updates))
+    if engine_core == "v0" and engine.v0_seq_s > 0:
+        seq = device.operators["host_seq"]
+        device = device.with_operators({"host_seq": replace(seq, call_s=seq.call_s + engine.v0_seq_s)})
+    return device
+
+
 def load_device(name_or_path: str | Path, search_dirs: Iterable[str | Path] = ()) -> DeviceProfile:
     """A device by TOML path, or by name: ``<dir>/<name>.toml`` in ``search_dirs``, then bundled.
 

@@ -27,7 +27,7 @@ from kvsim.sim.parallel.layout import ParallelLayout
 from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
 from kvsim.sim.parallel.rank_cost import ParallelCostModel
 from kvsim.sim.perf.cost_model import CostModel
-from kvsim.sim.perf.device import DeviceProfile, load_device
+from kvsim.sim.perf.device import ENGINE_CORES, DeviceProfile, engine_as_run, load_device
 from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.memory import MemoryPlan
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, ModelSpec, load_model
@@ -53,6 +53,12 @@ class RunConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # How the serving engine runs (sim/perf/device.py engine_as_run): vLLM's --enforce-eager and
+    # --async-scheduling (None: the device's [engine]), and the engine generation ("v0": vLLM's V0
+    # LLMEngine, whose host time per sequence the device's [engine] v0_seq_s prices)
+    enforce_eager: bool | None = None
+    async_scheduling: bool | None = None
+    engine_core: str = "v1"
     scheduler: str = "fcfs"
     scheduler_params: dict = field(default_factory=dict)
     block_manager: str = "prefix"
@@ -147,6 +153,7 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("tensor_parallel_size", "must be >= 1", c.tensor_parallel_size >= 1),
         ("pipeline_parallel_size", "must be >= 1", c.pipeline_parallel_size >= 1),
         ("data_parallel_size", "must be >= 1", c.data_parallel_size >= 1),
+        ("engine_core", f"must be one of {', '.join(ENGINE_CORES)}", c.engine_core in ENGINE_CORES),
         ("quantization", f"must be one of {', '.join(QUANTIZATIONS)}", c.quantization in (None, *QUANTIZATIONS)),
         ("expert_routing_skew", "must be a finite number >= 0 (0: uniform)",
          math.isfinite(c.expert_routing_skew) and c.expert_routing_skew >= 0),
@@ -260,7 +267,8 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
     """Look up the model and device and size the KV pool exactly as an engine would."""
     config = config.validate().normalized()
     model = load_model(config.model, quantization=config.quantization)
-    device = load_device(config.device, search_dirs=search_dirs)
+    device = engine_as_run(load_device(config.device, search_dirs=search_dirs), config.enforce_eager,
+                           config.async_scheduling, config.engine_core)
     layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size,
                             config.enable_expert_parallel)
     memory = plan_rank_memory(  # one rank's pool; a DP group's engine holds every member's (module docstring of rank_cost)

@@ -60,7 +60,14 @@ from kvsim.sim.parallel.layout import ParallelLayout
 from kvsim.sim.parallel.memory import plan_rank_memory
 from kvsim.sim.perf.api_server import serve_queue
 from kvsim.sim.perf.cost_model import CostModelTimer
-from kvsim.sim.perf.device import SHAPE_KEYS, DeviceProfile, OperatorCoefficients, load_device
+from kvsim.sim.perf.device import (
+    ENGINE_CORES,
+    SHAPE_KEYS,
+    DeviceProfile,
+    OperatorCoefficients,
+    engine_as_run,
+    load_device,
+)
 from kvsim.sim.perf.engine_overhead import EngineProfile
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
@@ -83,7 +90,6 @@ from kvsim.traces.tokenizers import get_tokenizer
 PUBLISHED = Path(__file__).parent / "published" / "serving.toml"
 SPLITS = ("fit", "check")
 WORKLOADS = ("batch", "burst", "poisson", "concurrency", "memory")
-ENGINE_CORES = ("v0", "v1")  # vLLM's engine generation: V0 LLMEngine, V1 EngineCore
 METRICS = (
     "ttft_mean", "ttft_median", "ttft_p99", "tpot_mean", "tpot_median", "itl_median", "e2e_mean", "batch_latency",
     "output_throughput", "total_throughput", "request_throughput", "num_blocks",
@@ -323,20 +329,8 @@ def get_parameter(device: DeviceProfile, name: str) -> float:
 def row_device(row: Row, device: DeviceProfile) -> DeviceProfile:
     """The device as the row's engine ran it: its mode and async scheduling where the row says,
     and for a V0 engine the V0 host time per sequence added to the cost model's ``host_seq``."""
-    engine: EngineProfile | None = device.engine
-    if engine is None:
-        return device
-    updates: dict = {}
-    if row.engine_mode:
-        updates["mode"] = row.engine_mode
-    if row.async_scheduling is not None:
-        updates["async_scheduling"] = row.async_scheduling
-    if updates:
-        device = replace(device, engine=replace(engine, **updates))
-    if row.engine_core == "v0" and engine.v0_seq_s > 0:
-        seq = device.operators.get("host_seq", OperatorCoefficients(call_s=0.0))
-        device = device.with_operators({"host_seq": replace(seq, call_s=seq.call_s + engine.v0_seq_s)})
-    return device
+    enforce_eager = {"eager": True, "graph": False}.get(row.engine_mode)
+    return engine_as_run(device, enforce_eager, row.async_scheduling, row.engine_core)
 
 
 # --- replay ----------------------------------------------------------------------------------
