@@ -19,7 +19,7 @@ from kvsim.realexec.calibration import calibrated_profile
 from kvsim.realexec.speed_check import speed_check
 from kvsim.realexec.validation import Thresholds, compare_decisions, reference_ratios, step_errors, validate_runs
 from kvsim.sim.perf.cost_model import CostModelTimer
-from kvsim.sim.perf.device import load_device
+from kvsim.sim.perf.device import biased_profile, load_device, save_device
 from kvsim.sim.perf.step_timer import ReplayTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.decisions import DecisionLog, read_decisions
@@ -37,11 +37,15 @@ Default workload: {WORKLOAD}""")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibrated device profile (from kvsim profile); default: this machine's cached one, else profile now.")
 @click.option("--reprofile", is_flag=True, help="Profile this machine again even if a cached profile fits.")
+@click.option("--perturb-profile", "perturb", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="A check of the checker: every predicted operator time times this factor (1.2: a model 20 % slow).")
+@click.option("--no-row-count-terms", is_flag=True,
+              help="A check of the checker: predict without the profile's row-count terms.")
 @click.option("--out", "out_dir", default=Path("runs/validate"), show_default=True,
               type=click.Path(file_okay=False, path_type=Path), help="Where the runs, validation.json and report.html go.")
 @click.option("--quiet", is_flag=True)
-def validate(backend: str, profile_path: Path | None, reprofile: bool, out_dir: Path, quiet: bool,
-             **options) -> None:
+def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: float, no_row_count_terms: bool,
+             out_dir: Path, quiet: bool, **options) -> None:
     config_path = options.get("config_path")
     echo = None if quiet else click.echo
     with user_errors():  # what the user chose: thresholds, config, trace, backend (exit 2)
@@ -53,6 +57,10 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, out_dir: 
     try:
         if profile_path is None:
             profile_path = machine_profile(kernels, config, reprofile, echo)
+        if perturb != 1.0 or no_row_count_terms:  # predict with a profile known to be wrong
+            out_dir.mkdir(parents=True, exist_ok=True)
+            biased = biased_profile(load_device(profile_path), perturb, row_count_terms=not no_row_count_terms)
+            profile_path = save_device(biased, out_dir / "biased-profile.toml")
         validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet)
     except (ValueError, KeyError, RuntimeError) as exc:  # profiling or a run failed on the device (exit 1)
         raise click.ClickException(str(exc).strip("'\"")) from None

@@ -217,6 +217,25 @@ def engine_as_run(device: DeviceProfile, enforce_eager: bool | None = None, asyn
     return device
 
 
+def biased_profile(device: DeviceProfile, factor: float = 1.0, row_count_terms: bool = True) -> DeviceProfile:
+    """A deliberately wrong copy of a profile, to prove that ``kvsim validate`` can fail: every
+    operator's predicted time times ``factor`` (efficiencies divided by it, fixed costs, row-count
+    terms and the engine's dispatch multiplied), and without its row-count terms if asked."""
+    if not (factor > 0 and factor != float("inf")):
+        raise ValueError(f"--perturb-profile must be a finite number > 0, got {factor}")
+
+    def scaled(c: OperatorCoefficients) -> OperatorCoefficients:
+        return replace(c, call_s=c.call_s * factor,
+                       compute_efficiency=None if c.compute_efficiency is None else c.compute_efficiency / factor,
+                       memory_efficiency=None if c.memory_efficiency is None else c.memory_efficiency / factor)
+
+    terms = {rows: seconds * factor for rows, seconds in device.row_count_s.items()} if row_count_terms else {}
+    engine = device.engine if device.engine is None else replace(device.engine, dispatch_s=device.engine.dispatch_s * factor)
+    source = f"{device.source}; biased for a check of the checker (x{factor:g}{'' if row_count_terms else ', no row-count terms'})"
+    return replace(device, operators={op: scaled(c) for op, c in device.operators.items()}, row_count_s=terms,
+                   engine=engine, source=source)
+
+
 def load_device(name_or_path: str | Path, search_dirs: Iterable[str | Path] = ()) -> DeviceProfile:
     """A device by TOML path, or by name: ``<dir>/<name>.toml`` in ``search_dirs``, then bundled.
 
