@@ -13,7 +13,8 @@ and the imbalance enters as the busiest rank:
   (``moe_comm_method``) instead of an all-reduce; the busiest rank's experts set the compute
   (sim/perf/expert_routing.py).
 - **PP**: a batch passes the stages in turn (no micro-batch overlap inside a step): the step is
-  ``pp`` times a stage's time plus ``pp - 1`` hand-overs of its hidden states.
+  ``pp`` times a stage's time plus ``pp - 1`` hand-overs of its hidden states. A stage's time
+  includes the engine's host work of a step, so PP counts it once a stage: an upper bound.
 
 Collectives are not overlapped with compute: their whole time is exposed (the summary gives their share).
 """
@@ -21,7 +22,7 @@ Collectives are not overlapped with compute: their whole time is exposed (the su
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from kvsim.sim.parallel.collectives import (
     all_gather_s,
@@ -41,6 +42,7 @@ LOGIT_BYTES = 4
 # Features that count tokens or sequences: a DP member's share is rounded up (padding to the largest).
 _COUNTED = frozenset({"num_tokens", "num_seqs", "num_sampled", "prefill_tokens", "decode_seqs", "copy_blocks", "swap_blocks"})
 _LONGEST = frozenset({"prefill_max_tokens"})  # the longest prompt is the same in every member
+_FEATURES = tuple(f.name for f in fields(StepFeatures))
 # vllm-ascend's MC2 limits on Atlas A2 (ascend_forward_context.py select_moe_comm_method): experts per
 # device at most 24, EP at least 16, tokens within capacity min(ceil(max_tokens / tp), 512) x tp.
 MC2_MAX_EXPERTS_PER_RANK, MC2_MIN_EP, MC2_TOKEN_CAP = 24, 16, 512
@@ -67,7 +69,7 @@ class CollectiveTotals:
 
     collective_s: float = 0.0
     step_s: float = 0.0
-    steps_by_method: dict[str, int] | None = None
+    steps_by_method: dict[str, int] = field(default_factory=dict)  # steps by their MoE communication method
 
 
 class ParallelCostModel:
@@ -90,7 +92,7 @@ class ParallelCostModel:
         self._tp_group = make_group(topo, tp) if tp > 1 else None
         self._ep_group = make_group(topo, ep) if ep > 1 else None
         self._pp_across_nodes = layout.pipeline_parallel_size > 1 and layout.pp_spans_nodes(topo)
-        self.totals = CollectiveTotals(steps_by_method={})
+        self.totals = CollectiveTotals()
 
     # --- the slot CostModelTimer fills ------------------------------------------------------------
     def member_features(self, f: StepFeatures) -> StepFeatures:
@@ -99,14 +101,14 @@ class ParallelCostModel:
         if dp == 1:
             return f
         values = {}
-        for field in fields(StepFeatures):
-            value = getattr(f, field.name)
-            if field.name in _LONGEST:
-                values[field.name] = value
-            elif field.name in _COUNTED:
-                values[field.name] = float(math.ceil(value / dp))
+        for name in _FEATURES:
+            value = getattr(f, name)
+            if name in _LONGEST:
+                values[name] = value
+            elif name in _COUNTED:
+                values[name] = float(math.ceil(value / dp))
             else:
-                values[field.name] = value / dp
+                values[name] = value / dp
         return StepFeatures(**values)
 
     def collective_seconds(self, f: StepFeatures) -> tuple[float, str]:
