@@ -58,6 +58,11 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--engine-core",), "engine_core",
      {"type": click.Choice(["v1", "v0"]), "help": "vLLM's engine generation to model: v0 adds its host time per "
                                                   "sequence per step (simulated only; pair with --scheduler vllm-v0)."}),
+    (("--instances",), "instances", {"type": int, "help": "Copies of the instance behind a router (a cluster)."}),
+    (("--router",), "router",
+     {"help": "Which instance serves each request: round-robin | least-requests | least-kv | session | kv-aware | module:Class."}),
+    (("--router-staleness",), "router_staleness_s",
+     {"type": float, "help": "Seconds the router's view of the instances may lag (scraped metrics); 0 is live."}),
     (("--scheduler",), "scheduler",
      {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's "
               "AscendScheduler) | module:Class."}),

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import click
 
-from kvsim.cli.errors import user_errors
+from kvsim.cli.errors import UserError, user_errors
 from kvsim.cli.options import decisions_option, run_config_from, run_options
+from kvsim.sim.cluster.routers import RouterError, make_router
+from kvsim.sim.cluster.runner import run_cluster
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.outputs import format_summary
@@ -23,6 +25,7 @@ def prepare(config: RunConfig):
         resolved = resolve(config)
         trace: Trace = load_run_trace(config)
         timer = CostModelTimer(resolved.cost_model())
+        make_router(config.router, config.router_params)  # a router that cannot be built is the input's mistake
     return resolved, trace, timer
 
 
@@ -45,9 +48,16 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
     resolved, trace, timer = prepare(config)
     with user_errors():
         stage = staged_dir(out_dir, overwrite)
-    with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
-        _, summary = run_trace(resolved, trace, timer, tmp, check=check, progress=not quiet,
-                                  decisions=decisions)
+    try:
+        with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
+            if config.instances > 1:
+                router = make_router(config.router, config.router_params)
+                _, summary = run_cluster(resolved, trace, config.instances, router, config.router, tmp,
+                                         staleness_s=config.router_staleness_s, check=check, decisions=decisions)
+            else:  # one instance: the router has nothing to choose
+                _, summary = run_trace(resolved, trace, timer, tmp, check=check, progress=not quiet, decisions=decisions)
+    except RouterError as exc:
+        raise UserError(str(exc)) from None
     if not quiet:
         click.echo(format_summary(summary))
     for line in format_warnings(summary["warnings"]):

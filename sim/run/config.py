@@ -59,6 +59,12 @@ class RunConfig:
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
     engine_core: str = "v1"
+    # A cluster (sim/cluster): this many copies of the instance above behind a router that reads
+    # the instances' state as scraped at most router_staleness_s ago
+    instances: int = 1
+    router: str = "round-robin"
+    router_params: dict = field(default_factory=dict)
+    router_staleness_s: float = 0.0
     scheduler: str = "fcfs"
     scheduler_params: dict = field(default_factory=dict)
     block_manager: str = "prefix"
@@ -153,6 +159,8 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("tensor_parallel_size", "must be >= 1", c.tensor_parallel_size >= 1),
         ("pipeline_parallel_size", "must be >= 1", c.pipeline_parallel_size >= 1),
         ("data_parallel_size", "must be >= 1", c.data_parallel_size >= 1),
+        ("instances", "must be >= 1", c.instances >= 1),
+        ("router_staleness_s", "must be a finite number >= 0 (seconds)", math.isfinite(c.router_staleness_s) and c.router_staleness_s >= 0),
         ("engine_core", f"must be one of {', '.join(ENGINE_CORES)}", c.engine_core in ENGINE_CORES),
         ("quantization", f"must be one of {', '.join(QUANTIZATIONS)}", c.quantization in (None, *QUANTIZATIONS)),
         ("expert_routing_skew", "must be a finite number >= 0 (0: uniform)",

@@ -140,6 +140,10 @@ def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
     resolved = summary.get("config", {}).get("resolved", {})
     if resolved.get("model"):
         lines += model_fact_lines(summary["config"]["model"], resolved["model"])
+    if "router" in summary:
+        r = summary["router"]
+        lines.append(f"Cluster: {r['instances']} instances behind {r['name']}"
+                     + (f" (view {r['staleness_s']:g} s stale)" if r["staleness_s"] else ""))
     if "parallel" in summary:
         p = summary["parallel"]
         lines.append(f"Layout: {p['layout']}, {resolved['parallel']['blocks_per_rank']} KV blocks per rank; "

@@ -68,12 +68,16 @@ class SimRun:
 
 
 class Simulation:
-    def __init__(self, trace: Trace, engine: EngineCore, timer: StepTimer, options: SimOptions | None = None) -> None:
+    """One engine replaying a trace; with ``env``, one instance of a cluster (sim/cluster), which
+    serves only the rows a router hands it (:meth:`serve_routed`, :meth:`hand`)."""
+
+    def __init__(self, trace: Trace, engine: EngineCore, timer: StepTimer, options: SimOptions | None = None,
+                 env: simpy.Environment | None = None) -> None:
         self.trace = trace
         self.engine = engine
         self.timer = timer
         self.options = options or SimOptions()
-        self.env = simpy.Environment()
+        self.env = env or simpy.Environment()
         self.host_link = simpy.Resource(self.env, capacity=1)
         self.steps = StepLog()
         self.times = TokenTimes()
@@ -82,6 +86,9 @@ class Simulation:
         self.next_index = 0
         self._wake: simpy.Event | None = None
         self._arrivals = trace.arrival_s.tolist()
+        self._rows: list[int] | None = None  # the trace rows this engine serves, in arrival order; None: all
+        self._fed = True  # no arrival is still to be handed to this engine
+        self.on_ended: Callable[[list[Request], list[tuple[str, str]]], None] | None = None  # a step's finished and rejected
         # Plans spell out what their readers need, no more: the timer's and the decision sink's
         # ``plan_detail``, and whole plans for --check.
         needs = [timer.plan_detail, PlanDetail.SLOTS if self.options.check else PlanDetail.TOTALS]
@@ -105,13 +112,18 @@ class Simulation:
         out here rather than in nested generators: a generator a step is a visible share of the
         simulator's time on long traces.
         """
-        engine, env, arrivals, n = self.engine, self.env, self._arrivals, len(self._arrivals)
+        engine, env, arrivals = self.engine, self.env, self._arrivals
         schedule, timer_step, detail = engine.schedule, self.timer.step, self.plan_detail
         while True:
             self._admit_arrivals()
             if not engine.has_unfinished():
-                if self.next_index >= n:
-                    return
+                if self.next_index >= len(arrivals):
+                    if self._fed:
+                        return
+                    self._wake = env.event()  # a router may still hand it a request
+                    yield self._wake
+                    self._wake = None
+                    continue
                 upcoming = arrivals[self.next_index]
                 if upcoming > env.now:  # else the arrival process has already passed it
                     self._wake = env.event()
@@ -138,17 +150,45 @@ class Simulation:
 
     # --- pieces of the loop ----------------------------------------------------------------
     def _admit_arrivals(self) -> None:
-        arrivals, n = self._arrivals, len(self._arrivals)
+        arrivals, n, rows = self._arrivals, len(self._arrivals), self._rows
         while self.next_index < n and arrivals[self.next_index] <= self.clock:
-            request = add_trace_request(self.engine, self.trace, self.next_index)
+            request = add_trace_request(self.engine, self.trace, self.next_index if rows is None else rows[self.next_index])
             self.timer.add_request(request)
             self.next_index += 1
+
+    # --- one instance of a cluster ------------------------------------------------------------
+    def serve_routed(self) -> None:
+        """Serve only what :meth:`hand` gives, until :meth:`feeding_over`."""
+        self._arrivals, self._rows, self._fed = [], [], False
+
+    def hand(self, row: int) -> None:
+        """Trace row ``row`` arrives here now (the router's time); an idle engine wakes."""
+        self._arrivals.append(float(self.trace.arrival_s[row]))
+        self._rows.append(row)
+        self._wake_up()
+
+    def feeding_over(self) -> None:
+        self._fed = True
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def start(self):
+        """The engine process in the shared environment (a cluster's instance)."""
+        return self.env.process(self._engine_process())
+
+    def result(self, wall_s: float) -> SimRun:
+        return SimRun(self.engine, self.steps, self.times, wall_s)
 
     def _commit(self, plan: StepPlan, start: float, duration: float, timing: StepTiming | None) -> None:
         """The step's results at its end (``self.clock``): the engine's commit and every record of the step."""
         engine, now, options = self.engine, self.clock, self.options
         self.times.step_ended(now)
         ended = engine.commit(plan, now)
+        if self.on_ended is not None and (ended or plan.rejected):
+            self.on_ended(ended, plan.rejected)
         self.steps.add_step(plan, start, duration, engine.kv_counts(), timing)
         if options.decisions is not None:
             options.decisions.plan(plan)

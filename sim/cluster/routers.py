@@ -1,0 +1,203 @@
+"""Routers: which instance of a cluster serves each arriving request.
+
+A router sees a read-only :class:`ClusterView` (each instance's queue and KV usage, refreshed as
+real routers scrape metrics: possibly stale by an interval) and keeps its own in-flight counters,
+raised when it routes a request and lowered when the request ends, as llm-d's and vLLM's routers
+do. Built-ins, by name:
+
+- ``round-robin``: instances in turn.
+- ``least-requests``: the fewest requests in flight (the router's own counters).
+- ``least-kv``: the lowest KV-block usage in the view.
+- ``session``: a conversation stays on the instance its first request went to (``session_id``
+  in the trace); other requests and first turns go to the fewest in flight.
+- ``kv-aware``: llm-d's weighted scorers: ``prefix_weight x`` the share of the prompt's prefix
+  blocks the instance was routed before (an approximate prefix index from routing history) ``+
+  queue_weight x (max_q - q) / (max_q - min_q)`` over in-flight counts ``+ kv_weight x (1 - KV
+  usage)``; highest wins, ties to the lower index. Defaults 3 / 2 / 0: llm-d's default profile
+  weighs queue depth 2 and prefix-cache hits 3 (Red Hat OpenShift AI 3.4, "Configuring scheduler
+  settings for LLM inference services",
+  https://docs.redhat.com/en/documentation/red_hat_openshift_ai_self-managed/3.4/html/deploy_models_using_distributed_inference_with_llm-d/configuring-llm-scheduler).
+
+A router is a plug-in like a scheduler: a class with ``choose(request, view) -> int`` (and
+optionally ``routed`` / ``ended``) named ``module:Class`` (examples/sticky_router.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ROUTERS: dict[str, type] = {}
+
+
+class RouterError(ValueError):
+    """A router's own failure (it raised, or chose no instance): the user's plug-in, not kvsim."""
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a router may read of an arriving request."""
+
+    index: int  # the trace row
+    arrival_s: float
+    prompt_tokens: int
+    prefix_hashes: tuple[int, ...]  # the trace's prompt-block hashes (empty without them)
+    session_id: int | None
+
+
+@dataclass(frozen=True)
+class InstanceState:
+    """One instance as the view shows it (a scrape: possibly stale)."""
+
+    waiting: int
+    running: int
+    kv_usage: float  # used KV blocks / total
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """Every instance's scraped state, and the router's own in-flight counters (always current)."""
+
+    instances: tuple[InstanceState, ...]
+    in_flight: tuple[int, ...]
+    scraped_at_s: float
+
+    @property
+    def size(self) -> int:
+        return len(self.instances)
+
+
+class Router:
+    """Base class: counters the cluster keeps for it need no code; override :meth:`choose`."""
+
+    registered_name = ""
+
+    def choose(self, request: RouteRequest, view: ClusterView) -> int:
+        raise NotImplementedError
+
+    def routed(self, request: RouteRequest, instance: int) -> None:
+        """The request went to ``instance`` (after :meth:`choose`)."""
+
+    def ended(self, index: int, instance: int) -> None:
+        """The request of trace row ``index`` finished or was rejected on ``instance``."""
+
+
+def register_router(name: str) -> Callable[[type], type]:
+    def decorate(cls: type) -> type:
+        if name in ROUTERS and ROUTERS[name] is not cls:
+            raise ValueError(f"router {name!r} is already registered by {ROUTERS[name].__qualname__}")
+        ROUTERS[name] = cls
+        cls.registered_name = name
+        return cls
+
+    return decorate
+
+
+def make_router(spec: str, params: dict | None = None) -> Router:
+    """A built-in router by name, or a user's as ``module:Class``, with its parameters."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load router {spec!r}: {exc}") from None
+    elif spec in ROUTERS:
+        cls = ROUTERS[spec]
+    else:
+        raise ValueError(f"unknown router {spec!r}; registered: {', '.join(sorted(ROUTERS))}; or give module:Class")
+    try:
+        return cls(**(params or {}))
+    except TypeError as exc:
+        raise ValueError(f"router {spec!r}: {exc}") from None
+
+
+def _fewest(counts: tuple[int, ...] | list[float]) -> int:
+    return min(range(len(counts)), key=counts.__getitem__)
+
+
+@register_router("round-robin")
+class RoundRobin(Router):
+    def __init__(self) -> None:
+        self.next = 0
+
+    def choose(self, request: RouteRequest, view: ClusterView) -> int:
+        chosen = self.next % view.size
+        self.next = chosen + 1
+        return chosen
+
+
+@register_router("least-requests")
+class LeastRequests(Router):
+    def choose(self, request: RouteRequest, view: ClusterView) -> int:
+        return _fewest(view.in_flight)
+
+
+@register_router("least-kv")
+class LeastKV(Router):
+    def choose(self, request: RouteRequest, view: ClusterView) -> int:
+        return _fewest([s.kv_usage for s in view.instances])
+
+
+@register_router("session")
+class SessionAffinity(Router):
+    def __init__(self) -> None:
+        self.home: dict[int, int] = {}
+
+    def choose(self, request: RouteRequest, view: ClusterView) -> int:
+        if request.session_id is not None and request.session_id in self.home:
+            return self.home[request.session_id]
+        return _fewest(view.in_flight)
+
+    def routed(self, request: RouteRequest, instance: int) -> None:
+        if request.session_id is not None:
+            self.home.setdefault(request.session_id, instance)
+
+
+@register_router("kv-aware")
+class KVAware(Router):
+    """llm-d's weighted scorers over an approximate prefix index (module docstring)."""
+
+    def __init__(self, prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 0.0,
+                 index_blocks: int = 1_000_000) -> None:
+        if min(prefix_weight, queue_weight, kv_weight) < 0 or index_blocks < 1:
+            raise ValueError("weights must be >= 0 and index_blocks >= 1")
+        self.weights = (prefix_weight, queue_weight, kv_weight)
+        self.index_blocks = index_blocks
+        self.seen: OrderedDict[tuple[int, int], None] = OrderedDict()  # (instance, chained block hash), LRU
+
+    def choose(self, request: RouteRequest, view: ClusterView) -> int:
+        prefix_w, queue_w, kv_w = self.weights
+        counts = view.in_flight
+        lo, hi = min(counts), max(counts)
+        best, best_score = 0, -1.0
+        for i in range(view.size):
+            queue = (hi - counts[i]) / (hi - lo) if hi > lo else 1.0
+            score = prefix_w * self._prefix_share(request, i) + queue_w * queue + kv_w * (1.0 - view.instances[i].kv_usage)
+            if score > best_score:
+                best, best_score = i, score
+        return best
+
+    def _prefix_share(self, request: RouteRequest, instance: int) -> float:
+        """Leading prompt blocks this router sent to ``instance`` before, over the prompt's blocks."""
+        hashes = request.prefix_hashes
+        if not hashes:
+            return 0.0
+        matched = 0
+        for h in hashes:
+            if (instance, h) not in self.seen:
+                break
+            matched += 1
+        return matched / len(hashes)
+
+    def routed(self, request: RouteRequest, instance: int) -> None:
+        seen = self.seen
+        for h in request.prefix_hashes:
+            key = (instance, h)
+            if key in seen:
+                seen.move_to_end(key)
+            else:
+                seen[key] = None
+        while len(seen) > self.index_blocks:
+            seen.popitem(last=False)
