@@ -40,7 +40,8 @@ REMOVED_CONFIG_KEYS = ("exact",)  # RunConfig.exact (macro-stepping off): gone w
 ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_parallel_size": 1,
                      "pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False,
                      "enforce_eager": None, "async_scheduling": None, "engine_core": "v1", "instances": 1,
-                     "router": "round-robin", "router_params": {}, "router_staleness_s": 0.0}
+                     "router": "round-robin", "router_params": {}, "router_staleness_s": 0.0, "autoscaler": "",
+                     "autoscaler_params": {}}
 
 
 def workloads() -> dict[str, list[str]]:

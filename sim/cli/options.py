@@ -63,6 +63,9 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"help": "Which instance serves each request: round-robin | least-requests | least-kv | session | kv-aware | module:Class."}),
     (("--router-staleness",), "router_staleness_s",
      {"type": float, "help": "Seconds the router's view of the instances may lag (scraped metrics); 0 is live."}),
+    (("--autoscaler",), "autoscaler",
+     {"help": "Scale the cluster's instances: kv-utilization | queue | module:Class (bounds and parameters: "
+              "[autoscaler_params] in --config). [default: none]"}),
     (("--scheduler",), "scheduler",
      {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's "
               "AscendScheduler) | module:Class."}),

@@ -9,7 +9,7 @@ import click
 from kvsim.cli.errors import UserError, user_errors
 from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.sim.cluster.routers import RouterError, make_router
-from kvsim.sim.cluster.runner import run_cluster
+from kvsim.sim.cluster.runner import run_cluster, scaling_of
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.outputs import format_summary
@@ -26,6 +26,7 @@ def prepare(config: RunConfig):
         trace: Trace = load_run_trace(config)
         timer = CostModelTimer(resolved.cost_model())
         make_router(config.router, config.router_params)  # a router that cannot be built is the input's mistake
+        scaling_of(resolved)  # ... or an autoscaler
     return resolved, trace, timer
 
 
@@ -50,10 +51,9 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
         stage = staged_dir(out_dir, overwrite)
     try:
         with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
-            if config.instances > 1:
+            if config.instances > 1 or config.autoscaler:
                 router = make_router(config.router, config.router_params)
-                _, summary = run_cluster(resolved, trace, config.instances, router, config.router, tmp,
-                                         staleness_s=config.router_staleness_s, check=check, decisions=decisions)
+                _, summary = run_cluster(resolved, trace, router, tmp, check=check, decisions=decisions)
             else:  # one instance: the router has nothing to choose
                 _, summary = run_trace(resolved, trace, timer, tmp, check=check, progress=not quiet, decisions=decisions)
     except RouterError as exc:

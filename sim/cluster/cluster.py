@@ -23,6 +23,7 @@ import simpy
 
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import request_id_of
+from kvsim.sim.cluster.autoscaler import Autoscaler
 from kvsim.sim.cluster.routers import ClusterView, InstanceState, Router, RouteRequest, RouterError
 from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun
@@ -31,11 +32,32 @@ from kvsim.sim.run.simulator import SimOptions, SimRun, Simulation, cyclic_gc_pa
 from kvsim.traces.schema import Trace
 
 
+@dataclass(frozen=True)
+class Scaling:
+    """An autoscaler and its bounds (sim/cluster/autoscaler.py)."""
+
+    autoscaler: Autoscaler
+    min_instances: int
+    max_instances: int
+    interval_s: float = 10.0
+    cold_start_s: float = 0.0  # weights read + engine start-up
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_instances <= self.max_instances:
+            raise ValueError(f"autoscaler bounds: need 1 <= min_instances ({self.min_instances}) <= max_instances "
+                             f"({self.max_instances})")
+        if self.interval_s <= 0 or self.cold_start_s < 0:
+            raise ValueError("autoscaler interval_s must be > 0 and cold_start_s >= 0")
+
+
 @dataclass
 class ClusterRun:
-    runs: list[SimRun]  # one per instance
+    runs: list[SimRun]  # one per instance (every instance an autoscaler could launch)
     placement: np.ndarray  # trace row -> instance
     wall_s: float
+    launched_s: list[float | None]  # when each instance was launched (None: never)
+    retired_s: list[float | None]  # when each was scaled down (None: served to the end)
+    timeline: list[tuple[float, int]]  # (time, instances serving) at every change
 
     def summary(self) -> dict:
         per_instance = [run.summary() for run in self.runs]
@@ -49,8 +71,22 @@ class ClusterRun:
         out["mean_kv_usage"] = (sum(b * s["mean_kv_usage"] for b, s in zip(busy, per_instance)) / sum(busy)) if sum(busy) else 0.0
         out["wall_s"] = self.wall_s
         out["instances"] = [{"instance": i, "requests_routed": int((self.placement == i).sum()), **s}
-                            for i, s in enumerate(per_instance)]
+                            for i, s in enumerate(per_instance) if self.launched_s[i] is not None]
+        end = out["duration_s"] + min((r.arrival_s for r in requests), default=0.0)
+        seconds = sum(self._stopped(i, end) - start for i, start in enumerate(self.launched_s) if start is not None)
+        out["instance_seconds"] = seconds
+        out["completed_per_instance_hour"] = out["requests_completed"] / (seconds / 3600) if seconds > 0 else 0.0
+        out["instances_over_time"] = [list(point) for point in self.timeline]
         return out
+
+    def _stopped(self, i: int, end: float) -> float:
+        """An instance runs until the run's end, or, once scaled down, until its last step ends."""
+        retired = self.retired_s[i]
+        if retired is None:
+            return end
+        steps = self.runs[i].steps
+        last = float(steps.rows[-1][1] + steps.rows[-1][2]) if len(steps) else retired
+        return max(retired, last)
 
     def request_tuples(self) -> list[tuple]:
         """requests.csv rows with the instance that served each, last."""
@@ -84,7 +120,10 @@ class _SummedStats:
 
 class ClusterSimulation:
     def __init__(self, trace: Trace, resolved: ResolvedRun, timers: list[StepTimer], router: Router,
-                 staleness_s: float = 0.0, options: list[SimOptions] | None = None) -> None:
+                 staleness_s: float = 0.0, options: list[SimOptions] | None = None, scaling: Scaling | None = None,
+                 initial_instances: int | None = None) -> None:
+        """``timers``: one per instance that may run (an autoscaler's maximum); ``initial_instances``
+        of them serve from the start (all without an autoscaler)."""
         if not timers:
             raise ValueError("a cluster needs at least one instance")
         if staleness_s < 0:
@@ -98,6 +137,15 @@ class ClusterSimulation:
         self.placement = np.full(len(trace), -1, dtype=np.int64)
         self._scrape: tuple[InstanceState, ...] = ()
         self._scraped_at = -np.inf
+        self.scaling = scaling
+        first = len(timers) if initial_instances is None else initial_instances
+        if not 1 <= first <= len(timers):
+            raise ValueError(f"initial instances {first} must be in [1, {len(timers)}]")
+        self.serving = [i < first for i in range(len(timers))]
+        self.launched_s: list[float | None] = [0.0 if i < first else None for i in range(len(timers))]
+        self.retired_s: list[float | None] = [None] * len(timers)
+        self.timeline: list[tuple[float, int]] = [(0.0, first)]
+        self._routing_done = False
         for i, sim in enumerate(self.instances):
             sim.serve_routed()
             sim.on_ended = self._ended_on(i)
@@ -119,7 +167,8 @@ class ClusterSimulation:
                               sim.engine.kv_counts()[0] / sim.engine.config.num_blocks)
                 for sim in self.instances)
             self._scraped_at = now
-        return ClusterView(self._scrape, tuple(self.in_flight), self._scraped_at)
+        return ClusterView(self._scrape, tuple(self.in_flight), self._scraped_at,
+                           () if all(self.serving) else tuple(self.serving))
 
     def _route_process(self):
         trace, env = self.trace, self.env
@@ -140,18 +189,52 @@ class ClusterSimulation:
                 raise RouterError(f"router {name} chose {chosen!r} for request {request_id_of(row)}: "
                                   f"not an instance index in [0, {len(self.instances)})")
             chosen = int(chosen)
+            if not self.serving[chosen]:
+                raise RouterError(f"router {name} chose instance {chosen} for request {request_id_of(row)}, which takes "
+                                  "no new requests (ClusterView.candidates lists those that do)")
             self.placement[row] = chosen
             self.in_flight[chosen] += 1
             self.router.routed(request, chosen)
             self.instances[chosen].hand(row)
+        self._routing_done = True
         for sim in self.instances:
             sim.feeding_over()
+
+    def _scale_process(self):
+        """Every interval: ask the autoscaler; launch (serving after the cold start) or retire one."""
+        scaling, env = self.scaling, self.env
+        while not self._routing_done:
+            yield env.timeout(scaling.interval_s)
+            view = self.view()
+            serving = [i for i in range(len(self.instances)) if self.serving[i]]
+            in_service = ClusterView(tuple(view.instances[i] for i in serving), tuple(view.in_flight[i] for i in serving),
+                                     view.scraped_at_s)
+            change = scaling.autoscaler.decide(in_service)
+            starting = sum(1 for i, t in enumerate(self.launched_s) if t is not None and self.retired_s[i] is None)
+            if change > 0 and starting < scaling.max_instances:
+                spare = next((i for i, t in enumerate(self.launched_s) if t is None), None)
+                if spare is not None:
+                    self.launched_s[spare] = env.now
+                    env.process(self._serve_after(spare, scaling.cold_start_s))
+            elif change < 0 and len(serving) > scaling.min_instances:
+                retired = max(serving, key=lambda i: self.launched_s[i])  # the newest goes first
+                self.serving[retired] = False
+                self.retired_s[retired] = env.now
+                self.timeline.append((env.now, sum(self.serving)))
+
+    def _serve_after(self, instance: int, delay_s: float):
+        yield self.env.timeout(delay_s)
+        self.serving[instance] = True
+        self.timeline.append((self.env.now, sum(self.serving)))
 
     def run(self) -> ClusterRun:
         started = time.perf_counter()
         self.env.process(self._route_process())
+        if self.scaling is not None:
+            self.env.process(self._scale_process())
         done = [sim.start() for sim in self.instances]
         with cyclic_gc_paused():
             self.env.run(until=simpy.AllOf(self.env, done))
         wall = time.perf_counter() - started
-        return ClusterRun([sim.result(wall) for sim in self.instances], self.placement, wall)
+        return ClusterRun([sim.result(wall) for sim in self.instances], self.placement, wall, self.launched_s,
+                          self.retired_s, self.timeline)

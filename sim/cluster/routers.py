@@ -63,10 +63,15 @@ class ClusterView:
     instances: tuple[InstanceState, ...]
     in_flight: tuple[int, ...]
     scraped_at_s: float
+    serving: tuple[bool, ...] = ()  # which instances take new requests (an autoscaler's); empty: all
 
     @property
     def size(self) -> int:
         return len(self.instances)
+
+    def candidates(self) -> list[int]:
+        """The instances a request may go to."""
+        return [i for i in range(len(self.instances)) if not self.serving or self.serving[i]]
 
 
 class Router:
@@ -113,8 +118,8 @@ def make_router(spec: str, params: dict | None = None) -> Router:
         raise ValueError(f"router {spec!r}: {exc}") from None
 
 
-def _fewest(counts: tuple[int, ...] | list[float]) -> int:
-    return min(range(len(counts)), key=counts.__getitem__)
+def _fewest(view: ClusterView, counts: tuple[int, ...] | list[float]) -> int:
+    return min(view.candidates(), key=counts.__getitem__)
 
 
 @register_router("round-robin")
@@ -123,7 +128,8 @@ class RoundRobin(Router):
         self.next = 0
 
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
-        chosen = self.next % view.size
+        candidates = view.candidates()
+        chosen = next((i for i in candidates if i >= self.next), candidates[0])
         self.next = chosen + 1
         return chosen
 
@@ -131,13 +137,13 @@ class RoundRobin(Router):
 @register_router("least-requests")
 class LeastRequests(Router):
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
-        return _fewest(view.in_flight)
+        return _fewest(view, view.in_flight)
 
 
 @register_router("least-kv")
 class LeastKV(Router):
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
-        return _fewest([s.kv_usage for s in view.instances])
+        return _fewest(view, [s.kv_usage for s in view.instances])
 
 
 @register_router("session")
@@ -146,13 +152,14 @@ class SessionAffinity(Router):
         self.home: dict[int, int] = {}
 
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
-        if request.session_id is not None and request.session_id in self.home:
-            return self.home[request.session_id]
-        return _fewest(view.in_flight)
+        home = self.home.get(request.session_id) if request.session_id is not None else None
+        if home is not None and home in view.candidates():
+            return home
+        return _fewest(view, view.in_flight)
 
     def routed(self, request: RouteRequest, instance: int) -> None:
         if request.session_id is not None:
-            self.home.setdefault(request.session_id, instance)
+            self.home[request.session_id] = instance
 
 
 @register_router("kv-aware")
@@ -169,10 +176,11 @@ class KVAware(Router):
 
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
         prefix_w, queue_w, kv_w = self.weights
+        candidates = view.candidates()
         counts = view.in_flight
-        lo, hi = min(counts), max(counts)
-        best, best_score = 0, -1.0
-        for i in range(view.size):
+        lo, hi = min(counts[i] for i in candidates), max(counts[i] for i in candidates)
+        best, best_score = candidates[0], -1.0
+        for i in candidates:
             queue = (hi - counts[i]) / (hi - lo) if hi > lo else 1.0
             score = prefix_w * self._prefix_share(request, i) + queue_w * queue + kv_w * (1.0 - view.instances[i].kv_usage)
             if score > best_score:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from kvsim.sim.cluster.cluster import ClusterRun, ClusterSimulation
+from kvsim.sim.cluster.autoscaler import DEFAULT_LOAD_BANDWIDTH, make_autoscaler
+from kvsim.sim.cluster.cluster import ClusterRun, ClusterSimulation, Scaling
 from kvsim.sim.cluster.routers import Router
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import ResolvedRun
@@ -21,10 +22,30 @@ from kvsim.sim.run.run_warnings import run_warnings
 from kvsim.sim.run.simulator import SimOptions
 from kvsim.traces.schema import Trace
 
+SCALING_KEYS = ("min_instances", "max_instances", "interval_s", "load_bandwidth", "start_s")
 
-def run_cluster(resolved: ResolvedRun, trace: Trace, instances: int, router: Router, router_name: str, out_dir: Path | None,
-                *, staleness_s: float = 0.0, check: bool = False, decisions: str = "summary") -> tuple[ClusterRun, dict]:
-    """``instances`` copies of the resolved engine behind ``router``; with ``out_dir``, its files."""
+
+def scaling_of(resolved: ResolvedRun) -> Scaling | None:
+    """The run's autoscaler with its bounds and cold start, from ``autoscaler`` / ``autoscaler_params``."""
+    config = resolved.config
+    if not config.autoscaler:
+        return None
+    params = dict(config.autoscaler_params)
+    bounds = {key: params.pop(key) for key in SCALING_KEYS if key in params}
+    load_bandwidth = float(bounds.get("load_bandwidth", DEFAULT_LOAD_BANDWIDTH))
+    if load_bandwidth <= 0:
+        raise ValueError(f"autoscaler_params.load_bandwidth must be > 0, got {load_bandwidth}")
+    cold_start = resolved.memory.weight_bytes / load_bandwidth + float(bounds.get("start_s", 0.0))
+    return Scaling(make_autoscaler(config.autoscaler, params), int(bounds.get("min_instances", 1)),
+                   int(bounds.get("max_instances", 4 * config.instances)), float(bounds.get("interval_s", 10.0)), cold_start)
+
+
+def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Path | None,
+                *, check: bool = False, decisions: str = "summary") -> tuple[ClusterRun, dict]:
+    """The configured instances behind ``router`` (and its autoscaler); with ``out_dir``, its files."""
+    config = resolved.config
+    scaling = scaling_of(resolved)
+    instances = max(config.instances, scaling.max_instances) if scaling else config.instances
     logs = []
     if out_dir is not None and decisions != "off":
         for i in range(instances):
@@ -33,13 +54,20 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, instances: int, router: Rou
     options = [SimOptions(check=check, decisions=logs[i] if logs else None) for i in range(instances)]
     timers = [CostModelTimer(resolved.cost_model()) for _ in range(instances)]
     try:
-        run = ClusterSimulation(trace, resolved, timers, router, staleness_s, options).run()
+        run = ClusterSimulation(trace, resolved, timers, router, config.router_staleness_s, options, scaling,
+                                initial_instances=config.instances).run()
     finally:
         for log in logs:
             log.close()
     summary = run.summary()
     summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
-    summary["router"] = {"name": router_name, "instances": instances, "staleness_s": staleness_s}
+    summary["router"] = {"name": config.router, "instances": config.instances, "staleness_s": config.router_staleness_s}
+    if scaling is not None:
+        summary["autoscaler"] = {"name": config.autoscaler, "min_instances": scaling.min_instances,
+                                 "max_instances": scaling.max_instances, "interval_s": scaling.interval_s,
+                                 "cold_start_s": scaling.cold_start_s,
+                                 "launched": sum(t is not None for t in run.launched_s) - config.instances,
+                                 "retired": sum(t is not None for t in run.retired_s)}
     summary["config"] = resolved.to_dict()
     summary["memory"] = resolved.memory.to_dict()  # each instance's
     requests = [r for one in run.runs for r in one.requests]

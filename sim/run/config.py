@@ -65,6 +65,8 @@ class RunConfig:
     router: str = "round-robin"
     router_params: dict = field(default_factory=dict)
     router_staleness_s: float = 0.0
+    autoscaler: str = ""  # "": a fixed number of instances; else a policy (sim/cluster/autoscaler.py)
+    autoscaler_params: dict = field(default_factory=dict)  # min/max_instances, interval_s, load_bandwidth, start_s, the policy's
     scheduler: str = "fcfs"
     scheduler_params: dict = field(default_factory=dict)
     block_manager: str = "prefix"

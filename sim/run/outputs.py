@@ -144,6 +144,11 @@ def format_summary(summary: dict, title: str = "kvsim simulate") -> str:
         r = summary["router"]
         lines.append(f"Cluster: {r['instances']} instances behind {r['name']}"
                      + (f" (view {r['staleness_s']:g} s stale)" if r["staleness_s"] else ""))
+    if "autoscaler" in summary:
+        a = summary["autoscaler"]
+        lines.append(f"Autoscaler {a['name']}: {a['launched']} launched, {a['retired']} retired "
+                     f"({a['min_instances']}-{a['max_instances']}); {summary['instance_seconds']:.0f} instance-seconds, "
+                     f"{summary['completed_per_instance_hour']:.0f} requests per instance-hour")
     if "parallel" in summary:
         p = summary["parallel"]
         lines.append(f"Layout: {p['layout']}, {resolved['parallel']['blocks_per_rank']} KV blocks per rank; "
