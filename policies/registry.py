@@ -17,7 +17,8 @@ SCHEDULERS: dict[str, type] = {}
 BLOCK_MANAGERS: dict[str, type] = {}
 
 
-def _register(table: dict[str, type], kind: str, name: str) -> Callable[[T], T]:
+def register_in(table: dict[str, type], kind: str, name: str) -> Callable[[T], T]:
+    """A class decorator entering the class in ``table`` under ``name`` (a ``kind`` of plug-in)."""
     def decorate(cls: T) -> T:
         if name in table and table[name] is not cls:
             raise ValueError(f"{kind} {name!r} is already registered by {table[name].__qualname__}")
@@ -29,14 +30,15 @@ def _register(table: dict[str, type], kind: str, name: str) -> Callable[[T], T]:
 
 
 def register_scheduler(name: str) -> Callable[[T], T]:
-    return _register(SCHEDULERS, "scheduler", name)
+    return register_in(SCHEDULERS, "scheduler", name)
 
 
 def register_block_manager(name: str) -> Callable[[T], T]:
-    return _register(BLOCK_MANAGERS, "block manager", name)
+    return register_in(BLOCK_MANAGERS, "block manager", name)
 
 
-def _resolve(table: dict[str, type], kind: str, spec: str) -> type:
+def resolve_in(table: dict[str, type], kind: str, spec: str) -> type:
+    """The class a spec names: a registered name, or ``module:Class``."""
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         try:
@@ -49,9 +51,18 @@ def _resolve(table: dict[str, type], kind: str, spec: str) -> type:
 
 
 def resolve_scheduler(spec: str) -> type:
-    return _resolve(SCHEDULERS, "scheduler", spec)
+    return resolve_in(SCHEDULERS, "scheduler", spec)
 
 
 def resolve_block_manager(spec: str) -> type:
-    return _resolve(BLOCK_MANAGERS, "block manager", spec)
+    return resolve_in(BLOCK_MANAGERS, "block manager", spec)
 
+
+
+def build(table: dict[str, type], kind: str, spec: str, params: dict | None = None):
+    """An instance of the class ``spec`` names, with its parameters; a bad parameter names the spec."""
+    cls = resolve_in(table, kind, spec)
+    try:
+        return cls(**(params or {}))
+    except TypeError as exc:
+        raise ValueError(f"{kind} {spec!r}: {exc}") from None

@@ -17,9 +17,9 @@ Policies plug in like routers (``module:Class``, a ``decide(view) -> int`` metho
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
+from kvsim.policies.registry import build, register_in
 from kvsim.sim.cluster.routers import ClusterView
 
 AUTOSCALERS: dict[str, type] = {}
@@ -27,12 +27,7 @@ DEFAULT_LOAD_BANDWIDTH = 2e9  # B/s: weights read from a local NVMe (assumed)
 
 
 def register_autoscaler(name: str) -> Callable[[type], type]:
-    def decorate(cls: type) -> type:
-        AUTOSCALERS[name] = cls
-        cls.registered_name = name
-        return cls
-
-    return decorate
+    return register_in(AUTOSCALERS, "autoscaler", name)
 
 
 class Autoscaler:
@@ -80,17 +75,4 @@ class QueueDepth(Autoscaler):
 
 def make_autoscaler(spec: str, params: dict | None = None) -> Autoscaler:
     """A built-in autoscaler by name, or a user's as ``module:Class``, with its parameters."""
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load autoscaler {spec!r}: {exc}") from None
-    elif spec in AUTOSCALERS:
-        cls = AUTOSCALERS[spec]
-    else:
-        raise ValueError(f"unknown autoscaler {spec!r}; registered: {', '.join(sorted(AUTOSCALERS))}; or give module:Class")
-    try:
-        return cls(**(params or {}))
-    except TypeError as exc:
-        raise ValueError(f"autoscaler {spec!r}: {exc}") from None
+    return build(AUTOSCALERS, "autoscaler", spec, params)

@@ -24,10 +24,11 @@ optionally ``routed`` / ``ended``) named ``module:Class`` (examples/sticky_route
 
 from __future__ import annotations
 
-import importlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvsim.policies.registry import build, register_in
 
 ROUTERS: dict[str, type] = {}
 
@@ -90,32 +91,12 @@ class Router:
 
 
 def register_router(name: str) -> Callable[[type], type]:
-    def decorate(cls: type) -> type:
-        if name in ROUTERS and ROUTERS[name] is not cls:
-            raise ValueError(f"router {name!r} is already registered by {ROUTERS[name].__qualname__}")
-        ROUTERS[name] = cls
-        cls.registered_name = name
-        return cls
-
-    return decorate
+    return register_in(ROUTERS, "router", name)
 
 
 def make_router(spec: str, params: dict | None = None) -> Router:
     """A built-in router by name, or a user's as ``module:Class``, with its parameters."""
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load router {spec!r}: {exc}") from None
-    elif spec in ROUTERS:
-        cls = ROUTERS[spec]
-    else:
-        raise ValueError(f"unknown router {spec!r}; registered: {', '.join(sorted(ROUTERS))}; or give module:Class")
-    try:
-        return cls(**(params or {}))
-    except TypeError as exc:
-        raise ValueError(f"router {spec!r}: {exc}") from None
+    return build(ROUTERS, "router", spec, params)
 
 
 def _fewest(view: ClusterView, counts: tuple[int, ...] | list[float]) -> int:
