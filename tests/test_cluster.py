@@ -76,6 +76,13 @@ def test_cluster_run_directory_and_a_user_router(tmp_path: Path, monkeypatch) ->
     assert header.endswith(",instance")
     assert all((tmp_path / "run" / "instances" / str(i) / "decisions.digest.json").exists() for i in range(3))
     assert len((EXAMPLES / "first_block_router.py").read_text().splitlines()) < 40
+    page = CliRunner().invoke(main, ["report", "cluster", str(tmp_path / "run"), "--out", str(tmp_path / "page.html")])
+    assert page.exit_code == 0, page.output
+    assert "instance 2" in (tmp_path / "page.html").read_text()
+    single = CliRunner().invoke(main, ["simulate", "--max-requests", "3", "--quiet", "--out", str(tmp_path / "one")])
+    assert single.exit_code == 0
+    refused = CliRunner().invoke(main, ["report", "cluster", str(tmp_path / "one"), "--out", str(tmp_path / "x.html")])
+    assert refused.exit_code == 2 and "not a cluster run" in refused.output
 
 
 def test_a_router_that_raises_is_one_line_exit_2(tmp_path: Path, monkeypatch) -> None:

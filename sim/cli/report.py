@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from kvsim.cli.errors import UserError
+from kvsim.reports.cluster import cluster_page
 from kvsim.reports.compare import Slo, write_compare_report
 from kvsim.reports.runs import ReportInputError, read_json
 from kvsim.reports.validation import RUN_NAMES, missing_keys, write_validation_report
@@ -34,6 +35,18 @@ def compare(run_dirs: tuple[Path, ...], labels: tuple[str, ...], out_dir: Path, 
     except ReportInputError as exc:
         raise UserError(str(exc)) from None
     click.echo(f"wrote {html_path} and {json_path}")
+
+
+@report.command("cluster")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="HTML file to write.")
+def cluster(run_dir: Path, out_path: Path) -> None:
+    """Load per instance, KV usage and instances over time of a cluster run (simulate --instances N)."""
+    try:
+        written = cluster_page(run_dir).write(out_path)
+    except ReportInputError as exc:
+        raise UserError(str(exc)) from None
+    click.echo(f"wrote {written}")
 
 
 @report.command("validation")
