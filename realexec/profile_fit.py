@@ -45,7 +45,8 @@ ROW_COUNT_FLOOR = 0.01  # ... and the share of those steps' median time its resi
 HALF_TOKENS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 GROUPS = (
     Group("gemm", ("gemm",)),
-    Group("elementwise", ("elementwise",), fixed=("gemm",)),  # measured: the forward pass without attention
+    Group("moe", ("moe",)),  # MoE models only: the routed experts at several token counts
+    Group("elementwise", ("elementwise",), fixed=("gemm", "moe")),  # measured: the forward pass without attention
     Group("kv_write", ("kv_write",)),
     Group("attention", ("attn_prefill", "attn_decode", "paged_gather")),
     Group("lm_head", ("lm_head",)),
@@ -160,6 +161,10 @@ def structural_choices(group: str, device: DeviceProfile, features: StepFeatures
     """The profiles a group is fitted under, each with how the report names it (one: no choice)."""
     if group == "attention":
         return [(f"{'' if p else 'not '}padded", replace(device, padded_attention=p)) for p in (False, True)]
+    if group == "moe":  # the grouped matmuls' small-M loss, paid once per touched expert (cost_model._moe_row)
+        moe = device.operators["moe"]
+        return [(f"half_tokens = {h:g}", device.with_operators({"moe": replace(moe, shape=h)}))
+                for h in sorted({moe.shape, *HALF_TOKENS})]
     if group == "gemm":
         small = sorted({int(t) for t in np.atleast_1d(features.num_tokens) if t <= MAX_GEMV_ROWS})
         gemm = device.operators["gemm"]
