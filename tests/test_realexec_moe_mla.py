@@ -18,6 +18,7 @@ from kvsim.policies.plan import PlanEntry, StepPlan  # noqa: E402
 from kvsim.policies.request import Request  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.backends.base import AttentionMetadata  # noqa: E402
+from kvsim.realexec.backends.portable import paged_latent_attention  # noqa: E402
 from kvsim.realexec.executor import Executor  # noqa: E402
 from kvsim.realexec.model import DecoderModel, route, routed_experts  # noqa: E402
 from kvsim.realexec.prompts import prompt_tokens  # noqa: E402
@@ -135,3 +136,68 @@ def test_seeded_weights_are_deterministic_and_load_by_hugging_face_name(name: st
 def test_an_int8_cache_under_mla_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match="int8 KV cache under latent attention"):
         Executor(MLA, get_backend("cpu"), num_blocks=4, block_size=BS, kv_dtype="int8")
+
+
+# -- the npu backend on the torch_npu stand-in (no NPU here) ---------------------------------------------
+
+NPU_MOE_OPS = ["npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2", "npu_grouped_matmul", "npu_swiglu",
+               "npu_grouped_matmul", "npu_moe_token_unpermute"]
+
+
+@pytest.fixture
+def npu():
+    from torch_npu_standin import make_torch_npu_standin
+
+    from kvsim.realexec.backends.npu import NpuBackend
+
+    standin = make_torch_npu_standin()
+    return NpuBackend("cpu", torch_npu_module=standin), standin
+
+
+def test_npu_moe_runs_vllm_ascends_ops_and_matches_the_portable_experts(npu) -> None:
+    backend, standin = npu
+    model = DecoderModel.build(dataclasses.replace(MOE, weight_dtype="bf16", kv_dtype="bf16"), seed=SEED)
+    moe = model.layers[1].moe
+    hidden = torch.randn(6, MOE.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
+    logits = hidden @ moe.router.T
+    standin.calls.clear()
+    out = backend.moe_experts(hidden, logits, moe, 2)
+    assert standin.calls == NPU_MOE_OPS
+    expected = routed_experts(hidden, logits, moe, 2)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-2 * float(expected.abs().max()))
+
+
+def _mla_step(backend, latent: int, rope: int, heads: int = 3, nope: int = 32, v: int = 32):
+    """Caches holding random latents for a mixed step (two decodes, a chunk over a cached prefix), and its query."""
+    gen = torch.Generator().manual_seed(6)
+    latent_cache, rope_cache = backend.allocate_kv_cache(1, 6, 128, 1, latent, torch.bfloat16, rope)[0]
+    meta = AttentionMetadata.build([1, 1, 20], [130, 7, 150], [[0, 1], [2], [3, 4]], 128, slot_dtype=torch.int32)
+    context = AttentionMetadata.build([130, 7, 150], [130, 7, 150], [[0, 1], [2], [3, 4]], 128, slot_dtype=torch.int32)
+    backend.write_kv(torch.randn(287, 1, latent, generator=gen).bfloat16(), torch.randn(287, 1, rope, generator=gen).bfloat16(),
+                     latent_cache, rope_cache, context.slot_mapping)
+    query = torch.randn(22, heads, nope + rope, generator=gen).bfloat16()
+    w_uk = (torch.randn(heads, nope, latent, generator=gen) / latent**0.5).bfloat16()
+    w_uv = (torch.randn(heads, v, latent, generator=gen) / latent**0.5).bfloat16()
+    return query, latent_cache, rope_cache, meta, w_uk, w_uv
+
+
+@pytest.mark.filterwarnings("ignore::kvsim.realexec.backends.npu_preflight.PreflightWarning")  # 512 > ATB PA's head size
+def test_npu_mla_absorbs_decodes_through_fia_v2_and_matches_the_portable_path(npu) -> None:
+    """DeepSeek's latent of 512 + rope 64, 3 heads (padded to 4 for FIA v2): decodes absorbed, the chunk up-projected."""
+    backend, standin = npu
+    query, latent_cache, rope_cache, meta, w_uk, w_uv = _mla_step(backend, 512, 64)
+    standin.calls.clear()
+    out = backend.mla_attention(query, latent_cache, rope_cache, meta, 0.1, w_uk, w_uv)
+    assert standin.calls == ["npu_fused_infer_attention_score_v2", "npu_fused_infer_attention_score"]
+    expected = paged_latent_attention(query.float(), latent_cache.float(), rope_cache.float(), meta, 0.1, w_uk.float(), w_uv.float())
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=3e-2 * float(expected.abs().max()))
+
+
+def test_npu_mla_refuses_latents_fia_v2_does_not_take(npu) -> None:
+    """The toy small-mla's 256 + 32 latent is not one FIA v2's MLA mode documents (512 or 128, rope 64)."""
+    from torch_npu_standin import ContractViolation
+
+    backend, _ = npu
+    query, latent_cache, rope_cache, meta, w_uk, w_uv = _mla_step(backend, 256, 32)
+    with pytest.raises(ContractViolation, match="fia2.mla_d"):
+        backend.mla_attention(query, latent_cache, rope_cache, meta, 0.1, w_uk, w_uv)
