@@ -124,6 +124,9 @@ class Executor:
         self.timing_repeats = backend.timing_repeats if timing_repeats is None else timing_repeats
         if self.timing_repeats < 1:
             raise ValueError(f"timing_repeats must be at least 1, not {self.timing_repeats}")
+        if spec.quantization:
+            raise ValueError(f"model {spec.name}: quantization {spec.quantization} (W8A8) is simulated only; realexec runs "
+                             "float weights (drop --quantization to run it)")
         if spec.is_mla and (kv_dtype or spec.kv_dtype) == "int8":
             raise ValueError(f"model {spec.name}: an int8 KV cache under latent attention (MLA) is not implemented "
                              "by realexec (its static scales are per K/V channel); use a float KV cache")

@@ -133,9 +133,11 @@ def test_seeded_weights_are_deterministic_and_load_by_hugging_face_name(name: st
     assert all(torch.equal(first[k], loaded[k]) for k in first)
 
 
-def test_an_int8_cache_under_mla_is_refused_in_one_line() -> None:
+def test_what_realexec_does_not_run_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match="int8 KV cache under latent attention"):
         Executor(MLA, get_backend("cpu"), num_blocks=4, block_size=BS, kv_dtype="int8")
+    with pytest.raises(ValueError, match="w8a8 .W8A8. is simulated only"):
+        Executor(dataclasses.replace(MOE, weight_dtype="bf16", quantization="w8a8"), get_backend("cpu"), num_blocks=4, block_size=BS)
 
 
 # -- the npu backend on the torch_npu stand-in (no NPU here) ---------------------------------------------
