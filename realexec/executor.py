@@ -29,6 +29,19 @@ from kvsim.sim.perf.step_timer import StepTiming
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def kv_cache_layout(spec: ModelSpec) -> tuple[int, int, int]:
+    """(heads, key cache size, value cache size) of one token's entry in a layer's paged pool.
+
+    Per-head attention caches K and V for every KV head. Latent attention (MLA) caches one latent
+    and one rope key per token, the pair vLLM's MLA backends keep (vllm-ascend as two caches, a
+    no-rope and a rope one): ``kv_lora_rank + qk_rope_head_dim`` values, so a block holds exactly
+    what ``ModelSpec.bytes_per_block`` counts.
+    """
+    if spec.is_mla:
+        return 1, spec.kv_lora_rank, spec.qk_rope_head_dim
+    return spec.num_kv_heads, spec.head_dim, spec.head_dim
+
+
 @dataclass
 class StepInputs:
     """Device tensors for one forward pass, plus which requests sample from which rows."""
@@ -111,6 +124,12 @@ class Executor:
         self.timing_repeats = backend.timing_repeats if timing_repeats is None else timing_repeats
         if self.timing_repeats < 1:
             raise ValueError(f"timing_repeats must be at least 1, not {self.timing_repeats}")
+        if spec.quantization:
+            raise ValueError(f"model {spec.name}: quantization {spec.quantization} (W8A8) is simulated only; realexec runs "
+                             "float weights (drop --quantization to run it)")
+        if spec.is_mla and (kv_dtype or spec.kv_dtype) == "int8":
+            raise ValueError(f"model {spec.name}: an int8 KV cache under latent attention (MLA) is not implemented "
+                             "by realexec (its static scales are per K/V channel); use a float KV cache")
         self.model = DecoderModel.build(spec, backend.device, seed, weights_path)
         # int8 (C8): quantised cache, attention in the model's dtype, static per-channel scales per layer.
         self.kv_dtype, self.attention_dtype = kv_cache_dtypes(
@@ -120,10 +139,14 @@ class Executor:
             calibrate_kv_scales(self.model, seed) if self.kv_dtype == torch.int8 else [None] * spec.num_layers
         )
         capture_sizes = backend.capture_sizes if capture_sizes is None else capture_sizes
-        graphs = bool(capture_sizes) and backend.supports_graphs and self.kv_dtype != torch.int8
+        # MoE routing sizes each expert's GEMMs by the step's data and MLA splits decodes from prefills by
+        # the host lists, so neither replays as a fixed-shape graph: such models run every step eagerly.
+        graphs = (bool(capture_sizes) and backend.supports_graphs and self.kv_dtype != torch.int8
+                  and not spec.is_moe and not spec.is_mla)
         # With graphs, one block past the engine's takes the K/V of a graph's padding rows (vLLM's V1
         # reserves a null block likewise); everything else sees the engine's blocks alone.
-        shape = (spec.num_layers, num_blocks + graphs, block_size, spec.num_kv_heads, spec.head_dim, self.kv_dtype)
+        heads, key_size, value_size = kv_cache_layout(spec)
+        shape = (spec.num_layers, num_blocks + graphs, block_size, heads, key_size, self.kv_dtype, value_size)
         self._all_caches: KVCaches = backend.allocate_kv_cache(*shape)
         self.kv_caches: KVCaches = [(k[:num_blocks], v[:num_blocks]) for k, v in self._all_caches]
         host_shape = (spec.num_layers, num_host_blocks, *shape[2:])
@@ -287,13 +310,16 @@ class Executor:
             key_cache, value_cache = caches[layer]
             scales, dtype = self.kv_scales[layer], self.attention_dtype
             self.backend.write_kv(k.to(dtype), v.to(dtype), key_cache, value_cache, meta.slot_mapping, scales)
+            mla = self.model.layers[layer].mla
+            if mla is not None:  # the pair holds the latent and the rope key (model.Attend)
+                return self.backend.mla_attention(q.to(dtype), key_cache, value_cache, meta, self.model.scale, mla.w_uk, mla.w_uv)
             return self.backend.attention(q.to(dtype), key_cache, value_cache, meta, self.model.scale, scales)
 
         return attend
 
     def _forward_and_sample(self, inputs: StepInputs) -> torch.Tensor:
         """Greedy token ids [S] (on device) for the sampling rows; logits only for those rows."""
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self._paged_attend(inputs.meta))
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self._paged_attend(inputs.meta), self.backend.moe_experts)
         if not inputs.sampling_ids:
             return inputs.sample_rows
         return self.model.logits(hidden[inputs.sample_rows]).argmax(dim=-1)

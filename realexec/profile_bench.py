@@ -25,8 +25,9 @@ from kvsim.policies.plan import PlanDetail, PlanEntry, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.backends.base import AttentionMetadata
-from kvsim.realexec.executor import Executor
+from kvsim.realexec.executor import Executor, kv_cache_layout
 from kvsim.realexec.graphs import StepGraph
+from kvsim.realexec.model import LayerWeights
 from kvsim.realexec.profile_shapes import StepShape, Sweep, decode, prefill, shape_features, step_kind
 from kvsim.sim.perf.cost_model import StepFeatures, features_from_plan
 from kvsim.sim.perf.step_timer import StepTiming
@@ -200,32 +201,48 @@ class OperatorBenches:
         return lambda: run
 
     def gemm(self, tokens: int) -> Sample:
-        s = self.spec
-        x, attn, act = self._randn(tokens, s.hidden_size), self._randn(tokens, s.q_size), self._randn(tokens, s.intermediate_size)
+        """Every matrix product the cost model's gemm operator counts, over all layers: the attention
+        projections (MLA's query, latent and output ones), the dense or shared-expert MLP and the router."""
+        layers = [gemm_weights(layer) for layer in self.ex.model.layers]
+        inputs = {w.shape[1]: None for weights in layers for w in weights}
+        inputs = {size: self._randn(tokens, size) for size in inputs}
 
         def run() -> None:
-            for layer in self.ex.model.layers:
-                x @ layer.qkv_proj.T
-                attn @ layer.o_proj.T
-                x @ layer.gate_up_proj.T
-                act @ layer.down_proj.T
+            for weights in layers:
+                for w in weights:
+                    inputs[w.shape[1]] @ w.T
 
         return Sample("gemm", "gemm", self._features(prefill(tokens)), self._same(run), WEIGHT_PRIMING_RUNS)
 
-    def forward_without_attention(self, tokens: int) -> Sample:
-        """The decoder's forward pass with attention replaced by the identity: GEMMs + elementwise."""
-        ids = torch.randint(0, self.spec.vocab_size, (tokens,), generator=self.gen).to(self.backend.device)
-        positions = torch.arange(tokens).to(self.backend.device)
+    def moe(self, tokens: int) -> Sample:
+        """The routed experts of every MoE layer (the cost model's moe operator) on the backend's kernels,
+        routed by the layer's own router from random hidden states, as a step's tokens are."""
+        hidden = self._randn(tokens, self.spec.hidden_size)
+        layers = [(layer.moe, hidden @ layer.moe.router.T) for layer in self.ex.model.layers if layer.moe is not None]
+        top_k = self.spec.num_experts_per_tok
 
         def run() -> None:
-            self.ex.model.forward(ids, positions, lambda layer, q, k, v: q)
+            for moe, logits in layers:
+                self.backend.moe_experts(hidden, logits, moe, top_k)
+
+        return Sample("moe", "moe", self._features(prefill(tokens)), self._same(run), WEIGHT_PRIMING_RUNS)
+
+    def forward_without_attention(self, tokens: int) -> Sample:
+        """The decoder's forward pass with attention replaced by the identity: GEMMs, routed experts, elementwise."""
+        ids = torch.randint(0, self.spec.vocab_size, (tokens,), generator=self.gen).to(self.backend.device)
+        positions = torch.arange(tokens).to(self.backend.device)
+        v_dim = self.spec.v_head_dim if self.spec.is_mla else self.spec.head_dim  # what o_proj takes per head
+
+        def run() -> None:
+            self.ex.model.forward(ids, positions, lambda layer, q, k, v: q[..., :v_dim], self.backend.moe_experts)
 
         return Sample("elementwise", "forward without attention", self._features(prefill(tokens)), self._same(run), WEIGHT_PRIMING_RUNS)
 
     def kv_write(self, tokens: int) -> Sample:
         """KV writes into every layer's cache as the executor writes them (an int8 cache quantises with the layer's scales)."""
-        s, bs = self.spec, self.ex.block_size
-        k, v = (self._randn(tokens, s.num_kv_heads, s.head_dim, dtype=self.ex.attention_dtype) for _ in range(2))
+        bs = self.ex.block_size
+        heads, key_size, value_size = kv_cache_layout(self.spec)
+        k, v = (self._randn(tokens, heads, size, dtype=self.ex.attention_dtype) for size in (key_size, value_size))
         shape = prefill(tokens)
         layers = list(zip(self.ex.kv_caches, self.ex.kv_scales))
 
@@ -242,14 +259,20 @@ class OperatorBenches:
         s = self.spec
         q = self._randn(sum(x.new for x in shape), s.num_heads, s.head_dim, dtype=self.ex.attention_dtype)
         scale = self.ex.model.scale
-        layers = list(zip(pool.caches, self.ex.kv_scales))
+        layers = list(zip(pool.caches, self.ex.kv_scales, self.ex.model.layers))
+
+        def attend(meta: AttentionMetadata) -> list[torch.Tensor]:
+            """Every layer's attention, as the executor calls it (MLA: with the layer's up-projections)."""
+            return [self.backend.attention(q, kc, vc, meta, scale, sc) if layer.mla is None
+                    else self.backend.mla_attention(q, kc, vc, meta, scale, layer.mla.w_uk, layer.mla.w_uv)
+                    for (kc, vc), sc, layer in layers]
 
         def case() -> Run:
             tables = pool.tables(shape, self.rng)
 
             def run() -> float:
                 meta = pool.metadata(shape, tables, self.backend.device)  # fresh: what a backend derives per step is part of the cost
-                return self._timed(lambda: [self.backend.attention(q, kc, vc, meta, scale, sc) for (kc, vc), sc in layers])
+                return self._timed(lambda: attend(meta))
 
             return run
 
@@ -301,6 +324,18 @@ class OperatorBenches:
 
 
 
+def gemm_weights(layer: LayerWeights) -> list[torch.Tensor]:
+    """The weights of one layer's products that the cost model's gemm operator counts (``ModelSpec.per_token_matmul_params``):
+    attention projections but MLA's kv_b_proj (priced with attention), a dense or the shared experts' MLP, the router."""
+    mla = layer.mla
+    weights = [layer.qkv_proj] if mla is None else [w for w in (mla.q_proj, mla.q_a_proj, mla.q_b_proj, mla.kv_a_proj) if w is not None]
+    weights.append(layer.o_proj)
+    mlp = layer.mlp if layer.moe is None else layer.moe.shared
+    if mlp is not None:
+        weights += [mlp.gate_up_proj, mlp.down_proj]
+    return weights + ([layer.moe.router] if layer.moe is not None else [])
+
+
 def _only(name: str, value: int) -> StepFeatures:
     return StepFeatures(**{**{f.name: 0.0 for f in fields(StepFeatures)}, name: float(value)})
 
@@ -315,6 +350,7 @@ def sweep_samples(benches: OperatorBenches, sweep: Sweep, pools: Sequence[KVPool
     samples += [benches.step(shape) for shape in sweep.step_shapes() if fits(shape, benches.ex.block_size)]
     for n in sweep.token_counts:
         samples += [benches.gemm(n), benches.forward_without_attention(n), benches.kv_write(n)]
+        samples += [benches.moe(n)] if benches.spec.is_moe else []
     for rows in sweep.sample_rows:
         samples += [benches.lm_head(rows), benches.sampling(rows)]
     for blocks in sweep.moved_blocks:

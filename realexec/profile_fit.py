@@ -35,8 +35,10 @@ HOST_OPERATORS = ("host_step", "host_seq")
 # decode step timed so took 1.2-1.3 ms where back-to-back decode steps spend 0.45 ms on them
 # (docs/benchmarks.md), so operator cases misplace time between operators and the host terms,
 # and whole steps of other batch sizes then miss (2-sequence decode steps predicted 15 % short).
-# Refitted on whole steps, one profile's held-out steps' error fell from 6.4 % to 5.6 %.
-STEP_REFITTED = ("gemm", "elementwise", "lm_head", "attn_decode")
+# Refitted on whole steps, one profile's held-out steps' error fell from 6.4 % to 5.6 %. An MoE model's
+# routed experts likewise (their case routes random hidden states, a step its tokens' own; a dense model
+# has no moe work, so refitting it changes nothing there).
+STEP_REFITTED = ("gemm", "moe", "elementwise", "lm_head", "attn_decode")
 MAX_GEMV_ROWS = 8  # token counts the gemv_rows choice looks at: a BLAS's matrix-vector path ends well below this
 ROW_COUNT_MIN_STEPS = 3  # whole steps of one token count before its row-count term is measured
 ROW_COUNT_FLOOR = 0.01  # ... and the share of those steps' median time its residual must pass (below: noise)
@@ -45,7 +47,8 @@ ROW_COUNT_FLOOR = 0.01  # ... and the share of those steps' median time its resi
 HALF_TOKENS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 GROUPS = (
     Group("gemm", ("gemm",)),
-    Group("elementwise", ("elementwise",), fixed=("gemm",)),  # measured: the forward pass without attention
+    Group("moe", ("moe",)),  # MoE models only: the routed experts at several token counts
+    Group("elementwise", ("elementwise",), fixed=("gemm", "moe")),  # measured: the forward pass without attention
     Group("kv_write", ("kv_write",)),
     Group("attention", ("attn_prefill", "attn_decode", "paged_gather")),
     Group("lm_head", ("lm_head",)),
@@ -109,12 +112,13 @@ def fit_groups(
     ``kv_dtype`` is the KV cache dtype the measurements ran with (None: the model's): the cost
     model then counts the bytes that cache moves, as the simulator will when it predicts it.
 
-    Two groups also decide a structural fact, by fitting every choice and keeping the one that
+    Groups may also decide a structural fact, by fitting every choice and keeping the one that
     explains the measurements best: the attention group ``padded_attention`` (ragged batches in
     the sweep tell the layouts apart), the gemm group ``gemv_rows`` (below how many rows the
     BLAS runs one matrix-vector product per row) with ``half_tokens`` (its small-M efficiency
-    loss above that; the sweep's small token counts tell). The runner-up's error is reported
-    beside the choice.
+    loss above that; the sweep's small token counts tell). The moe group (MoE models only) picks its
+    ``half_tokens`` likewise: the small-M loss each touched expert's grouped matmuls pay. The
+    runner-up's error is reported beside the choice.
     Last, the row-count terms (:func:`row_count_terms`), from the whole steps the fit leaves unexplained.
     Returns the calibrated profile and the fit's error per group and per labelled subset.
     """
@@ -160,6 +164,10 @@ def structural_choices(group: str, device: DeviceProfile, features: StepFeatures
     """The profiles a group is fitted under, each with how the report names it (one: no choice)."""
     if group == "attention":
         return [(f"{'' if p else 'not '}padded", replace(device, padded_attention=p)) for p in (False, True)]
+    if group == "moe":  # the grouped matmuls' small-M loss, paid once per touched expert (cost_model._moe_row)
+        moe = device.operators["moe"]
+        return [(f"half_tokens = {h:g}", device.with_operators({"moe": replace(moe, shape=h)}))
+                for h in sorted({moe.shape, *HALF_TOKENS})]
     if group == "gemm":
         small = sorted({int(t) for t in np.atleast_1d(features.num_tokens) if t <= MAX_GEMV_ROWS})
         gemm = device.operators["gemm"]

@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from kvsim.realexec.backends import KernelBackend, get_backend
-from kvsim.realexec.executor import Executor
+from kvsim.realexec.executor import Executor, kv_cache_layout
 from kvsim.realexec.graphs import engine_of
 from kvsim.realexec.profile_bench import KVPool, OperatorBenches, StepRecords, engine_run, measure, sweep_samples
 from kvsim.realexec.profile_fit import FitError, Measurements, fit_groups, stack
@@ -120,7 +120,8 @@ def profile(
     for block_size in sweep.block_sizes[1:]:
         blocks = max([footprint(shape, block_size) for shape in sweep.attention_shapes() if fits(shape, block_size)], default=0)
         if blocks:
-            caches = backend.allocate_kv_cache(spec.num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim, executor.kv_dtype)
+            heads, key_size, value_size = kv_cache_layout(spec)
+            caches = backend.allocate_kv_cache(spec.num_layers, blocks, block_size, heads, key_size, executor.kv_dtype, value_size)
             pools.append(KVPool(caches, block_size, blocks))
     samples = sweep_samples(OperatorBenches(executor, rng, seed), sweep, pools, fits)
     say(f"timing {len(samples)} cases (operators alone and whole steps) in {sweep.repeats} rounds on {backend.clock}, "

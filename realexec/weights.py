@@ -31,33 +31,71 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor the decoder needs, by checkpoint name, with its shape ([out, in] for linears)."""
-    h, d = spec.hidden_size, spec.head_dim
+    """Every tensor the decoder needs, by checkpoint name, with its shape ([out, in] for linears).
+
+    Beyond Llama's names: DeepSeek-V2/V3's latent attention (``self_attn.kv_a_proj_with_mqa``,
+    ``kv_a_layernorm``, ``kv_b_proj``, and ``q_a_proj``/``q_a_layernorm``/``q_b_proj`` when
+    queries are compressed too) and DeepSeek/Qwen-MoE experts (``mlp.gate`` the router,
+    ``mlp.experts.{e}.*`` the routed experts, ``mlp.shared_experts.*`` the shared ones), so such a
+    checkpoint's tensors load by name.
+    """
+    h = spec.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (spec.q_size, h)
-        shapes[p + "self_attn.k_proj.weight"] = (spec.kv_size, h)
-        shapes[p + "self_attn.v_proj.weight"] = (spec.kv_size, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, spec.q_size)
-        if spec.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes.update(_attention_shapes(spec, p + "self_attn."))
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
+        if spec.is_moe and i >= spec.dense_layers:
+            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", spec.moe_intermediate_size, h))
+            shapes.update(_mlp_shapes(p + "mlp.shared_experts.", spec.shared_expert_intermediate_size, h))
+        else:
+            shapes.update(_mlp_shapes(p + "mlp.", spec.intermediate_size, h))
     shapes["model.norm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     return shapes
 
 
+def _attention_shapes(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
+    h, d = spec.hidden_size, spec.head_dim
+    if not spec.is_mla:
+        shapes = {p + "q_proj.weight": (spec.q_size, h), p + "k_proj.weight": (spec.kv_size, h),
+                  p + "v_proj.weight": (spec.kv_size, h), p + "o_proj.weight": (h, spec.q_size)}
+        if spec.qk_norm:
+            shapes |= {p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)}
+        return shapes
+    n, latent = spec.num_heads, spec.kv_lora_rank
+    if spec.q_lora_rank:
+        shapes = {p + "q_a_proj.weight": (spec.q_lora_rank, h), p + "q_a_layernorm.weight": (spec.q_lora_rank,),
+                  p + "q_b_proj.weight": (n * d, spec.q_lora_rank)}
+    else:
+        shapes = {p + "q_proj.weight": (n * d, h)}
+    return shapes | {
+        p + "kv_a_proj_with_mqa.weight": (latent + spec.qk_rope_head_dim, h),
+        p + "kv_a_layernorm.weight": (latent,),
+        p + "kv_b_proj.weight": (n * (spec.qk_nope_head_dim + spec.v_head_dim), latent),
+        p + "o_proj.weight": (h, n * spec.v_head_dim),
+    }
+
+
+def _mlp_shapes(p: str, intermediate: int, h: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's three projections (none for a zero width: an MoE layer without shared experts)."""
+    if not intermediate:
+        return {}
+    return {p + "gate_proj.weight": (intermediate, h), p + "up_proj.weight": (intermediate, h),
+            p + "down_proj.weight": (h, intermediate)}
+
+
 # q and k at twice unit scale give attention scores of std ~4 (after 1/sqrt(head_dim)):
 # attention is peaked, as in a trained model, so a token's output hinges on particular earlier
 # tokens and a wrong KV entry changes the generated tokens instead of averaging away.
 _QK_GAIN = 2.0
+# The projections queries and keys come out of (under MLA: q, or q_b through the query latent; the
+# rope key; and kv_b_proj, which up-projects the normalised latent to the no-rope keys and the values).
+_QK_GAINED = ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight")
 
 
 # Seeded weights are windows of one Gaussian tile: drawing a 7B model's 6.7 billion values one by
@@ -107,7 +145,7 @@ def init_std(spec: ModelSpec, name: str, shape: tuple[int, ...]) -> float:
     std = 1.0 / math.sqrt(shape[1])
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         std *= residual_share
-    elif name.endswith(("q_proj.weight", "k_proj.weight")) and not spec.qk_norm:
+    elif name.endswith(_QK_GAINED) and not spec.qk_norm:
         std *= _QK_GAIN
     return std
 

@@ -162,6 +162,53 @@ def load(**changes) -> Call:
     return Call("atb.npu_paged_cache_load", args | changes)
 
 
+# -- MoE and MLA ops (vllm-ascend's all-gather MoE path, FIA v2's MLA mode) ---------------------------
+E, TOP_K, HID = 8, 2, 64
+IDS = torch.tensor([[0, 3], [3, 5], [7, 0], [1, 3], [3, 2]], dtype=torch.int32)
+COUNTS = torch.tensor([2, 1, 0, 3, 0, 1, 0, 1], dtype=torch.int64)  # tokens per expert, 8 rows
+_MOE_GEN = torch.Generator().manual_seed(5)
+
+
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=_MOE_GEN).bfloat16()
+
+
+def gating(**changes) -> Call:
+    return Call("npu_moe_gating_top_k_softmax", dict(x=_bf16(5, E), k=TOP_K) | changes)
+
+
+def routing(**changes) -> Call:
+    args = dict(x=_bf16(5, HID), expert_idx=IDS, active_num=10, expert_num=E, expert_tokens_num_type=1,
+                expert_tokens_num_flag=True, active_expert_range=[0, E], quant_mode=-1)
+    return Call("npu_moe_init_routing_v2", args | changes)
+
+
+def gmm(**changes) -> Call:
+    args = dict(x=[_bf16(8, HID)], weight=[_bf16(E, HID, 32)], split_item=2, group_list_type=1, group_type=0,
+                group_list=COUNTS)
+    return Call("npu_grouped_matmul", args | changes)
+
+
+def swiglu(**changes) -> Call:
+    return Call("npu_swiglu", dict(x=_bf16(4, 64)) | changes)
+
+
+def unpermute(**changes) -> Call:
+    args = dict(permuted_tokens=_bf16(10, HID), sorted_indices=torch.randperm(10, generator=_MOE_GEN).int(),
+                probs=_bf16(5, 2))
+    return Call("npu_moe_token_unpermute", args | changes)
+
+
+def fia2(heads: int = 4, latent: int = 512, **changes) -> Call:
+    """A valid absorbed MLA decode: BNSD_NBSD query of latent 512 + rope 64, paged (blocks, 1, 128, D) caches."""
+    key = _bf16(3, 1, BS, latent)
+    args = dict(query=_bf16(2, heads, 1, latent), key=key, value=key, query_rope=_bf16(2, heads, 1, 64),
+                key_rope=_bf16(3, 1, BS, 64), num_query_heads=heads, num_key_value_heads=1, input_layout="BNSD_NBSD",
+                atten_mask=None, sparse_mode=0, softmax_scale=0.07, block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
+                block_size=BS, actual_seq_kvlen=[130, 5])
+    return Call("npu_fused_infer_attention_score_v2", args | changes)
+
+
 def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).contiguous().transpose(0, 1)
 
@@ -311,6 +358,51 @@ VIOLATIONS: list[tuple[str, Callable[[], Call]]] = [
     ("load.block_table", _with(load, lambda a: a | {"block_table": a["block_table"].long()})),
     ("load.context_lens", _with(load, lambda a: a | {"context_lens": a["context_lens"].long()})),
     ("load.context_lens", _with(load, lambda a: a | {"context_lens": a["context_lens"][:1]})),
+    # MoE: gating, routing, grouped matmul, SwiGLU, unpermute
+    ("gating.x", lambda: gating(x=_bf16(5, E).double())),
+    ("gating.x", lambda: gating(x=_bf16(40))),
+    ("gating.k", lambda: gating(k=E + 1)),
+    ("routing.x", _with(routing, lambda a: a | {"x": a["x"].unsqueeze(0)})),
+    ("routing.expert_idx", lambda: routing(expert_idx=IDS.long())),
+    ("routing.expert_idx", lambda: routing(expert_idx=IDS + 1)),  # expert 8 of 8
+    ("routing.expert_num", lambda: routing(expert_num=0)),
+    ("routing.drop_pad_mode", lambda: routing(drop_pad_mode=1)),
+    ("routing.tokens_num_type", lambda: routing(expert_tokens_num_type=0)),
+    ("routing.tokens_num_flag", lambda: routing(expert_tokens_num_flag=False)),
+    ("routing.quant_mode", lambda: routing(quant_mode=0)),
+    ("routing.active_expert_range", lambda: routing(active_expert_range=[0, E + 1])),
+    ("gmm.single_tensors", lambda: gmm(split_item=0)),
+    ("gmm.single_tensors", _with(gmm, lambda a: a | {"weight": [a["weight"][0][0]]})),
+    ("gmm.single_tensors", lambda: gmm(group_list=COUNTS + 1)),  # counts summing past x's rows
+    ("gmm.group_list_dtype", lambda: gmm(group_list=COUNTS.int())),
+    ("gmm.group_list_counts", lambda: gmm(group_list=torch.tensor([3, -1, 0, 3, 0, 1, 0, 2]))),
+    ("gmm.dtypes", _with(gmm, lambda a: a | {"weight": [a["weight"][0].float()]})),
+    ("gmm.inner_limit", lambda: gmm(x=[_bf16(8, 65536)], weight=[_bf16(E, 65536, 1)])),
+    ("swiglu.dtype", lambda: swiglu(x=torch.ones(4, 64, dtype=torch.int32))),
+    ("swiglu.halves", lambda: swiglu(x=_bf16(4, 63))),
+    ("unpermute.tokens", _with(unpermute, lambda a: a | {"permuted_tokens": a["permuted_tokens"].half()})),
+    ("unpermute.indices", lambda: unpermute(sorted_indices=torch.zeros(10, dtype=torch.int32))),  # not a permutation
+    ("unpermute.indices", _with(unpermute, lambda a: a | {"sorted_indices": a["sorted_indices"][:9]})),
+    ("unpermute.probs", _with(unpermute, lambda a: a | {"probs": a["probs"].float()})),
+    ("unpermute.probs", lambda: unpermute(probs=_bf16(5, 3))),
+    ("unpermute.padded_mode", lambda: unpermute(padded_mode=True)),
+    # npu_fused_infer_attention_score_v2 (MLA decode)
+    ("fia2.rope_pair", lambda: fia2(key_rope=None)),
+    ("fia2.mla_d", lambda: fia2(latent=256)),  # the toy small-mla's latent
+    ("fia2.layout", lambda: fia2(input_layout="BNSD")),
+    ("fia2.rope_tensors", _with(fia2, lambda a: a | {"query_rope": a["query_rope"].float()})),
+    ("fia2.rope_tensors", _with(fia2, lambda a: a | {"key_rope": a["key_rope"].transpose(2, 3).contiguous().transpose(2, 3)})),
+    ("fia2.query_rope_dtype", _with(fia2, lambda a: a | {"query_rope": a["query_rope"].half()})),
+    ("fia2.key_rope_dtype", _with(fia2, lambda a: a | {"key_rope": a["key_rope"].half()})),
+    ("fia2.mla_query", lambda: fia2(heads=3)),  # vllm-ascend pads heads to a power of two
+    ("fia2.mla_query", _with(fia2, lambda a: a | {"query_rope": a["query_rope"][..., :32].contiguous()})),
+    ("fia2.mla_key", lambda: fia2(num_key_value_heads=2)),
+    ("fia2.mla_sparse", lambda: fia2(sparse_mode=3)),
+    ("fia2.mla_page_attention", lambda: fia2(block_size=64)),
+    ("fia2.mla_page_attention", lambda: fia2(block_table=None)),
+    ("fia2.block_table", _with(fia2, lambda a: a | {"block_table": a["block_table"].long()})),
+    ("fia2.kv_lengths", lambda: fia2(actual_seq_kvlen=torch.tensor([130, 5]))),
+    ("fia2.kv_lengths", lambda: fia2(actual_seq_kvlen=[300, 5])),
 ]
 
 
@@ -463,6 +555,37 @@ def test_writes_land_at_their_slots() -> None:
 def test_documented_but_unmodelled_features_refuse_to_compute(make) -> None:
     with pytest.raises(NotModelled):
         make().run()
+
+
+def test_moe_ops_compute_the_routed_experts() -> None:
+    """Gating, routing, two grouped matmuls around SwiGLU and the unpermute: each token's top-2 experts, weighted."""
+    standin = make_torch_npu_standin()
+    x, w13, w2 = _bf16(5, HID).float(), _bf16(E, HID, 64).float(), _bf16(E, 32, HID).float()
+    weights, ids, _ = standin.npu_moe_gating_top_k_softmax(x[:, :E].contiguous(), k=TOP_K)
+    rows, row_idx, counts, _ = standin.npu_moe_init_routing_v2(
+        x, ids, active_num=10, expert_num=E, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+        active_expert_range=[0, E], quant_mode=-1)
+    assert counts.tolist() == torch.bincount(ids.flatten().long(), minlength=E).tolist()
+    hidden = standin.npu_grouped_matmul(x=[rows], weight=[w13], split_item=2, group_type=0, group_list_type=1, group_list=counts)[0]
+    down = standin.npu_grouped_matmul(x=[standin.npu_swiglu(hidden)], weight=[w2], split_item=2, group_type=0,
+                                      group_list_type=1, group_list=counts)[0]
+    out = standin.npu_moe_token_unpermute(permuted_tokens=down.bfloat16(), sorted_indices=row_idx, probs=weights.bfloat16())
+    gate, up = (x[:, None, None, :] @ w13[ids.long()]).squeeze(2).chunk(2, dim=-1)
+    expected = ((torch.nn.functional.silu(gate) * up)[:, :, None, :] @ w2[ids.long()]).squeeze(2)
+    expected = (expected * weights[..., None]).sum(1)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=1e-2 * float(expected.abs().max()))  # bf16 tokens
+
+
+def test_fia_v2_mla_decode_computes_latent_attention() -> None:
+    call = fia2()
+    out, _ = call.run()
+    a = call.args
+    assert out.shape == (4, 2, 1, 512)  # NBSD
+    for b, (blocks, n) in enumerate(((a["block_table"][0], 130), (a["block_table"][1], 5))):
+        latent = a["key"][blocks.long(), 0].flatten(0, 1)[:n].float()
+        rope = a["key_rope"][blocks.long(), 0].flatten(0, 1)[:n].float()
+        scores = (a["query"][b, :, 0].float() @ latent.T + a["query_rope"][b, :, 0].float() @ rope.T) * 0.07
+        torch.testing.assert_close(out[:, b, 0].float(), scores.softmax(-1) @ latent, rtol=2e-2, atol=2e-2)
 
 
 def test_unknown_keyword_is_a_type_error() -> None:

@@ -18,6 +18,9 @@ Sources (torch-npu 2.13.0 wheel, read with ``pip download --no-deps torch-npu==2
   summarised in shared/reference/ascend-paged-kernels.md §3.1).
 - ``_npu_reshape_and_cache`` is documented nowhere in the wheel: its rules are what vllm-ascend,
   its one documented caller, passes (effect "convention").
+- ``_op_plugin_docs.py`` also: the MoE ops vllm-ascend's all-gather path calls (npu_moe_gating_top_k_softmax,
+  npu_moe_init_routing_v2, npu_grouped_matmul, npu_swiglu, npu_moe_token_unpermute) and
+  npu_fused_infer_attention_score_v2 in its MLA mode (query_rope/key_rope), as its absorbed decode calls it.
 
 Where the FIA documentation contradicts itself, the more specific paragraph wins and the choice
 is noted at the rule. In particular the TND composite limits (Q_D = K_D = 192, bf16 only, Q_N =
@@ -55,6 +58,12 @@ SCATTER = "npu_scatter_pa_kv_cache"
 RESHAPE = "_npu_reshape_and_cache"
 GATHER = "npu_gather_pa_kv_cache"
 LOAD = "atb.npu_paged_cache_load"
+GATING = "npu_moe_gating_top_k_softmax"
+ROUTING = "npu_moe_init_routing_v2"
+GMM = "npu_grouped_matmul"
+SWIGLU = "npu_swiglu"
+UNPERMUTE = "npu_moe_token_unpermute"
+FIA2 = "npu_fused_infer_attention_score_v2"
 MASK_SIZE = 2048
 STANDIN_CANN_VERSION = "9.1.0"  # the toolkit vllm-ascend's installation.md pairs with current torch-npu
 PAD_SLOT = -1  # vLLM's PAD_SLOT_ID: the write kernels skip such tokens
@@ -521,6 +530,81 @@ RULES: dict[str, Rule] = {
             "enable_timing (bool, optional): indicates if the event should measure time (default: ``False``)",
             "rejects",
         ),
+        # -- MoE (vllm-ascend's all-gather path) ----------------------------------------------------
+        Rule("gating.x", GATING, OPS_DOC,
+             "x: Tensor类型, 必选输入, 表示待计算的输入要求是一个2D/3D的Tensor, 数据类型支持float16、bfloat16、float32, 数据格式要求为ND.",
+             "rejects"),
+        Rule("gating.k", GATING, OPS_DOC, "k: Host侧的int类型, 表示topk的k值, 大小为0<k<=x的-1轴大小, k<=1024.", "rejects"),
+        Rule("routing.x", ROUTING, OPS_DOC,
+             "x：Tensor类型，必选参数，表示MoE的输入即token特征输入，要求为2D的Tensor，shape为(NUM_ROWS, H)，H代表每个Token的长度。"
+             "数据类型支持float16、bfloat16、float32、int8，数据格式要求为ND。", "rejects"),
+        Rule("routing.expert_idx", ROUTING, OPS_DOC,
+             "expert_idx：Tensor类型，必选参数，表示torch_npu.npu_moe_gating_top_k_softmax输出每一行特征对应的K个处理专家，要求是2D的Tensor，"
+             "shape为(NUM_ROWS, K)，且专家id不能超过专家数。数据类型支持int32，数据格式要求为ND。", "rejects"),
+        Rule("routing.expert_num", ROUTING, OPS_DOC,
+             "expert_num：int类型，可选参数，表示专家数，要求大于0。expert_tokens_num_type为key_value模式时，取值范围为(0, 5120]；"
+             "其他模式取值范围为(0, 10240]。", "rejects"),
+        Rule("routing.drop_pad_mode", ROUTING, OPS_DOC,
+             "drop_pad_mode：int类型，可选参数，表示是否为drop_pad场景，取值为0和1。0表示dropless场景，该场景下不校验expert_capacity。"
+             "1表示drop_pad场景。当前仅支持0。", "rejects"),
+        Rule("routing.tokens_num_type", ROUTING, OPS_DOC,
+             "expert_tokens_num_type：int类型，可选参数，取值为0、1和2。0表示cumsum模式；1表示count模式，即输出的值为各个专家处理的token数量；"
+             "2表示key_value模式，即输出的值为专家和对应专家处理token数量的键值对。当前仅支持1和2。", "rejects"),
+        Rule("routing.tokens_num_flag", ROUTING, OPS_DOC,
+             "expert_tokens_num_flag：bool类型，可选参数，表示是否输出expert_token_cumsum_or_count，默认False表示不输出。当前仅支持True。",
+             "rejects"),
+        Rule("routing.quant_mode", ROUTING, OPS_DOC,
+             "quant_mode：int类型，可选参数，表示量化模式，支持取值为0、1、-1。0表示静态量化，-1表示不量化场景；1表示动态quant场景。"
+             "当前仅支持-1和1。x数据类型为int8时仅支持-1，不可再量化。", "rejects"),
+        Rule("routing.active_expert_range", ROUTING, OPS_DOC,
+             "active_expert_range：int类型长度为2的数组，可选参数，表示活跃expert的范围。数组内值为[expert_start, expert_end]，"
+             "表示活跃的expert范围在[expert_start, expert_end)区间内，左闭右开。要求数组内的值大于等于0，并且expert_end不大于expert_num。",
+             "rejects"),
+        Rule("gmm.single_tensors", GMM, OPS_DOC,
+             "0: 仅支持split_item为2或3. weight中tensor需为3维, x、y中tensor需为2维. 必须传group_list, 且当group_list_type为0时, "
+             "最后一个值与x中tensor的第一维相等, 当group_list_type为1时, 数值的总和与x中tensor的第一维相等. "
+             "group_list第1维最大支持1024, 即最多支持1024个group. 支持weight转置. x不支持转置.", "rejects"),
+        Rule("gmm.group_list_dtype", GMM, OPS_DOC,
+             "group_list (List[int]/torch.Tensor): 用于指定分组的索引, 表示x的第0维矩阵乘法的索引情况. 数据类型支持torch.int64.",
+             "rejects"),
+        Rule("gmm.group_list_counts", GMM, OPS_DOC, "当group_list_type为1时, group_list必须为非负数列, 且长度不能为1.", "rejects"),
+        Rule("gmm.dtypes", GMM, OPS_DOC, "x: torch.float16, torch.bfloat16, torch.float32", "rejects"),
+        Rule("gmm.inner_limit", GMM, OPS_DOC, "x和weight中每一组tensor的最后一维大小都应小于InnerLimit.", "rejects"),
+        Rule("swiglu.dtype", SWIGLU, OPS_DOC, "“x”：Tensor类型，shape支持1-8维，dtype支持FP32、FP16或BF16类型。", "rejects"),
+        Rule("swiglu.halves", SWIGLU, OPS_DOC, "“A”和“B”是x沿dim维度切分的Tensor。", "undefined"),
+        Rule("unpermute.tokens", UNPERMUTE, OPS_DOC,
+             "permuted_tokens(torch.Tensor)：必选输入，2维Tensor, shape为(num_tokens*topK，hidden_size），数据类型torch.bfloat16，"
+             "支持非连续Tensor，支持ND", "rejects"),
+        # The parameter text says int64; its own example and vllm-ascend (device_op.py) pass int32: both are taken.
+        Rule("unpermute.indices", UNPERMUTE, OPS_DOC,
+             "sorted_indices(torch.Tensor): 必选输入，1维Tensor，shape为（num_tokens*topK），数据类型torch.int64，支持非连续Tensor，支持ND",
+             "rejects"),
+        Rule("unpermute.probs", UNPERMUTE, OPS_DOC,
+             "probs(torch.Tensor, optional)：可选输入，默认为None，当probs传时，topK等于probs的第二维；当probs不传时，topK=1。"
+             "shape为（num_tokens，topK），支持的数据类型BFLOAT16。数据格式支持ND，支持非连续输入", "rejects"),
+        Rule("unpermute.padded_mode", UNPERMUTE, OPS_DOC, "目前仅支持padded_mode为False", "rejects"),
+        # -- npu_fused_infer_attention_score_v2 in its MLA mode (vllm-ascend's absorbed decode) ---------
+        Rule("fia2.rope_pair", FIA2, OPS_DOC, "query_rope和key_rope要求同时配置或同时不配置，不支持只配置其中一个。", "rejects"),
+        Rule("fia2.mla_d", FIA2, OPS_DOC,
+             "Atlas A2 训练系列产品/Atlas 800I A2 推理产品/Atlas A3 推理系列产品：query的d只支持512、128；", "rejects"),
+        Rule("fia2.mla_sparse", FIA2, OPS_DOC, "sparse：Q_S等于1时只支持sparse=0且不传mask，Q_S大于1时只支持sparse=3且传入mask；",
+             "rejects"),
+        Rule("fia2.mla_query", FIA2, OPS_DOC,
+             "query_rope配置时要求query的s为1-16、n为1/2/4/8/16/32/64/128，query_rope的shape中d为64，其余维度与query一致；", "rejects"),
+        Rule("fia2.mla_key", FIA2, OPS_DOC, "key_rope配置时要求key的n为1，d为512，keyRope的shape中d为64，其余维度与key一致；", "rejects"),
+        Rule("fia2.mla_page_attention", FIA2, OPS_DOC,
+             "该场景下，必须开启PageAttention，此时block_size支持16、128，其中数据格式为NZ时block_size不支持配置16。", "rejects"),
+        Rule("fia2.query_rope_dtype", FIA2, OPS_DOC, "query_rope的数据类型、数据格式与query一致。", "rejects"),
+        Rule("fia2.key_rope_dtype", FIA2, OPS_DOC, "key_rope的数据类型、数据格式与key一致。", "rejects"),
+        Rule("fia2.rope_tensors", FIA2, OPS_DOC,
+             "query_rope: Tensor类型, 表示MLA(Multi-head Latent Attention)结构中的query的rope信息, 数据类型支持float16、bfloat16, "
+             "不支持非连续的Tensor, 数据格式支持ND.", "rejects"),
+        Rule("fia2.block_table", FIA2, OPS_DOC,
+             "block_table: Tensor类型, 数据类型支持int32. 数据格式支持ND. "
+             "表示PageAttention中KV存储使用的block映射表, 如不使用该功能可传入None.", "rejects"),
+        Rule("fia2.kv_lengths", FIA2, OPS_DOC,
+             "actual_seq_kvlen: int类型数组, 代表不同Batch中key/value的有效seqlenKv, 数据类型支持int64.", "rejects"),
+        Rule("fia2.layout", FIA2, OPS_DOC, "BNSD_NBSD输入(B,Q_N,Q_S,D)输出(Q_N,B,Q_S,D)仅支持Q_S为1~16", "rejects"),
     ]
 }
 
@@ -1128,6 +1212,237 @@ class _Ops:
         value.copy_(values)
         return key, value
 
+    # -- MoE ---------------------------------------------------------------------------------------
+    def npu_moe_gating_top_k_softmax(
+        self, x: torch.Tensor, finished: torch.Tensor | None = None, k: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Softmax over the experts, then the top k: (values in x's dtype, expert ids int32, row ids int32)."""
+        self.calls.append(GATING)
+        if finished is not None:
+            raise NotModelled("npu_moe_gating_top_k_softmax with finished rows is not modelled")
+        _require(x.dim() in (2, 3) and x.dtype in (*HALF_TYPES, torch.float32), "gating.x", f"x {tuple(x.shape)} {x.dtype}")
+        _require(isinstance(k, int) and 0 < k <= x.shape[-1] and k <= 1024, "gating.k", f"k={k} for {x.shape[-1]} experts")
+        values, ids = x.float().softmax(dim=-1).topk(k, dim=-1)
+        rows = x.shape[:-1].numel()
+        row_idx = torch.arange(rows * k, dtype=torch.int32, device=x.device).view(k, rows).T.reshape(ids.shape)
+        return values.to(x.dtype), ids.to(torch.int32), row_idx
+
+    def npu_moe_init_routing_v2(
+        self,
+        x: torch.Tensor,
+        expert_idx: torch.Tensor,
+        *,
+        scale: torch.Tensor | None = None,
+        offset: torch.Tensor | None = None,
+        active_num: int = -1,
+        expert_capacity: int = -1,
+        expert_num: int = -1,
+        drop_pad_mode: int = 0,
+        expert_tokens_num_type: int = 0,
+        expert_tokens_num_flag: bool = False,
+        quant_mode: int = -1,
+        active_expert_range: Sequence[int] = (),
+        row_idx_type: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows sorted by expert (stable), each row's position among them (gather index), tokens per expert (count)."""
+        self.calls.append(ROUTING)
+        _require(x.dim() == 2 and x.dtype in (*HALF_TYPES, torch.float32, torch.int8), "routing.x", f"x {tuple(x.shape)} {x.dtype}")
+        _require(0 < expert_num <= 10240, "routing.expert_num", f"expert_num={expert_num}")
+        _require(
+            expert_idx.dim() == 2 and expert_idx.shape[0] == x.shape[0] and expert_idx.dtype == torch.int32
+            and bool((expert_idx >= 0).all()) and bool((expert_idx < expert_num).all()),
+            "routing.expert_idx",
+            f"expert_idx {tuple(expert_idx.shape)} {expert_idx.dtype} for x {tuple(x.shape)}, expert_num={expert_num}",
+        )
+        _require(drop_pad_mode == 0, "routing.drop_pad_mode", f"drop_pad_mode={drop_pad_mode}")
+        _require(expert_tokens_num_type in (1, 2), "routing.tokens_num_type", f"expert_tokens_num_type={expert_tokens_num_type}")
+        _require(expert_tokens_num_flag is True, "routing.tokens_num_flag", f"expert_tokens_num_flag={expert_tokens_num_flag}")
+        _require(quant_mode in (-1, 1), "routing.quant_mode", f"quant_mode={quant_mode}")
+        _require(
+            len(active_expert_range) == 2 and 0 <= active_expert_range[0] < active_expert_range[1] <= expert_num,
+            "routing.active_expert_range",
+            f"active_expert_range={list(active_expert_range)}, expert_num={expert_num}",
+        )
+        rows = expert_idx.numel()
+        if expert_tokens_num_type != 1 or quant_mode != -1 or row_idx_type != 0 or scale is not None or offset is not None:
+            raise NotModelled("init routing v2 is modelled in count mode, unquantised, with gather row indices")
+        if list(active_expert_range) != [0, expert_num] or active_num not in (-1, 0, rows):
+            raise NotModelled("init routing v2 is modelled with every expert and every row active")
+        flat = expert_idx.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        expanded_row_idx = torch.empty(rows, dtype=torch.int32, device=x.device)
+        expanded_row_idx[order] = torch.arange(rows, dtype=torch.int32, device=x.device)
+        counts = torch.bincount(flat, minlength=expert_num).to(torch.int64)
+        expanded_x = x.index_select(0, order // expert_idx.shape[1])
+        return expanded_x, expanded_row_idx, counts, torch.zeros(rows, dtype=torch.float32, device=x.device)
+
+    def npu_grouped_matmul(
+        self,
+        x: list[torch.Tensor],
+        weight: list[torch.Tensor],
+        *,
+        bias: Any = None,
+        scale: Any = None,
+        offset: Any = None,
+        antiquant_scale: Any = None,
+        antiquant_offset: Any = None,
+        per_token_scale: Any = None,
+        group_list: torch.Tensor | None = None,
+        activation_input: Any = None,
+        activation_quant_scale: Any = None,
+        activation_quant_offset: Any = None,
+        split_item: int = 0,
+        group_type: int | None = None,
+        group_list_type: int = 0,
+        act_type: int = 0,
+        output_dtype: Any = None,
+        tuning_config: Any = None,
+    ) -> list[torch.Tensor]:
+        """group_type 0 with one x, one 3-D weight and one output: rows of group g times weight[g]."""
+        self.calls.append(GMM)
+        extras = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
+                  activation_quant_scale, activation_quant_offset, output_dtype, tuning_config)
+        if group_type != 0 or len(x) != 1 or len(weight) != 1 or act_type or any(e is not None for e in extras):
+            raise NotModelled("grouped matmul is modelled for group_type 0, one x and one weight, unquantised, no bias")
+        a, w = x[0], weight[0]
+        _require(
+            split_item in (2, 3) and w.dim() == 3 and a.dim() == 2 and isinstance(group_list, torch.Tensor)
+            and group_list.dim() == 1 and len(group_list) <= 1024,
+            "gmm.single_tensors",
+            f"split_item={split_item}, x {tuple(a.shape)}, weight {tuple(w.shape)}, group_list {type(group_list).__name__}",
+        )
+        assert group_list is not None
+        _require(group_list.dtype == torch.int64, "gmm.group_list_dtype", f"group_list is {group_list.dtype}")
+        if group_list_type == 1:
+            _require(bool((group_list >= 0).all()) and len(group_list) != 1, "gmm.group_list_counts", f"group_list={group_list.tolist()}")
+            counts = group_list
+        else:
+            counts = torch.diff(group_list, prepend=group_list.new_zeros(1))
+        total = int(group_list.sum()) if group_list_type == 1 else int(group_list[-1])
+        _require(total == a.shape[0] and len(group_list) == w.shape[0] and w.shape[1] == a.shape[1],
+                 "gmm.single_tensors", f"group_list {group_list.tolist()} (type {group_list_type}) for x {tuple(a.shape)}, "
+                 f"weight {tuple(w.shape)}")
+        _require(a.dtype == w.dtype and a.dtype in (*HALF_TYPES, torch.float32), "gmm.dtypes", f"x {a.dtype}, weight {w.dtype}")
+        _require(a.shape[-1] < 65536 and w.shape[-1] < 65536, "gmm.inner_limit", f"x {tuple(a.shape)}, weight {tuple(w.shape)}")
+        out, start = a.new_empty(a.shape[0], w.shape[2]), 0
+        for g, n in enumerate(counts.tolist()):
+            out[start : start + n] = a[start : start + n] @ w[g]
+            start += n
+        return [out]
+
+    def npu_swiglu(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        self.calls.append(SWIGLU)
+        _require(1 <= x.dim() <= 8 and x.dtype in (*HALF_TYPES, torch.float32), "swiglu.dtype", f"x {tuple(x.shape)} {x.dtype}")
+        _require(x.shape[dim] % 2 == 0, "swiglu.halves", f"dim {dim} of {tuple(x.shape)} has no two equal halves")
+        a, b = x.chunk(2, dim=dim)
+        return torch.nn.functional.silu(a) * b
+
+    def npu_moe_token_unpermute(
+        self,
+        permuted_tokens: torch.Tensor,
+        sorted_indices: torch.Tensor,
+        probs: torch.Tensor | None = None,
+        padded_mode: bool = False,
+        restore_shape: Any = None,
+    ) -> torch.Tensor:
+        """out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t * topK + k]]."""
+        self.calls.append(UNPERMUTE)
+        _require(padded_mode is False, "unpermute.padded_mode", f"padded_mode={padded_mode}")
+        _require(permuted_tokens.dim() == 2 and permuted_tokens.dtype == torch.bfloat16, "unpermute.tokens",
+                 f"permuted_tokens {tuple(permuted_tokens.shape)} {permuted_tokens.dtype}")
+        rows = permuted_tokens.shape[0]
+        _require(
+            sorted_indices.dim() == 1 and len(sorted_indices) == rows and sorted_indices.dtype in (torch.int32, torch.int64)
+            and torch.equal(torch.sort(sorted_indices.long()).values, torch.arange(rows, device=sorted_indices.device)),
+            "unpermute.indices",
+            f"sorted_indices {tuple(sorted_indices.shape)} {sorted_indices.dtype} for {rows} permuted rows (a permutation)",
+        )
+        if probs is None:
+            raise NotModelled("npu_moe_token_unpermute without probs is not modelled")
+        _require(probs.dim() == 2 and probs.numel() == rows and probs.dtype == torch.bfloat16, "unpermute.probs",
+                 f"probs {tuple(probs.shape)} {probs.dtype} for {rows} permuted rows")
+        gathered = permuted_tokens.float().index_select(0, sorted_indices.long()).view(*probs.shape, -1)
+        return (gathered * probs.float()[..., None]).sum(dim=1).to(torch.bfloat16)
+
+    # -- MLA decode ----------------------------------------------------------------------------------
+    def npu_fused_infer_attention_score_v2(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        query_rope: torch.Tensor | None = None,
+        key_rope: torch.Tensor | None = None,
+        atten_mask: torch.Tensor | None = None,
+        actual_seq_qlen: Sequence[int] | None = None,
+        actual_seq_kvlen: Sequence[int] | None = None,
+        block_table: torch.Tensor | None = None,
+        num_query_heads: int = 1,
+        num_key_value_heads: int = 0,
+        softmax_scale: float = 1.0,
+        input_layout: str = "BSH",
+        sparse_mode: int = 0,
+        block_size: int = 0,
+        **unmodelled: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FIA v2's MLA mode as vllm-ascend's absorbed decode calls it: BNSD_NBSD, latent d 512 + rope 64, paged."""
+        self.calls.append(FIA2)
+        given = sorted(k for k, v in unmodelled.items() if _given(v))
+        if given:
+            raise NotModelled(f"FIA v2 arguments not modelled: {given}")
+        _require((query_rope is None) == (key_rope is None), "fia2.rope_pair", "only one of query_rope/key_rope given")
+        if query_rope is None or key_rope is None:
+            raise NotModelled("FIA v2 without query_rope/key_rope: the stand-in models its MLA mode")
+        _require(query.dim() == 4 and query.shape[-1] in (512, 128), "fia2.mla_d", f"query {tuple(query.shape)}")
+        if query.shape[-1] != 512:
+            raise NotModelled("FIA v2 MLA with a query d of 128 is not modelled")
+        _require(input_layout == "BNSD_NBSD" and query.shape[2] <= 16, "fia2.layout",
+                 f"input_layout={input_layout!r}, query {tuple(query.shape)}")
+        batch, heads, q_s, latent = query.shape
+        for name, t in (("query_rope", query_rope), ("key_rope", key_rope)):
+            _require(t.dtype in HALF_TYPES and t.is_contiguous(), "fia2.rope_tensors", f"{name} {t.dtype}, contiguous {t.is_contiguous()}")
+        _require(query_rope.dtype == query.dtype, "fia2.query_rope_dtype", f"query {query.dtype}, query_rope {query_rope.dtype}")
+        _require(key_rope.dtype == key.dtype, "fia2.key_rope_dtype", f"key {key.dtype}, key_rope {key_rope.dtype}")
+        _require(
+            1 <= q_s <= 16 and heads == num_query_heads and heads in (1, 2, 4, 8, 16, 32, 64, 128)
+            and tuple(query_rope.shape) == (batch, heads, q_s, 64),
+            "fia2.mla_query",
+            f"query {tuple(query.shape)}, num_query_heads={num_query_heads}, query_rope {tuple(query_rope.shape)}",
+        )
+        _require(
+            key.dim() == 4 and key.shape[1] == 1 and key.shape[3] == 512 and num_key_value_heads == 1
+            and tuple(key_rope.shape) == (*key.shape[:3], 64) and value.shape == key.shape,
+            "fia2.mla_key",
+            f"key {tuple(key.shape)}, key_rope {tuple(key_rope.shape)}, num_key_value_heads={num_key_value_heads}",
+        )
+        _require(q_s != 1 or (sparse_mode == 0 and atten_mask is None), "fia2.mla_sparse",
+                 f"Q_S={q_s}, sparse_mode={sparse_mode}, mask {'given' if atten_mask is not None else 'None'}")
+        if q_s != 1:
+            raise NotModelled("FIA v2 MLA with Q_S > 1 is not modelled")
+        _require(block_table is not None and block_size in (16, 128) and key.shape[2] == block_size,
+                 "fia2.mla_page_attention", f"block_table {'given' if block_table is not None else 'None'}, block_size={block_size}, "
+                 f"key {tuple(key.shape)}")
+        assert block_table is not None
+        _require(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == batch,
+                 "fia2.block_table", f"block_table {tuple(block_table.shape)} {block_table.dtype} for B={batch}")
+        _require(
+            _is_int_list(actual_seq_kvlen) and len(actual_seq_kvlen) == batch
+            and all(0 < n <= block_table.shape[1] * block_size for n in actual_seq_kvlen),
+            "fia2.kv_lengths",
+            f"actual_seq_kvlen={actual_seq_kvlen!r:.80} for B={batch}, {block_table.shape[1]} blocks of {block_size}",
+        )
+        assert actual_seq_kvlen is not None
+        lens = list(actual_seq_kvlen)
+        _check_fia_block_ids(block_table, lens, block_size, key.shape[0])
+        latents = key.transpose(1, 2)  # [blocks, block_size, 1, 512]
+        ropes = key_rope.transpose(1, 2)
+        keys = torch.cat([torch.cat([_context(latents, block_table[b], n, block_size), _context(ropes, block_table[b], n, block_size)],
+                                    dim=-1) for b, n in enumerate(lens)])
+        values = torch.cat([_context(latents, block_table[b], n, block_size) for b, n in enumerate(lens)])
+        q = torch.cat([query, query_rope], dim=-1)[:, :, 0]  # [B, N, 576]
+        out = dense_attention(q, keys, values, [1] * batch, lens, softmax_scale)  # [B, N, 512]
+        return out.transpose(0, 1).unsqueeze(2).contiguous(), torch.zeros(1, dtype=torch.float32, device=query.device)
+
 
 def _write(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
@@ -1216,7 +1531,7 @@ def make_torch_npu_standin() -> types.ModuleType:
     module = types.ModuleType("torch_npu", __doc__)
     module.__version__ = f"{torch.__version__.split('+')[0]}+standin"  # built for the installed torch, as a real pair is
     module.calls = ops.calls
-    for name in (SCATTER, RESHAPE, FIA, PA, GATHER):
+    for name in (SCATTER, RESHAPE, FIA, PA, GATHER, GATING, ROUTING, GMM, SWIGLU, UNPERMUTE, FIA2):
         setattr(module, name, getattr(ops, name))
     module.atb = types.ModuleType("torch_npu.atb")
     module.atb.npu_paged_cache_load = ops.npu_paged_cache_load

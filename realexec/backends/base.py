@@ -17,12 +17,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
 from kvsim.policies.blocks import slot
 from kvsim.realexec.backends.kv_quant import KVScales
+
+if TYPE_CHECKING:
+    from kvsim.realexec.model import MoeWeights
 
 T = TypeVar("T")
 
@@ -170,13 +173,18 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def allocate_kv_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+        value_head_size: int | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_size] (int8 for C8)."""
+        """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_size] (int8 for C8).
+
+        ``value_head_size`` sizes the value cache apart (MLA: the latent in the key cache, the rope key in the value cache).
+        """
 
     @abstractmethod
     def allocate_host_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+        value_head_size: int | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The swap pool: same layout in (pinned where the device supports it) host memory."""
 
@@ -209,6 +217,32 @@ class KernelBackend(ABC):
 
         An int8 cache is dequantised with ``kv_scales``; the math runs in ``query.dtype``.
         """
+
+    @abstractmethod
+    def mla_attention(
+        self,
+        query: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Paged multi-head latent attention (DeepSeek's MLA) of ``query`` [T, H, nope + rope] -> [T, H, v].
+
+        The caches hold one latent [num_blocks, block_size, 1, kv_lora_rank] and one rope key
+        [..., 1, rope] per token (written by ``write_kv``); ``w_uk`` [H, nope, kv_lora_rank] and ``w_uv``
+        [H, v, kv_lora_rank] are the layer's up-projections (kv_b_proj). As vLLM's MLA backends run it:
+        decode sequences absorb ``w_uk`` into the query and ``w_uv`` into the output and attend over the
+        latents themselves (multi-query attention with one latent "head"); prefill sequences up-project
+        the latents they read to per-head keys and values and attend over those.
+        """
+
+    @abstractmethod
+    def moe_experts(self, hidden: torch.Tensor, router_logits: torch.Tensor, moe: MoeWeights, top_k: int) -> torch.Tensor:
+        """An MoE layer's routed experts [T, hidden]: softmax top-k routing (``model.route``), each token
+        through its experts' SwiGLU MLPs, the outputs weighted and summed back per token."""
 
     @abstractmethod
     def gather_kv(

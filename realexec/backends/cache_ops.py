@@ -23,8 +23,13 @@ def allocate_caches(
     dtype: torch.dtype,
     device: torch.device | str,
     pin_memory: bool = False,
+    value_head_size: int | None = None,
 ) -> KVCaches:
     """Per layer (key_cache, value_cache) of zeros, ND ``[num_blocks, block_size, num_kv_heads, head_size]``.
+
+    ``value_head_size`` (default ``head_size``) sizes the value cache apart: latent attention (MLA)
+    keeps the latent in the "key" cache and the rope key in the "value" cache, one head each, as
+    vllm-ascend splits its MLA cache into a no-rope and a rope part.
 
     Zeros rather than ``empty``: padded slots are masked, but a NaN bit pattern left in an
     unused slot would still turn ``0 * NaN`` into NaN inside a masked matmul.
@@ -35,15 +40,17 @@ def allocate_caches(
         ("block_size", block_size),
         ("num_kv_heads", num_kv_heads),
         ("head_size", head_size),
+        ("value_head_size", head_size if value_head_size is None else value_head_size),
     ):
         if n <= 0:
             raise ValueError(f"{name} must be positive, got {n}")
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    shape = (num_blocks, block_size, num_kv_heads)
 
-    def zeros() -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    def zeros(size: int) -> torch.Tensor:
+        return torch.zeros((*shape, size), dtype=dtype, device=device, pin_memory=pin_memory)
 
-    return [(zeros(), zeros()) for _ in range(num_layers)]
+    value_size = head_size if value_head_size is None else value_head_size
+    return [(zeros(head_size), zeros(value_size)) for _ in range(num_layers)]
 
 
 def copy_blocks(kv_caches: KVCaches, pairs: Sequence[tuple[int, int]]) -> None:

@@ -109,18 +109,20 @@ class CpuBackend(TorchBackend):
                 f"median of {self.timing_repeats} timed runs per step", *self.mode_parts()]
 
     def allocate_kv_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+        value_head_size: int | None = None,
     ) -> KVCaches:
-        caches = super().allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype)
+        caches = super().allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, value_head_size)
         self._caches = [ref for ref in self._caches if ref() is not None]
         self._caches += [weakref.ref(t) for pair in caches for t in pair]
         return caches
 
     def allocate_host_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+        value_head_size: int | None = None,
     ) -> KVCaches:
         # Pinning needs an accelerator's allocator; there is none on the CPU path.
-        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu")
+        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", value_head_size=value_head_size)
 
     def swap(self, src_caches: KVCaches, dst_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:
         swap_blocks(src_caches, dst_caches, pairs, non_blocking=False)

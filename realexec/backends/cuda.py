@@ -101,10 +101,12 @@ class CudaBackend(TorchBackend):
         raise ValueError(f"no bundled profile for CUDA device {name!r}: pass --base-device NAME or a .toml path")
 
     def allocate_host_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+        value_head_size: int | None = None,
     ) -> KVCaches:
         return allocate_caches(
-            num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=True
+            num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=True,
+            value_head_size=value_head_size,
         )
 
     def swap(self, src_caches: KVCaches, dst_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:

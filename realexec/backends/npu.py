@@ -15,6 +15,14 @@ Which op does what (signatures from the torch-npu 2.13.0 wheel; vllm-ascend make
   size is one it takes (<= 128); FIA otherwise.
 - gather: ``npu_gather_pa_kv_cache``, or ``atb.npu_paged_cache_load`` on versions without it.
 - timing: ``torch_npu.npu.Event(enable_timing=True)``; memory: ``torch_npu.npu.memory_allocated``.
+- MoE (``moe_experts``): vllm-ascend's all-gather MoE chain, gating top-k softmax, init routing v2,
+  two grouped matmuls around SwiGLU, token unpermute (the method names each call's source file).
+- MLA (``mla_attention``, vllm-ascend commit 182b75e, vllm_ascend/attention/mla_v1.py): the cache is a
+  latent cache and a rope-key cache (written by the same scatter as K/V); decode runs
+  ``npu_fused_infer_attention_score_v2`` in its MLA mode (query_rope/key_rope), whose documentation
+  takes a latent of 512 or 128 with a rope of 64 (DeepSeek-V2/V3's 512 + 64), page attention, and
+  query heads a power of two (vllm-ascend pads them). A model of other latent sizes (the toy
+  small-mla's 256 + 32) is refused by that call. Prefill up-projects the latents (``_mla_prefill``).
 
 Block size: FIA with page attention and more than one query token per sequence needs a multiple
 of 128 up to 512, so caches are refused at allocation for any other size (vllm-ascend's
@@ -60,6 +68,7 @@ from itertools import accumulate
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from kvsim.policies.blocks import cdiv
 from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
@@ -75,6 +84,7 @@ from kvsim.realexec.backends.npu_preflight import (
     cache_problems,
     environment_problems,
 )
+from kvsim.realexec.model import MoeWeights
 
 R = TypeVar("R")
 
@@ -127,6 +137,7 @@ class NpuBackend(KernelBackend):
             else "atb.npu_paged_cache_load"
         )
         self._causal_mask: torch.Tensor | None = None
+        self._expert_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # MoE layer -> grouped-matmul layout
         self.preflight_warnings = _raise_errors(environment_problems(self.torch_npu), "npu backend unavailable")
 
     def default_profile(self) -> str:
@@ -136,19 +147,25 @@ class NpuBackend(KernelBackend):
         return str(self.torch_npu.npu.get_device_name(self.device.index or 0))
 
     def allocate_kv_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+        value_head_size: int | None = None,
     ) -> KVCaches:
-        self.preflight_warnings += _raise_errors(
-            cache_problems(dtype, block_size, num_kv_heads, head_size), "npu backend: KV cache unsupported", ValueError
-        )
-        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, self.device)
+        sizes = dict.fromkeys((head_size, head_size if value_head_size is None else value_head_size))
+        for size in sizes:
+            self.preflight_warnings += _raise_errors(
+                cache_problems(dtype, block_size, num_kv_heads, size), "npu backend: KV cache unsupported", ValueError
+            )
+        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, self.device,
+                               value_head_size=value_head_size)
 
     def allocate_host_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+        value_head_size: int | None = None,
     ) -> KVCaches:
         pin = self.device.type != "cpu"  # pinned host memory needs a device to pin for
         return allocate_caches(
-            num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=pin
+            num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, "cpu", pin_memory=pin,
+            value_head_size=value_head_size,
         )
 
     def write_kv(
@@ -228,6 +245,137 @@ class NpuBackend(KernelBackend):
             sparse_mode=3,
         )
         return out
+
+    def mla_attention(
+        self,
+        query: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA as vllm-ascend's AscendMLAImpl splits it (vllm_ascend/attention/mla_v1.py): decode sequences
+        absorbed through FIA v2's MLA mode, prefill sequences over their latents up-projected (module docstring)."""
+        parts = meta.memo("npu.mla_parts", lambda: _decode_and_prefill_parts(meta))
+        out = query.new_empty(query.shape[0], query.shape[1], w_uv.shape[1])
+        for rows, part in parts:
+            q = query if len(parts) == 1 else query.index_select(0, rows)
+            if part.is_decode_only:
+                part_out = self._mla_decode(q, latent_cache, rope_cache, part, scale, w_uk, w_uv)
+            else:
+                part_out = self._mla_prefill(q, latent_cache, rope_cache, part, scale, w_uk, w_uv)
+            out.index_copy_(0, rows, part_out)
+        return out
+
+    def _mla_decode(
+        self,
+        query: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Absorbed decode, AscendMLAImpl._forward_decode's non-speculative ND branch: q_nope @ W_UK, then
+        ``npu_fused_infer_attention_score_v2(q_nope, k_nope, k_nope, query_rope=, key_rope=, input_layout=
+        "BNSD_NBSD", sparse_mode=0, no mask)`` over the paged latents viewed (blocks, 1, block_size, D), heads
+        zero-padded to a power of two as vllm-ascend pads them, then the output @ W_UV (its _v_up_proj)."""
+        batch, num_heads, _ = query.shape
+        nope, latent = w_uk.shape[1], w_uk.shape[2]
+        block_size, rope = latent_cache.shape[1], rope_cache.shape[-1]
+        padded = 1 << (num_heads - 1).bit_length()  # mla_v1.py: num_heads_padded
+        q_nope = torch.einsum("bhn,hnl->bhl", query[..., :nope], w_uk.to(query.dtype))
+        q_nope = F.pad(q_nope, (0, 0, 0, padded - num_heads)).view(batch, padded, 1, latent).contiguous()
+        q_pe = F.pad(query[..., nope:], (0, 0, 0, padded - num_heads)).view(batch, padded, 1, rope).contiguous()
+        k_nope = latent_cache.view(-1, 1, block_size, latent)
+        out, _ = self.torch_npu.npu_fused_infer_attention_score_v2(
+            q_nope,
+            k_nope,
+            k_nope,
+            query_rope=q_pe,
+            key_rope=rope_cache.view(-1, 1, block_size, rope),
+            num_query_heads=padded,
+            num_key_value_heads=1,
+            input_layout="BNSD_NBSD",
+            atten_mask=None,
+            sparse_mode=0,
+            softmax_scale=scale,
+            block_table=meta.block_tables,
+            block_size=block_size,
+            actual_seq_kvlen=meta.seq_lens_list,
+        )
+        latent_out = out[:num_heads].view(num_heads, batch, latent).transpose(0, 1)
+        return torch.einsum("bhl,hvl->bhv", latent_out, w_uv.to(query.dtype))
+
+    def _mla_prefill(
+        self,
+        query: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Naive prefill: the blocks each sequence reads, up-projected to per-head K = [k_nope, k_pe] and V, in a
+        compact paged cache, through the same FIA TND call as per-head attention. That call takes K and V of
+        one shape, so V is zero-padded to K's size and the output cut back (what vLLM's MLA does for kernels
+        without distinct V sizes). vllm-ascend instead runs FIA on the new tokens' K/V and merges the cached
+        context chunk by chunk (npu_attention_update): the same attention, more kernels."""
+        blocks, compact = meta.memo("npu.mla_compact", lambda: _compact_tables(meta))
+        num_heads, v_size = w_uv.shape[0], w_uv.shape[1]
+        latent = latent_cache.index_select(0, blocks)[:, :, 0]  # [n, block_size, kv_lora_rank]
+        rope = rope_cache.index_select(0, blocks)  # [n, block_size, 1, rope]
+        keys = torch.cat([torch.einsum("nsl,hdl->nshd", latent, w_uk.to(latent.dtype)),
+                          rope.expand(-1, -1, num_heads, -1)], dim=-1).contiguous()
+        values = torch.einsum("nsl,hvl->nshv", latent, w_uv.to(latent.dtype))
+        values = F.pad(values, (0, keys.shape[-1] - v_size)).contiguous()
+        return self.attention(query.contiguous(), keys, values, compact, scale)[..., :v_size]
+
+    def moe_experts(self, hidden: torch.Tensor, router_logits: torch.Tensor, moe: MoeWeights, top_k: int) -> torch.Tensor:
+        """The routed experts through the ops vllm-ascend's single-device (all-gather) MoE path calls:
+
+        - ``npu_moe_gating_top_k_softmax(router_logits, k=top_k)``, the weights then renormalised
+          (vllm_ascend/_310p/fused_moe/grouped_topk_router.py; model.route's rule);
+        - ``npu_moe_init_routing_v2(hidden, topk_ids, active_num=, expert_num=, expert_tokens_num_type=1,
+          expert_tokens_num_flag=True, active_expert_range=, quant_mode=-1)``: tokens sorted by expert, counts
+          per expert (vllm_ascend/ops/fused_moe/token_dispatcher.py, TokenDispatcherWithAllGather, through
+          vllm_ascend/device/device_op.py);
+        - ``npu_grouped_matmul(x=[...], weight=[w], split_item=2, group_list_type=1, group_type=0, group_list=)``
+          twice around ``npu_swiglu``, with expert weights stored [E, in, out] (vllm_ascend/_310p/fused_moe/
+          moe_mlp.py unquant_apply_mlp; fused_moe.py transposes w13/w2 so at load);
+        - ``npu_moe_token_unpermute(permuted_tokens=, sorted_indices=abs(expanded_row_idx), probs=topk_weights)``
+          (token_dispatcher.py token_combine, device_op.py). Its documentation takes bfloat16 tokens and
+          probabilities only, so an fp16 model's rows are combined in bfloat16.
+        """
+        tnpu, num_tokens = self.torch_npu, hidden.shape[0]
+        w13, w2 = self._grouped_weights(moe)
+        num_experts = w13.shape[0]
+        weights, ids, _ = tnpu.npu_moe_gating_top_k_softmax(router_logits.contiguous(), k=top_k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        rows, expanded_row_idx, counts, _ = tnpu.npu_moe_init_routing_v2(
+            hidden.contiguous(), ids, active_num=num_tokens * top_k, expert_num=num_experts, expert_tokens_num_type=1,
+            expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1,
+        )
+        counts = counts.to(torch.int64)
+        gate_up = tnpu.npu_grouped_matmul(x=[rows], weight=[w13], split_item=2, group_list_type=1, group_type=0,
+                                          group_list=counts)[0]
+        down = tnpu.npu_grouped_matmul(x=[tnpu.npu_swiglu(gate_up)], weight=[w2], split_item=2, group_list_type=1,
+                                       group_type=0, group_list=counts)[0]
+        combined = tnpu.npu_moe_token_unpermute(permuted_tokens=down.to(torch.bfloat16),
+                                                sorted_indices=torch.abs(expanded_row_idx),
+                                                probs=weights.to(torch.bfloat16))
+        return combined.to(hidden.dtype)
+
+    def _grouped_weights(self, moe: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's expert weights as grouped matmul takes them, [E, in, out], transposed once per layer."""
+        key = id(moe)
+        if key not in self._expert_weights:
+            self._expert_weights[key] = (moe.w13.transpose(1, 2).contiguous(), moe.w2.transpose(1, 2).contiguous())
+        return self._expert_weights[key]
 
     def _int8_attention(
         self,

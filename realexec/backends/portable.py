@@ -29,6 +29,7 @@ from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks
 from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize, require_scales
 from kvsim.realexec.backends.token_attention import TokenMetadata, token_paged_attention
+from kvsim.realexec.model import MoeWeights, routed_experts
 
 QUERY_TILE = 128  # query tokens per SDPA call within a prefill batch
 DECODE_BUCKETS = 4  # decode sequences are split into at most this many batches by context length
@@ -154,6 +155,45 @@ def paged_attention(
     return out
 
 
+def paged_latent_attention(
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+) -> torch.Tensor:
+    """MLA over the paged latents (``KernelBackend.mla_attention``), by the same padded batches as
+    :func:`paged_attention`: a decode batch absorbs the up-projection (one latent "head" that all
+    query heads attend with, so the latents are read once per sequence), a prefill batch up-projects
+    the latents it gathered to per-head K and V and attends tile by tile."""
+    num_tokens, num_heads, _ = query.shape
+    nope, v_dim = w_uk.shape[1], w_uv.shape[1]
+    w_uk, w_uv = w_uk.to(query.dtype), w_uv.to(query.dtype)
+    out = query.new_empty(num_tokens, num_heads, v_dim)
+    for batch in meta.memo("portable.padded_batches.g1", lambda: plan_padded_batches(meta, 1)):
+        nseq = batch.block_table.shape[0]
+        q = query.index_select(0, batch.query_rows).view(nseq, batch.max_q, num_heads, -1)
+        latent = gather_blocks(latent_cache, batch.block_table).to(query.dtype)  # [B, 1, L, kv_lora_rank]
+        rope = gather_blocks(rope_cache, batch.block_table).to(query.dtype)  # [B, 1, L, rope]
+        if batch.max_q == 1:  # absorbed: q_nope @ W_UK into latent space, attend over [latent, rope], @ W_UV
+            tile = batch.tiles[0]
+            q_latent = torch.einsum("bhn,hnl->bhl", q[:, 0, :, :nope], w_uk)
+            q_full = torch.cat([q_latent, q[:, 0, :, nope:]], dim=-1).unsqueeze(1)  # [B, 1, H, L + rope]
+            keys = torch.cat([latent[:, :, : tile.kv_len], rope[:, :, : tile.kv_len]], dim=-1)
+            o = F.scaled_dot_product_attention(q_full, keys, latent[:, :, : tile.kv_len], attn_mask=tile.mask, scale=scale)
+            o = torch.einsum("bhl,hvl->bhv", o[:, 0], w_uv)
+        else:  # naive: the gathered latents up-projected to per-head keys and values
+            k_nope = torch.einsum("bsl,hnl->bhsn", latent[:, 0], w_uk)
+            keys = torch.cat([k_nope, rope.expand(-1, num_heads, -1, -1)], dim=-1)
+            values = torch.einsum("bsl,hvl->bhsv", latent[:, 0], w_uv)
+            o = _attend_tiles(q.transpose(1, 2), keys, values, batch.tiles, 1, scale).transpose(1, 2)
+        o = o.reshape(nseq * batch.max_q, num_heads, v_dim)
+        out.index_copy_(0, batch.out_rows, o if batch.real is None else o.index_select(0, batch.real))
+    return out
+
+
 def _attend_tiles(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[QueryTile], group: int, scale: float
 ) -> torch.Tensor:
@@ -214,9 +254,11 @@ class TorchBackend(KernelBackend):
     compute_dtypes: dict[torch.dtype, torch.dtype] = {}
 
     def allocate_kv_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+        value_head_size: int | None = None,
     ) -> KVCaches:
-        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, self.device)
+        return allocate_caches(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, self.device,
+                               value_head_size=value_head_size)
 
     def write_kv(
         self,
@@ -242,6 +284,25 @@ class TorchBackend(KernelBackend):
             return token_paged_attention(query, key_cache, value_cache, TokenMetadata.of_step(meta), scale, kv_scales)
         compute_dtype = self.compute_dtypes.get(query.dtype)
         return paged_attention(query, key_cache, value_cache, meta, scale, compute_dtype, kv_scales)
+
+    def mla_attention(
+        self,
+        query: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        if meta.captured:
+            raise ValueError("latent attention runs eagerly: the executor captures no graphs for MLA models")
+        compute_dtype = self.compute_dtypes.get(query.dtype, query.dtype)
+        out = paged_latent_attention(query.to(compute_dtype), latent_cache, rope_cache, meta, scale, w_uk, w_uv)
+        return out.to(query.dtype)
+
+    def moe_experts(self, hidden: torch.Tensor, router_logits: torch.Tensor, moe: MoeWeights, top_k: int) -> torch.Tensor:
+        return routed_experts(hidden, router_logits, moe, top_k)
 
     def gather_kv(
         self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor

@@ -24,7 +24,8 @@ def dense_attention(
     ``query`` [sum(query_lens), H, D]; ``key``/``value`` [sum(seq_lens), Hkv, D] hold each
     sequence's full context (cached prefix, then the new tokens). Query ``i`` of sequence ``b``
     sits at position ``seq_lens[b] - query_lens[b] + i`` and attends to positions up to and
-    including its own. Returns [sum(query_lens), H, D] in ``query.dtype``.
+    including its own. Returns [sum(query_lens), H, Dv] in ``query.dtype`` (``Dv`` the values' size,
+    which latent attention's up-projected values may have apart from the keys').
     """
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     if num_heads % num_kv_heads:
@@ -37,7 +38,7 @@ def dense_attention(
             f"key rows {key.shape[0]} vs sum(seq_lens)={sum(seq_lens)}"
         )
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    out = query.new_empty(*query.shape[:2], value.shape[-1])
     q_start = kv_start = 0
     for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
         if not 1 <= q_len <= s_len:
