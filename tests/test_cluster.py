@@ -94,10 +94,10 @@ def test_a_router_that_raises_is_one_line_exit_2(tmp_path: Path, monkeypatch) ->
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
-def _scaled(tmp_path: Path, toml: str, rate: str) -> dict:
+def _scaled(tmp_path: Path, toml: str, rate: str, requests: int = 0) -> dict:
     (tmp_path / "run.toml").write_text(toml)
     args = ["simulate", "--config", str(tmp_path / "run.toml"), "--trace", "azure_conv_10min", "--model", "llama-2-7b",
-            "--request-rate", rate, "--decisions", "off", "--quiet", "--out", str(tmp_path / "run")]
+            "--request-rate", rate, "--max-requests", str(requests), "--decisions", "off", "--quiet", "--out", str(tmp_path / "run")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     return json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -115,7 +115,7 @@ def test_an_overloaded_cluster_scales_up_after_a_cold_start(tmp_path: Path) -> N
 
 def test_an_idle_cluster_scales_down_to_its_minimum(tmp_path: Path) -> None:
     toml = 'autoscaler = "queue"\ninstances = 4\n[autoscaler_params]\nmin_instances = 1\nmax_instances = 4\nper_instance = 8\n'
-    summary = _scaled(tmp_path, toml, "1")
+    summary = _scaled(tmp_path, toml, "1", requests=400)
     assert summary["autoscaler"]["retired"] == 3 and summary["instances_over_time"][-1][1] == 1
-    assert summary["requests_completed"] + summary["requests_rejected"] == 2867
+    assert summary["requests_completed"] + summary["requests_rejected"] == 400
     assert summary["instance_seconds"] < 1.1 * summary["duration_s"] + 60  # three of four leave within a minute
