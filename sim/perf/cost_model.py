@@ -254,12 +254,8 @@ class CostModel:
         W8A8): the same terms as the dense formulas, summed layer by layer (module docstring)."""
         m, a = self.model, self._a
         L, h = m.num_layers, m.hidden_size
-        attention = m.attention_linears()
-        dense_mlp = m.mlp_linears(m.intermediate_size, h)
-        shared = m.mlp_linears(m.shared_expert_intermediate_size, h)
         dense_layers, moe_layers = m.num_dense_mlp_layers, m.num_moe_layers
-        router = [(m.num_experts, h)] if m.is_moe else []
-        per_layer = [(L, attention), (dense_layers, dense_mlp), (moe_layers, shared + router)]
+        per_layer = m.per_token_linears()
         self._gemm_layers, self._layer_matmul_params = 1, m.per_token_matmul_params()
         self._gemm_act_elems = sum(n * (o + i) for n, linears in per_layer for o, i in linears)
         self._gemm_launches = sum(n * len(linears) for n, linears in per_layer)
@@ -271,7 +267,8 @@ class CostModel:
         self._elem_flops = L * (8 * h + (3 + 4 * k) * g) + 5 * mlp_width + 5 * moe_layers * m.num_experts + 10 * h
         if m.quantization:  # W8A8: every quantised linear's input is read in the activation dtype, written in int8
             inputs = sum(n * i for n, linears in per_layer[:2] for _, i in linears) + moe_layers * (
-                sum(i for _, i in shared) + h + m.num_experts_per_tok * m.moe_intermediate_size)
+                sum(i for _, i in m.mlp_linears(m.shared_expert_intermediate_size, h)) + h
+                + m.num_experts_per_tok * m.moe_intermediate_size)
             self._elem_moved += (a + 1) * inputs
             self._elem_flops += W8A8_QUANT_FLOPS * inputs
         self._moe_layers = moe_layers

@@ -225,15 +225,19 @@ class ModelSpec:
         """A SwiGLU MLP: the fused gate/up projection and the down projection."""
         return [(2 * intermediate, hidden), (hidden, intermediate)] if intermediate else []
 
-    def per_token_matmul_params(self) -> int:
-        """Weights every new token multiplies through in the decoder layers, the router included; the
-        routed experts and MLA's kv_b_proj left out (the cost model prices those by what a step touches)."""
+    def per_token_linears(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        """(layers, linears) groups every new token multiplies through: attention in every layer, the
+        dense MLP in dense layers, the shared experts and router in MoE layers; the routed experts and
+        MLA's kv_b_proj left out (the cost model prices those by what a step touches)."""
         h = self.hidden_size
-        attention = sum(o * i for o, i in self.attention_linears())
-        dense = sum(o * i for o, i in self.mlp_linears(self.intermediate_size, h))
-        shared = sum(o * i for o, i in self.mlp_linears(self.shared_expert_intermediate_size, h))
-        return (self.num_layers * attention + self.num_dense_mlp_layers * dense
-                + self.num_moe_layers * (shared + self.num_experts * h))
+        router = [(self.num_experts, h)] if self.is_moe else []
+        return [(self.num_layers, self.attention_linears()),
+                (self.num_dense_mlp_layers, self.mlp_linears(self.intermediate_size, h)),
+                (self.num_moe_layers, self.mlp_linears(self.shared_expert_intermediate_size, h) + router)]
+
+    def per_token_matmul_params(self) -> int:
+        """Weights every new token multiplies through in the decoder layers (:meth:`per_token_linears`)."""
+        return sum(n * o * i for n, linears in self.per_token_linears() for o, i in linears)
 
     def expert_params(self) -> int:
         """One routed expert's weights (gate, up, down)."""
