@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import simpy
@@ -59,10 +60,15 @@ class ClusterRun:
     retired_s: list[float | None]  # when each was scaled down (None: served to the end)
     timeline: list[tuple[float, int]]  # (time, instances serving) at every change
 
+    @cached_property
+    def steps_by_end(self) -> list[tuple[tuple, int]]:
+        """Every instance's step rows with the instance, ordered by the step's end time."""
+        return sorted(((row, i) for i, run in enumerate(self.runs) for row in run.steps.rows), key=lambda p: p[0][1] + p[0][2])
+
     def summary(self) -> dict:
         per_instance = [run.summary() for run in self.runs]
         requests = [r for run in self.runs for r in run.requests]
-        steps = StepLog(sorted((row for run in self.runs for row in run.steps.rows), key=lambda row: row[1] + row[2]))
+        steps = StepLog([row for row, _ in self.steps_by_end])
         stats = [run.engine.kv_stats() for run in self.runs]
         total_blocks = sum(run.engine.config.num_blocks for run in self.runs)
         out = summarize(requests, _Gaps(self.runs), steps, total_blocks, _SummedStats(stats))

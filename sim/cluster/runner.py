@@ -79,8 +79,7 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
         out_dir.mkdir(parents=True, exist_ok=True)
         write_summary(out_dir, summary)
         _write_rows(out_dir / REQUESTS, (*REQUEST_COLUMNS, "instance"), run.request_tuples())
-        steps = sorted(((*row, i) for i, one in enumerate(run.runs) for row in one.steps.rows), key=lambda r: r[1] + r[2])
-        _write_rows(out_dir / STEPS, (*STEP_COLUMNS, "instance"), steps)
+        _write_rows(out_dir / STEPS, (*STEP_COLUMNS, "instance"), [(*row, i) for row, i in run.steps_by_end])
     return run, summary
 
 
