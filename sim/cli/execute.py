@@ -74,7 +74,6 @@ def require_executor_setup(config: RunConfig) -> None:
 
 def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
     """The config as the backend's kernels require it (the npu's FIA limits a batch's block sum)."""
-    require_executor_setup(config)
     return config.updated(batch_blocks_within_pool=True) if backend.needs_batch_blocks_within_pool else config
 
 
