@@ -220,6 +220,7 @@ class CostModel:
         self._w_head = DTYPE_BYTES[m.weight_dtype]
         k = int(m.qk_norm)
         self._moe_layers = 0
+        self._mla = m.is_mla  # read every step (_context_rows): a field, not the property
         if m.is_moe or m.is_mla or m.quantization:
             self._init_general_layers()
         else:  # a dense Llama-style model: every layer the same (the module docstring's formulas, verbatim)
@@ -382,7 +383,7 @@ class CostModel:
                 pairs = pairs - (f.num_seqs - f.decode_seqs) * tile * (k - 1) * (longest - tile * k / 2)
         else:
             pairs, prefill_ctx, decode_ctx, blocks = f.attn_pairs, f.prefill_ctx_tokens, f.decode_ctx_tokens, f.blocks_touched
-        if m.is_mla:
+        if self._mla:
             attn_prefill, attn_decode = self._mla_attention_rows(f, pairs, prefill_ctx, decode_ctx)
         else:
             attn_prefill = (
