@@ -50,7 +50,7 @@ GROUPS = (
     Group("moe", ("moe",)),  # MoE models only: the routed experts at several token counts
     Group("elementwise", ("elementwise",), fixed=("gemm", "moe")),  # measured: the forward pass without attention
     Group("kv_write", ("kv_write",)),
-    Group("attention", ("attn_prefill", "attn_decode", "paged_gather")),
+    Group("attention", ("attn_prefill", "attn_decode", "paged_gather", "decode_chain")),
     Group("lm_head", ("lm_head",)),
     Group("sampling", ("sampling",)),
     Group("block_copy", ("block_copy",)),

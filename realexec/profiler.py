@@ -8,8 +8,9 @@ block sizes for attention):
    attention replaced by the identity, whose time beyond the GEMMs is the elementwise class; KV
    writes; paged attention for decode batches (even and ragged), prompts, chunks over a cached
    prefix and two prompts at once, at every block size (which separates the per-block
-   ``paged_gather`` cost from the per-byte one, and the ragged batches tell whether the kernels
-   pad a batch to its longest sequence); the LM head, greedy sampling, block copies and swaps.
+   ``paged_gather`` cost from the per-byte one; decode batches of one to many sequences separate
+   the walk over the longest sequence's blocks, ``decode_chain``, from the blocks of all of them;
+   the ragged batches tell whether the kernels pad a batch to its longest sequence); the LM head, greedy sampling, block copies and swaps.
 2. Whole steps, whose ``duration_s`` (device + host) from :meth:`Executor.step` is what the
    simulator predicts: StepPlans of swept shapes (prefill, chunked prefill, decode batches, mixed
    batches), and the steps an engine schedules for a synthetic trace replayed through the

@@ -82,6 +82,19 @@ def test_padded_attention_pays_for_the_longest_sequence() -> None:
     assert padded.operator_work(f)["attn_prefill"].flops == 2 * exact.operator_work(f)["attn_prefill"].flops * 512 / 513
 
 
+
+def test_decode_chain_walks_the_longest_decode_sequence_once_per_layer() -> None:
+    """A kernel with one program per (sequence, KV head) takes the longest sequence's walk, however short the rest."""
+    small, cpu = load_model("small"), load_device("cpu")
+    chained = CostModel(small, cpu.with_operators({"decode_chain": OperatorCoefficients(call_s=1.5e-6)}), 16)
+    lone = features_from_plan(decode_plan([999]), 16)  # 1,000 tokens: 63 blocks
+    crowd = features_from_plan(decode_plan([999] + [15] * 7), 16)
+    assert chained.operator_times(lone)["decode_chain"] == pytest.approx(small.num_layers * 63 * 1.5e-6)
+    assert chained.operator_times(crowd)["decode_chain"] == chained.operator_times(lone)["decode_chain"]
+    assert chained.operator_times(features_from_plan(prefill_plan(999), 16))["decode_chain"] == 0.0
+    # A profile that does not measure the walk (every bundled device) costs it nothing.
+    assert CostModel(small, cpu, 16).operator_times(lone)["decode_chain"] == 0.0
+
 def test_query_tiles_count_each_tile_against_the_context_its_last_row_sees() -> None:
     """The cpu kernel's prefill tiles (portable.QUERY_TILE rows): the pairs a tile-by-tile sum gives."""
     from kvsim.policies.blocks import cdiv
@@ -246,7 +259,7 @@ def test_eager_small_decode_is_bound_by_dispatch(llama_910b: CostModel) -> None:
     eager = _with_engine(llama_910b, mode="eager", dispatch_s=1e-4, **NO_HOST)
     f = features_from_plan(decode_plan([500] * 4), 128)
     split = eager.step_split(f)
-    not_kernels = ("paged_gather", "swap", "host_step", "host_seq", "host_token")
+    not_kernels = ("paged_gather", "decode_chain", "swap", "host_step", "host_seq", "host_token")
     calls = sum(w.calls for op, w in eager.operator_work(f).items() if op not in not_kernels)
     assert eager.predict(f) == pytest.approx(calls * 1e-4)  # dispatch outlasts the device: it sets the step
     assert split["dispatch_stall"] > 0 and sum(split.values()) == pytest.approx(eager.predict(f))

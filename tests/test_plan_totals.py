@@ -41,6 +41,7 @@ def walked_features(plan: StepPlan, block_size: int) -> StepFeatures:
         padded_decode_ctx_tokens=float(len(dec) * longest[False] * block_size),
         padded_blocks_touched=float(len(pre) * longest[True] + len(dec) * longest[False]),
         prefill_max_tokens=float(widest),
+        decode_max_blocks=float(longest[False]),
     )
 
 

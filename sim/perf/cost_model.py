@@ -32,6 +32,8 @@ a graph; sim/perf/engine_overhead.py), ``S`` = num_sampled, other names as in :c
 - ``attn_decode`` (matrix, HBM):
   ``4 q L decode_ctx_tokens | L ((decode_ctx_tokens + H_c decode_seqs) c + 2 q a decode_seqs) | L [decode_seqs]``
 - ``paged_gather`` (block-table walk; ``call_s`` = ``block_s``): ``- | - | L blocks_touched``
+- ``decode_chain`` (the longest decode entry's blocks, walked one after another; ``call_s`` = ``block_s``):
+  ``- | - | L W_d``
 - ``lm_head`` (matrix, HBM): ``2 S h V | [S] V h w + S (h a + 4 V) | [S]`` (``S V h w + ...`` with ``S < G``)
 - ``sampling`` (vector, HBM; fp32 softmax and draw): ``5 S V | 12 S V | 3 [S]``
 - ``block_copy`` (HBM; read + write): ``- | 2 copy_blocks block_bytes | 2 L [copy_blocks]``
@@ -48,7 +50,12 @@ units idle: efficiency ``T / (T + H_t)`` is the same as ``H_t`` extra tokens of 
 (constant efficiency) unless a profile sets them. ``B_s`` (attn_prefill ``score_bytes``) is the HBM
 traffic per (query, key, head) pair of prefill attention that writes its score matrix out instead
 of keeping it on chip (a non-flash path): 0 for flash kernels. All three only add work, so the
-roofline stays a floor.
+roofline stays a floor. ``W_d`` (``decode_chain``) is the longest decode entry's blocks: a kernel
+that gives each (sequence, KV head) one program walks that sequence's blocks one after another,
+so a lone long sequence takes the walk's latency however little it reads (what split-KV
+"flash-decoding" kernels remove). Its cost per block is 0 unless a profile measures it: on the
+H200 the Triton decode kernel's walk took 1.6 us a block per layer, where spread over many
+sequences a block cost 0.2 ns (docs/benchmarks.md, "Cross-validation on a GPU").
 
 The host terms are what a step costs beyond its kernels: scheduling, building the input tensors,
 reading the sampled tokens back and processing outputs, once per step, per sequence and per
@@ -105,12 +112,13 @@ MLA_PREFILL_LAUNCHES = 2  # per layer: cached latents up-projected to K and V, t
 STEP_OPERATORS: tuple[str, ...] = tuple(op for op in OPERATORS if op != "swap")
 HOST_OPERATORS: tuple[str, ...] = ("host_step", "host_seq", "host_token")
 KERNEL_OPERATORS: tuple[str, ...] = tuple(op for op in STEP_OPERATORS if op not in HOST_OPERATORS)
-# Kernels the host dispatches one by one outside a graph (paged_gather's calls are blocks, not kernels).
-DISPATCHED_OPERATORS: tuple[str, ...] = tuple(op for op in KERNEL_OPERATORS if op != "paged_gather")
+# Kernels the host dispatches one by one outside a graph (paged_gather's and decode_chain's calls are
+# blocks, not kernels).
+DISPATCHED_OPERATORS: tuple[str, ...] = tuple(op for op in KERNEL_OPERATORS if op not in ("paged_gather", "decode_chain"))
 _KERNEL_TIMES, _HOST_TIMES = itemgetter(*KERNEL_OPERATORS), itemgetter(*HOST_OPERATORS)
 # The order of _token_rows and _context_rows; the memo of one step's token-shaped times is bounded.
 _TOKEN_OPERATORS = ("gemm", "moe", "elementwise", "kv_write", "lm_head", "sampling", "host_token")
-_CONTEXT_OPERATORS = ("attn_prefill", "attn_decode", "paged_gather", "block_copy", "swap", "host_step", "host_seq")
+_CONTEXT_OPERATORS = ("attn_prefill", "attn_decode", "paged_gather", "decode_chain", "block_copy", "swap", "host_step", "host_seq")
 _SPLIT_OPERATORS = _TOKEN_OPERATORS + _CONTEXT_OPERATORS
 assert sorted(_SPLIT_OPERATORS) == sorted(OPERATORS), "every operator is token- or batch-shaped"
 # One step's times come as a list in _SPLIT_OPERATORS order; these pick the kernels' and host terms' in theirs.
@@ -161,6 +169,7 @@ class StepFeatures:
     padded_decode_ctx_tokens: Num  # decode: B W bs
     padded_blocks_touched: Num  # both groups: B W
     prefill_max_tokens: Num  # prefill: Q (how many query tiles a padded kernel runs)
+    decode_max_blocks: Num  # decode: W, the longest decode entry's blocks (decode_chain's walk)
 
 
 class OperatorWork(NamedTuple):
@@ -196,6 +205,7 @@ def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
         padded_decode_ctx_tokens=float(decode_blocks * block_size),
         padded_blocks_touched=float(prefill_blocks + decode_blocks),
         prefill_max_tokens=float(t.prefill_max_tokens),
+        decode_max_blocks=float(t.decode_max_blocks),
     )
 
 
@@ -313,9 +323,9 @@ class CostModel:
     def _work(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
         """(flops, bytes, calls) of every operator in ``OPERATORS`` order: one step costs tuples, not a dict."""
         gemm, moe, elementwise, kv_write, lm_head, sampling, host_token = self._token_rows(f.num_tokens, f.num_sampled)
-        attn_prefill, attn_decode, paged_gather, block_copy, swap, host_step, host_seq = self._context_rows(f)
-        return (gemm, moe, elementwise, kv_write, attn_prefill, attn_decode, paged_gather, lm_head, sampling, block_copy,
-                swap, host_step, host_seq, host_token)
+        attn_prefill, attn_decode, paged_gather, decode_chain, block_copy, swap, host_step, host_seq = self._context_rows(f)
+        return (gemm, moe, elementwise, kv_write, attn_prefill, attn_decode, paged_gather, decode_chain, lm_head, sampling,
+                block_copy, swap, host_step, host_seq, host_token)
 
     def _token_rows(self, T: Num, S: Num) -> tuple[tuple[Num, Num, Num], ...]:
         """The rows that depend on the step's tokens ``T`` and sampled rows ``S`` alone:
@@ -366,7 +376,7 @@ class CostModel:
 
     def _context_rows(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
         """The rows that depend on the batch's shape: attn_prefill, attn_decode, paged_gather,
-        block_copy, swap, host_step, host_seq. ``x > 0`` gates an operator's launches (1 where it runs at all)."""
+        decode_chain, block_copy, swap, host_step, host_seq. ``x > 0`` gates an operator's launches (1 where it runs at all)."""
         m, L, a, c = self.model, self._L, self._a, self._kv_token_layer
         q = m.q_size
         half_context, score_bytes = self._half_context, self._score_bytes
@@ -401,6 +411,8 @@ class CostModel:
             attn_decode,
             # paged_gather
             (0.0, 0.0, L * blocks),
+            # decode_chain
+            (0.0, 0.0, L * f.decode_max_blocks),
             # block_copy
             (0.0, 2 * f.copy_blocks * self._block_bytes, 2 * L * (f.copy_blocks > 0)),
             # swap
