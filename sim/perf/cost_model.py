@@ -21,7 +21,7 @@ a graph; sim/perf/engine_overhead.py), ``S`` = num_sampled, other names as in :c
 - ``gemm`` (matrix, HBM; QKV, O, gate_up, down):
   ``2 L P (T' + H_t [T]) | [T] L P w + a T' L (4h + 2q + 2kv + 3I) | 4 L [T]``; with ``T' < G``
   (the device's ``gemv_rows``) ``2 L P T' | T' L P w + ...``: one matrix-vector product per row;
-  and its time is ``row_count_s[T']`` seconds longer where the device lists the step's token count
+  and its time is ``row_count_s[T']`` seconds longer (shorter, where negative) where the device lists the step's token count
   (measured on whole steps of a few tokens: a CPU BLAS changes kernels with the row count, no roofline follows that)
 - ``elementwise`` (vector, HBM; fused add+RMSNorm x2, RoPE, q/k norms if the model has them,
   SiLU-and-mul, the embedding gather and the final norm), with ``g = q + kv`` and ``k`` = 1 under qk_norm:

@@ -47,6 +47,7 @@ operator's formula does with them.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -153,8 +154,8 @@ class DeviceProfile:
     # CPU BLAS picks its kernel by row count (one row: a matrix-vector product; multiples of four:
     # its GEMM micro-kernel; others: slower paths), which no roofline in the token count follows:
     # on the development VM a 768-wide model's 2- and 3-token decode steps took 2.1 and 1.7 ms more
-    # than the fitted operators gave, 1, 4 and 8 tokens under 0.1 ms (docs/benchmarks.md). The
-    # cost model adds it to the step's matrix products (only adds: the roofline stays a floor).
+    # than the fitted operators gave, and its 1-token steps 1.2-1.6 ms less (docs/benchmarks.md). The
+    # cost model adds it to the step's matrix products; negative where such steps run under them.
     # Empty: no such term (every bundled device).
     row_count_s: dict[int, float] = field(default_factory=dict)
     # Written by ``kvsim profile``: mean |single step / its median - 1| over whole steps timed
@@ -333,11 +334,15 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
 
 
 def _row_counts(table: dict, path: Path) -> dict[int, float]:
-    """``[row_count_s]``: keys are token counts (positive integers written as strings), values seconds (>= 0: it only adds)."""
-    for key in table:
+    """``[row_count_s]``: keys are token counts (positive integers written as strings), values seconds of either sign."""
+    terms = {}
+    for key, value in table.items():
         if not key.isdigit() or int(key) < 1:
             raise ValueError(f"{path}: field row_count_s.{key} must be named by a positive token count, like \"2\"")
-    return {int(key): float(_number(table, key, float, path, "row_count_s.", allow_zero=True)) for key in table}
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{path}: field row_count_s.{key} must be a finite number of seconds, got {value!r}")
+        terms[int(key)] = float(value)
+    return terms
 
 
 def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> OperatorCoefficients:
