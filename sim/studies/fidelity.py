@@ -58,8 +58,6 @@ import numpy as np
 from kvsim.policies.registry import SCHEDULERS
 from kvsim.sim.parallel.layout import ParallelLayout
 from kvsim.sim.parallel.memory import plan_rank_memory
-from kvsim.sim.perf.api_server import serve_queue
-from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.device import (
     ENGINE_CORES,
     SHAPE_KEYS,
@@ -68,10 +66,9 @@ from kvsim.sim.perf.device import (
     engine_as_run,
     load_device,
 )
-from kvsim.sim.perf.engine_overhead import EngineProfile
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
+from kvsim.sim.run.clients import bench_metric, closed_loop, serve
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
-from kvsim.sim.run.runner import run_trace
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.errors import MissingExtraError
 from kvsim.traces.schema import Trace
@@ -112,7 +109,6 @@ PARAMETERS: dict[str, tuple[float, float]] = {
 # Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
 # row is still reported as a fit row, never as accuracy.
 HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS"}
-FIXED_POINT_ROUNDS = 6  # closed-loop clients: simulations until the send times settle
 LENGTH_SOURCES = ("auto", "sharegpt", "sharegpt-scaled", "lognormal")  # how ShareGPT rows get their lengths (module docstring)
 # The tokenizer vLLM's benchmark counted a model's ShareGPT lengths with (traces/tokenizers.py).
 SHAREGPT_TOKENIZERS = {"qwen2.5-7b": "qwen2.5", "qwen3-8b": "qwen3"}
@@ -434,96 +430,6 @@ def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
     return replace(resolved, device=device)
 
 
-@dataclass
-class Replay:
-    """A simulated row, requests in the row's prompt order: when each one's first and last token
-    reached its client (absolute seconds), every inter-token gap, and each engine step's end and
-    the tokens it sampled."""
-
-    rows: list[dict]
-    first: np.ndarray
-    finish: np.ndarray
-    gaps: np.ndarray
-    step_end: np.ndarray
-    step_tokens: np.ndarray  # every entry of a step samples a token (whole prompts; a chunk counts one)
-
-
-def _simulate(resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, arrivals: np.ndarray) -> Replay:
-    order = np.argsort(arrivals, kind="stable")
-    trace = Trace(arrival_s=arrivals[order] - arrivals[order[0]], prompt_tokens=prompts[order], output_tokens=outputs[order])
-    run, _ = run_trace(resolved, trace, CostModelTimer(resolved.cost_model()), None)
-    rows = sorted(run.request_rows(), key=lambda r: r["trace_index"])
-    start = float(arrivals[order[0]])
-    back = np.empty_like(order)
-    back[order] = np.arange(order.size)
-    rows = [{**rows[back[i]], "arrival_s": float(arrivals[i]), "start": start} for i in range(order.size)]
-    steps = run.steps.columns
-    return Replay(
-        rows=rows,
-        first=np.array([r["first_token_s"] for r in rows]) + start,
-        finish=np.array([r["finish_s"] for r in rows]) + start,
-        gaps=run.times.all_gaps(),
-        step_end=np.add(steps["start_s"], steps["duration_s"]) + start,
-        step_tokens=np.asarray(steps["batch_size"], dtype=np.float64),
-    )
-
-
-def _serve(
-    resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray, engine: EngineProfile | None, stream_s: float
-) -> Replay:
-    """Requests sent at ``sent`` through the API server and the engine (``engine`` None: straight
-    into the engine, as offline tests run). Where the server also streams every token
-    (``stream_s`` > 0) it is one queue for both, solved as a fixed point: admissions from the
-    previous round's steps, the engine from those admissions; clients see a token when the server
-    has sent it. Inter-token gaps stay the engine's."""
-    if engine is None:
-        return _simulate(resolved, prompts, outputs, sent)
-    admitted, _ = serve_queue(sent, np.empty(0), np.empty(0), engine.admit_s, 0.0)
-    for _ in range(FIXED_POINT_ROUNDS):
-        replay = _simulate(resolved, prompts, outputs, admitted + engine.request_s)
-        if stream_s <= 0:
-            return replay
-        again, visible = serve_queue(sent, replay.step_end, replay.step_tokens, engine.admit_s, stream_s)
-        settled = np.max(np.abs(again - admitted)) < 1e-3
-        admitted = again
-        if settled:
-            break
-
-    def sent_at(engine_time: np.ndarray) -> np.ndarray:  # a token leaves with its step's batch
-        return visible[np.minimum(np.searchsorted(replay.step_end, engine_time - 1e-9), visible.size - 1)]
-
-    return replace(replay, first=sent_at(replay.first), finish=sent_at(replay.finish))
-
-
-def _closed_loop(
-    resolved: ResolvedRun, prompts: np.ndarray, outputs: np.ndarray, clients: int, engine: EngineProfile | None, stream_s: float
-) -> tuple[np.ndarray, Replay]:
-    """Send times of ``clients`` closed-loop clients and the simulated requests (module docstring).
-
-    Each round replays the clients with the previous round's per-request latencies, send to
-    answer (first round: every request alone), then serves those sends; latencies depend only
-    weakly on the arrival pattern, so a few rounds settle.
-    """
-    n = prompts.size
-    alone = np.arange(n) * 1e4  # far apart: each request alone
-    replay = _serve(resolved, prompts, outputs, alone, engine, stream_s)
-    latency = replay.finish - alone
-    sent, nxt = np.zeros(n), np.zeros(n)
-    for _ in range(FIXED_POINT_ROUNDS):
-        free = np.zeros(clients)
-        nxt = np.zeros(n)
-        for k in range(n):
-            c = int(np.argmin(free))
-            nxt[k] = free[c]
-            free[c] = nxt[k] + latency[k]
-        replay = _serve(resolved, prompts, outputs, nxt, engine, stream_s)
-        latency = replay.finish - nxt
-        if np.max(np.abs(nxt - sent)) < 1e-4:
-            break
-        sent = nxt
-    return nxt, replay
-
-
 def predict_row(row: Row, device: DeviceProfile, lengths: str = "auto") -> float:
     """The row's metric as kvsim predicts it on ``device`` (already the row's device); ``lengths``:
     where a ShareGPT row's lengths come from (:data:`LENGTH_SOURCES`)."""
@@ -531,36 +437,25 @@ def predict_row(row: Row, device: DeviceProfile, lengths: str = "auto") -> float
     if row.workload == "memory":
         return float(_memory_blocks(row, device))
     resolved = _resolved(row, device)
-    prompts, outputs = row_lengths(row, lengths)
     front = device.engine if row.workload != "batch" else None  # offline tests have no API server
     # V1's API server detokenises and streams every token (sim/perf/api_server.py); V0 detokenises in
     # the engine (its v0_seq_s), so its server's share is not modelled apart
     stream_s = front.stream_s if front is not None and row.engine_core == "v1" else 0.0
-    n = row.num_prompts
+    trace = row_trace(row, lengths)
     if row.workload == "concurrency":
-        sent, replay = _closed_loop(resolved, prompts, outputs, row.concurrency, front, stream_s)
+        sent, replay = closed_loop(resolved, trace, row.concurrency, front, stream_s)
     else:
-        sent = poisson_arrivals(row.rate, n=n, rng=row.seed) if row.workload == "poisson" else np.zeros(n)
-        replay = _serve(resolved, prompts, outputs, sent, front, stream_s)
-    return _metric(row.metric, replay, prompts, outputs, sent)
+        sent = trace.arrival_s
+        replay = serve(resolved, trace, sent, front, stream_s)
+    return bench_metric(row.metric, replay, trace.prompt_tokens, trace.output_tokens, sent)
 
 
-def _metric(metric: str, replay: Replay, prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray) -> float:
-    """vLLM's benchmark definitions: latencies from the client's send, throughput over the benchmark's
-    span, ITL the median of every request's gaps between successive tokens after its first."""
-    rows, first, finish = replay.rows, replay.first, replay.finish
-    ttft, e2e = first - sent, finish - sent
-    tpot = (finish - first)[outputs > 1] / (outputs[outputs > 1] - 1)
-    span = finish.max() - sent.min()
-    values = {
-        "ttft_mean": lambda: ttft.mean(), "ttft_median": lambda: np.median(ttft), "ttft_p99": lambda: np.percentile(ttft, 99),
-        "tpot_mean": lambda: tpot.mean(), "tpot_median": lambda: np.median(tpot), "itl_median": lambda: np.median(replay.gaps),
-        "e2e_mean": lambda: e2e.mean(), "batch_latency": lambda: span,
-        "output_throughput": lambda: outputs.sum() / span,
-        "total_throughput": lambda: (outputs.sum() + prompts.sum()) / span,
-        "request_throughput": lambda: len(rows) / span,
-    }  # fmt: skip
-    return float(values[metric]())
+def row_trace(row: Row, lengths: str = "auto") -> Trace:
+    """The requests a row's benchmark sent: its lengths, at Poisson arrivals (``poisson``) or all at once."""
+    prompts, outputs = row_lengths(row, lengths)
+    n = row.num_prompts
+    arrivals = poisson_arrivals(row.rate, n=n, rng=row.seed) if row.workload == "poisson" else np.zeros(n)
+    return Trace(arrival_s=arrivals, prompt_tokens=prompts, output_tokens=outputs, source=f"fidelity row {row.id}")
 
 
 def _memory_blocks(row: Row, device: DeviceProfile) -> int:
