@@ -70,6 +70,9 @@ def require_executor_setup(config: RunConfig) -> None:
     if config.async_scheduling or config.engine_core != "v1":
         raise UserError("--async-scheduling, --engine-core v0: the real executor runs vLLM V1's synchronous steps; "
                         "these are simulated only")
+    if config.api_server or config.max_concurrency:
+        raise UserError("--api-server, --max-concurrency: the real executor replays the trace's arrivals into the engine; "
+                        "the benchmark client and API server are simulated only")
 
 
 def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:

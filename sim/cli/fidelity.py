@@ -22,11 +22,14 @@ from kvsim.sim.studies.fidelity import (
     fit_parameters,
     get_parameter,
     load_published,
+    row_command,
     row_lengths,
+    row_trace,
     runs_with_fit_rows,
     sharegpt_unavailable,
     summarize_errors,
 )
+from kvsim.traces.canonical import save as save_trace
 from kvsim.traces.errors import FIDELITY_EXTRA
 
 
@@ -76,6 +79,11 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str)
     for name, f in fitted.items():
         click.echo(f"fitted {name} = {f['value']:.4g} (row {f['row']})")
     out_dir.mkdir(parents=True, exist_ok=True)
+    commands = row_commands(rows, out_dir / "traces", lengths)
+    if not fit:
+        click.echo("each row as a kvsim simulate command (the figure: summary.json's bench.<metric>):")
+        for row_id, command in commands.items():
+            click.echo(f"  {row_id}: {' '.join(command)}")
     payload = {
         "data": str(data_path.name),
         "fitted": fitted,
@@ -83,11 +91,26 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str)
         "summary": summary,
         "sharegpt_lengths": {r.id: dataset_lengths(r, lengths) for r in rows if r.input_total},
         "sources": {s.id: {"url": s.url, "title": s.title} for s in published.sources.values()},
-        "rows": [{**r.to_dict(), "same_run_as_a_fit_row": r.row.run in fitted_runs} for r in results],
+        "rows": [{**r.to_dict(), "same_run_as_a_fit_row": r.row.run in fitted_runs, "command": commands.get(r.row.id)}
+                 for r in results],
     }
     (out_dir / "fidelity.json").write_text(json.dumps(payload, indent=2))
     write_html(results, fitted_runs, summary, fitted, published.sources, out_dir / "fidelity.html")
     click.echo(f"wrote {out_dir / 'fidelity.json'} and {out_dir / 'fidelity.html'}")
+
+
+def row_commands(rows: list[Row], trace_dir: Path, lengths: str) -> dict[str, list[str]]:
+    """Each served row's requests written to ``trace_dir``, and the ``kvsim simulate`` command that replays
+    them on the bundled device (the ``--no-fit`` figure; with ``--fit`` the device's fitted parameters differ)."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    commands = {}
+    for row in rows:
+        path = trace_dir / f"{row.id}.jsonl"
+        command = row_command(row, str(path))
+        if command is not None:
+            save_trace(row_trace(row, lengths), path)
+            commands[row.id] = command
+    return commands
 
 
 def describe_lengths(rows: list[Row], lengths: str) -> str:

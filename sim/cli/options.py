@@ -58,6 +58,13 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--engine-core",), "engine_core",
      {"type": click.Choice(["v1", "v0"]), "help": "vLLM's engine generation to model: v0 adds its host time per "
                                                   "sequence per step (simulated only; pair with --scheduler vllm-v0)."}),
+    ((_switch("api-server"),), "api_server",
+     {"help": "Latencies as vLLM bench serve measures them: through the device's API server (its [engine] admit_s, "
+              "request_s, stream_s: one process admitting requests and streaming tokens in turn; simulated only). "
+              "[default: off]"}),
+    (("--max-concurrency",), "max_concurrency",
+     {"type": int, "help": "vLLM bench's clients: at most N requests in flight, the next sent when one finishes "
+                           "(0: each at its arrival; simulated only)."}),
     (("--instances",), "instances", {"type": int, "help": "Copies of the instance behind a router (a cluster)."}),
     (("--router",), "router",
      {"help": "Which instance serves each request: round-robin | least-requests | least-kv | session | kv-aware | module:Class."}),

@@ -11,6 +11,7 @@ from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.sim.cluster.routers import RouterError, make_router
 from kvsim.sim.cluster.runner import run_cluster, scaling_of
 from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.run.clients import bench_run, bench_summary, format_bench, retimed
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.run_dir import check_out_dir, staged_dir
@@ -27,6 +28,12 @@ def prepare(config: RunConfig):
         timer = CostModelTimer(resolved.cost_model())
         make_router(config.router, config.router_params)  # a router that cannot be built is the input's mistake
         scaling_of(resolved)  # ... or an autoscaler
+    if config.api_server or config.max_concurrency:
+        if config.instances > 1 or config.autoscaler:
+            raise UserError("--api-server, --max-concurrency: one instance for now (the clients of a cluster are not modelled)")
+        if trace.n_samples is not None and (trace.n_samples > 1).any():
+            raise UserError(f"--api-server, --max-concurrency: trace {config.trace} has requests of n > 1 samples, "
+                            "which the benchmark client does not send")
     return resolved, trace, timer
 
 
@@ -54,12 +61,20 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
             if config.instances > 1 or config.autoscaler:
                 router = make_router(config.router, config.router_params)
                 _, summary = run_cluster(resolved, trace, router, tmp, check=check, decisions=decisions)
+            elif config.api_server or config.max_concurrency:  # the clients' sends, then the engine's run of them
+                sent, replay = bench_run(resolved, trace, config.api_server, config.max_concurrency)
+                bench = bench_summary(replay, trace, sent, config.api_server, config.max_concurrency)
+                engine_trace, _ = retimed(trace, replay.engine_arrival)
+                _, summary = run_trace(resolved, engine_trace, timer, tmp, check=check, progress=not quiet, decisions=decisions,
+                                       summary_extras=lambda _: {"bench": bench})
             else:  # one instance: the router has nothing to choose
                 _, summary = run_trace(resolved, trace, timer, tmp, check=check, progress=not quiet, decisions=decisions)
     except RouterError as exc:
         raise UserError(str(exc)) from None
     if not quiet:
         click.echo(format_summary(summary))
+        if "bench" in summary:
+            click.echo(format_bench(summary["bench"]))
     for line in format_warnings(summary["warnings"]):
         click.echo(line, err=True)
     click.echo(f"wrote {out_dir}")

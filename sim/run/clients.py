@@ -167,3 +167,26 @@ def bench_metric(metric: str, replay: Replay, prompts: np.ndarray, outputs: np.n
         "request_throughput": lambda: done.sum() / span,
     }  # fmt: skip
     return float(values[metric]())
+
+
+def bench_summary(replay: Replay, trace: Trace, sent: np.ndarray, api_server: bool, max_concurrency: int) -> dict:
+    """Every figure of :data:`METRICS` (seconds, tokens/s, requests/s), as summary.json's ``bench`` block."""
+    figures = {m: bench_metric(m, replay, trace.prompt_tokens, trace.output_tokens, sent) for m in METRICS}
+    done = int((~np.isnan(replay.finish)).sum())
+    return {"api_server": api_server, "max_concurrency": max_concurrency, "successful_requests": done, **figures}
+
+
+def format_bench(bench: dict) -> str:
+    """The bench block as ``vllm bench serve`` prints its result (latencies in ms)."""
+    lines = [f"benchmark clients: {'through the API server' if bench['api_server'] else 'straight into the engine'}, "
+             f"max concurrency {bench['max_concurrency'] or 'none'}",
+             f"  successful requests        {bench['successful_requests']}",
+             f"  benchmark duration (s)     {bench['batch_latency']:.2f}",
+             f"  request throughput (req/s) {bench['request_throughput']:.2f}",
+             f"  output token throughput    {bench['output_throughput']:.2f} tok/s",
+             f"  total token throughput     {bench['total_throughput']:.2f} tok/s"]
+    for name, key in (("TTFT", "ttft"), ("TPOT", "tpot")):
+        lines.append(f"  {name} mean / median (ms)    {1e3 * bench[key + '_mean']:.2f} / {1e3 * bench[key + '_median']:.2f}")
+    lines.append(f"  TTFT p99 (ms)              {1e3 * bench['ttft_p99']:.2f}")
+    lines.append(f"  ITL median (ms)            {1e3 * bench['itl_median']:.2f}")
+    return "\n".join(lines)

@@ -59,6 +59,11 @@ class RunConfig:
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
     engine_core: str = "v1"
+    # The benchmark client in front (sim/run/clients.py, as vLLM bench serve runs): latencies through the
+    # device's API server (its [engine] admit_s, request_s, stream_s), and at most max_concurrency requests
+    # in flight (0: each sent at its arrival)
+    api_server: bool = False
+    max_concurrency: int = 0
     # A cluster (sim/cluster): this many copies of the instance above behind a router that reads
     # the instances' state as scraped at most router_staleness_s ago
     instances: int = 1
@@ -162,6 +167,7 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("pipeline_parallel_size", "must be >= 1", c.pipeline_parallel_size >= 1),
         ("data_parallel_size", "must be >= 1", c.data_parallel_size >= 1),
         ("instances", "must be >= 1", c.instances >= 1),
+        ("max_concurrency", "must be >= 0 (0: no limit)", c.max_concurrency >= 0),
         ("router_staleness_s", "must be a finite number >= 0 (seconds)", math.isfinite(c.router_staleness_s) and c.router_staleness_s >= 0),
         ("engine_core", f"must be one of {', '.join(ENGINE_CORES)}", c.engine_core in ENGINE_CORES),
         ("quantization", f"must be one of {', '.join(QUANTIZATIONS)}", c.quantization in (None, *QUANTIZATIONS)),

@@ -450,6 +450,43 @@ def predict_row(row: Row, device: DeviceProfile, lengths: str = "auto") -> float
     return bench_metric(row.metric, replay, trace.prompt_tokens, trace.output_tokens, sent)
 
 
+def row_command(row: Row, trace_file: str) -> list[str] | None:
+    """The ``kvsim simulate`` command that predicts the row's figure (``summary.json``'s ``bench`` block, key
+    ``row.metric``) on the bundled device, with ``trace_file`` holding :func:`row_trace`; None for memory rows.
+
+    Offline batch rows send every prompt at once straight into the engine: ``--max-concurrency`` the
+    number of prompts and no API server, which is the same run."""
+    if row.workload == "memory":
+        return None
+    command = ["kvsim", "simulate", "--trace", trace_file, "--model", row.model, "--device", row.device,
+               "--block-manager", "paged", "--block-size", str(row.block_size),
+               "--gpu-memory-utilization", f"{row.memory_utilization:g}", "--max-num-seqs", str(row.max_num_seqs),
+               "--max-num-batched-tokens", str(row.max_num_batched_tokens), "--scheduler", row.scheduler,
+               "--watermark", f"{row.watermark:g}", "--seed", str(row.seed)]  # fmt: skip
+    if row.max_model_len:
+        command += ["--max-model-len", str(row.max_model_len)]
+    if row.quantization:
+        command += ["--quantization", row.quantization]
+    for flag, size in (("-tp", row.tensor_parallel_size), ("-pp", row.pipeline_parallel_size), ("-dp", row.data_parallel_size)):
+        if size > 1:
+            command += [flag, str(size)]
+    if row.enable_expert_parallel:
+        command.append("--enable-expert-parallel")
+    if row.engine_mode:
+        command.append("--enforce-eager" if row.engine_mode == "eager" else "--no-enforce-eager")
+    if row.async_scheduling is not None:
+        command.append("--async-scheduling" if row.async_scheduling else "--no-async-scheduling")
+    if row.engine_core != "v1":
+        command += ["--engine-core", row.engine_core]
+    if row.workload == "batch":
+        command += ["--max-concurrency", str(row.num_prompts)]
+    else:
+        command.append("--api-server")
+        if row.workload == "concurrency":
+            command += ["--max-concurrency", str(row.concurrency)]
+    return command
+
+
 def row_trace(row: Row, lengths: str = "auto") -> Trace:
     """The requests a row's benchmark sent: its lengths, at Poisson arrivals (``poisson``) or all at once."""
     prompts, outputs = row_lengths(row, lengths)

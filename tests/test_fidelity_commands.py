@@ -1,0 +1,49 @@
+"""Every served fidelity row is a ``kvsim simulate`` command that prints the row's predicted figure, exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvsim.cli.main import main
+from kvsim.sim.perf.device import load_device
+from kvsim.sim.studies.fidelity import load_published, predict_row, row_command, row_trace
+from kvsim.traces.canonical import save as save_trace
+
+ROWS = {row.id: row for row in load_published().rows}
+# One row of each client kind: offline batch (V0), burst through the API server (V0; V1 streaming tokens),
+# a parallel W8A8 MoE layout, Poisson arrivals, closed-loop clients (the last two cut to a few prompts: same path, less time).
+CASES = [
+    ROWS["va776-latency-bs8"],
+    ROWS["va776-qpsinf-ttft"],
+    ROWS["gs910b-random128-total"],
+    ROWS["gsq235-fp8-tp4ep-sharegpt-total"],
+    dataclasses.replace(ROWS["va776-qps1-ttft"], num_prompts=30, input_total=30 * 200, output_total=30 * 100),
+    dataclasses.replace(ROWS["gsh100-bs1-tpot"], num_prompts=12, input_total=12 * 200, output_total=12 * 100, concurrency=3),
+]
+
+
+@pytest.mark.parametrize("row", CASES, ids=[row.id for row in CASES])
+def test_a_rows_simulate_command_prints_its_predicted_figure(row, tmp_path: Path) -> None:
+    trace = save_trace(row_trace(row, "lognormal"), tmp_path / "row.jsonl")
+    command = row_command(row, str(trace))
+    assert command[:2] == ["kvsim", "simulate"]
+    result = CliRunner().invoke(main, [*command[1:], "--out", str(tmp_path / "run"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    bench = json.loads((tmp_path / "run" / "summary.json").read_text())["bench"]
+    assert bench[row.metric] == predict_row(row, load_device(row.device), "lognormal")
+
+
+def test_memory_rows_have_no_simulate_command() -> None:
+    assert row_command(ROWS["vllm21348-tp4"], "unused.jsonl") is None
+
+
+def test_the_benchmark_client_is_simulated_only(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["execute", "--backend", "cpu", "--model", "tiny", "--max-concurrency", "4",
+                                      "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert "--max-concurrency: the real executor replays the trace's arrivals" in result.output
