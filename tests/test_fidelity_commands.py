@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 from pathlib import Path
@@ -47,3 +48,18 @@ def test_the_benchmark_client_is_simulated_only(tmp_path: Path) -> None:
                                       "--out", str(tmp_path / "x")])
     assert result.exit_code == 2
     assert "--max-concurrency: the real executor replays the trace's arrivals" in result.output
+
+
+def test_a_sweep_point_with_clients_gets_the_bench_figures_and_capacity_refuses_them(tmp_path: Path) -> None:
+    grid = tmp_path / "grid.toml"
+    grid.write_text('model = "qwen2.5-7b"\ndevice = "ascend-910b3"\ntrace = "demo"\nmax_requests = 12\n'
+                    "[grid]\napi_server = [false, true]\n")
+    result = CliRunner().invoke(main, ["sweep", str(grid), "--out", str(tmp_path / "sweep"), "--jobs", "1", "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader((tmp_path / "sweep" / "sweep.csv").open()))
+    assert [r["bench_ttft_median"] == "" for r in rows] == [True, False]
+    # the API server's admission and hand-over delay every first token
+    assert float(rows[1]["bench_ttft_median"]) > float(rows[0]["ttft_s_p50"])
+    result = CliRunner().invoke(main, ["capacity", str(grid), "--out", str(tmp_path / "cap"), "--quiet"])
+    assert result.exit_code == 2
+    assert "api_server / max_concurrency: capacity searches open-loop arrival rates" in result.output

@@ -32,8 +32,12 @@ def load_capacity_file(path: Path, flags: dict) -> tuple[list[tuple[str, dict, o
     varied = {"request_rate", "rate_scale"} & set(grid)
     if varied:
         raise ValueError(f"{path} [grid]: capacity searches the rate itself; do not vary {sorted(varied)}")
+    points = list(expand_grid(base, grid))
+    if any(config.api_server or config.max_concurrency for _, _, config in points):
+        raise ValueError(f"{path}: api_server / max_concurrency: capacity searches open-loop arrival rates against "
+                         "engine-side latencies; the benchmark client is in simulate and sweep")
     slo = Slo(**{**slo_table, **{k: v for k, v in flags.items() if v is not None}})
-    return list(expand_grid(base, grid)), slo
+    return points, slo
 
 
 @click.command()

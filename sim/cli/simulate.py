@@ -11,7 +11,7 @@ from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.sim.cluster.routers import RouterError, make_router
 from kvsim.sim.cluster.runner import run_cluster, scaling_of
 from kvsim.sim.perf.cost_model import CostModelTimer
-from kvsim.sim.run.clients import bench_run, bench_summary, format_bench, retimed
+from kvsim.sim.run.clients import format_bench, run_with_clients
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.run_dir import check_out_dir, staged_dir
@@ -62,11 +62,7 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
                 router = make_router(config.router, config.router_params)
                 _, summary = run_cluster(resolved, trace, router, tmp, check=check, decisions=decisions)
             elif config.api_server or config.max_concurrency:  # the clients' sends, then the engine's run of them
-                sent, replay = bench_run(resolved, trace, config.api_server, config.max_concurrency)
-                bench = bench_summary(replay, trace, sent, config.api_server, config.max_concurrency)
-                engine_trace, _ = retimed(trace, replay.engine_arrival)
-                _, summary = run_trace(resolved, engine_trace, timer, tmp, check=check, progress=not quiet, decisions=decisions,
-                                       summary_extras=lambda _: {"bench": bench})
+                _, summary = run_with_clients(resolved, trace, timer, tmp, check=check, progress=not quiet, decisions=decisions)
             else:  # one instance: the router has nothing to choose
                 _, summary = run_trace(resolved, trace, timer, tmp, check=check, progress=not quiet, decisions=decisions)
     except RouterError as exc:

@@ -150,6 +150,16 @@ def bench_run(resolved: ResolvedRun, trace: Trace, api_server: bool, max_concurr
     return sent, serve(resolved, trace, sent, server, stream_s)
 
 
+def run_with_clients(resolved: ResolvedRun, trace: Trace, timer: CostModelTimer, out_dir, **options) -> tuple:
+    """The run's clients (its config's ``api_server``, ``max_concurrency``), then :func:`run_trace` of the engine's
+    arrivals they make (``options`` are its keywords): outputs as usual, plus summary.json's ``bench`` block."""
+    config = resolved.config
+    sent, replay = bench_run(resolved, trace, config.api_server, config.max_concurrency)
+    bench = bench_summary(replay, trace, sent, config.api_server, config.max_concurrency)
+    engine_trace, _ = retimed(trace, replay.engine_arrival)
+    return run_trace(resolved, engine_trace, timer, out_dir, summary_extras=lambda _: {"bench": bench}, **options)
+
+
 def bench_metric(metric: str, replay: Replay, prompts: np.ndarray, outputs: np.ndarray, sent: np.ndarray) -> float:
     """One of :data:`METRICS`, by vLLM's benchmark definitions (module docstring), over the requests
     that completed (the benchmark's successful ones; a rejected request has NaN times)."""

@@ -87,6 +87,7 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
     sweep goes on.
     """
     from kvsim.sim.perf.cost_model import CostModelTimer
+    from kvsim.sim.run.clients import run_with_clients
     from kvsim.sim.run.config import load_run_trace, resolve
     from kvsim.sim.run.runner import run_trace
 
@@ -96,7 +97,8 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
         timer = CostModelTimer(resolved.cost_model())
         trace = load_run_trace(config)
         with staged_dir(Path(out_dir) / point_dir_name(name)) as tmp:
-            _, summary = run_trace(resolved, trace, timer, tmp)
+            clients = config.api_server or config.max_concurrency
+            _, summary = (run_with_clients if clients else run_trace)(resolved, trace, timer, tmp)
     except Exception as exc:  # recorded in sweep.csv: one bad point must not lose the others
         return {**row, "status": "failed", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
     row.update({"status": "ok", "error": ""})
@@ -105,6 +107,7 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
         row[f"{metric}_p50"] = summary[metric]["p50"]
         row[f"{metric}_p99"] = summary[metric]["p99"]
     row["warnings"] = ";".join(w["kind"] for w in summary["warnings"])
+    row.update({f"bench_{k}": v for k, v in summary.get("bench", {}).items() if k not in ("api_server", "max_concurrency")})
     return row
 
 
