@@ -204,13 +204,15 @@ def report_lines(result: Profile) -> list[str]:
     lines = [f"{'fit':<28}{'samples':>8}{'MAPE':>8}{'max':>8}"]
     lines += [f"{e.name:<28}{e.samples:>8}{e.mape:>8.1%}{e.max_error:>8.1%}" for e in result.errors]
     layout = "padded to the batch's longest sequence" if result.device.padded_attention else "exact (no padding)"
-    lines.append(f"attention work: {layout}")
+    chain = result.device.operators["decode_chain"].call_s
+    walk = f"; decode walks the longest sequence's blocks at {chain * 1e6:.2f} us a block per layer" if chain else ""
+    lines.append(f"attention work: {layout}{walk}")
     gemv = result.device.gemv_rows
     lines.append(f"matrix products: {f'fewer than {gemv} rows run one row at a time, ' if gemv else ''}"
                  f"small-M efficiency half at {result.device.operators['gemm'].shape:g} tokens")
     if result.device.row_count_s:
         terms = ", ".join(f"{rows}: {seconds * 1e3:.2f} ms" for rows, seconds in sorted(result.device.row_count_s.items()))
-        lines.append(f"steps of a few tokens, time beyond the operators (row-count terms): {terms}")
+        lines.append(f"steps of a few tokens, time beyond (-: short of) the operators (row-count terms): {terms}")
     lines.append(f"timing noise (mean |run / median - 1|): operators {result.operator_noise:.1%}, steps {result.step_noise:.1%}")
     lines.append(f"profiled in {result.seconds:.0f} s")
     return lines
