@@ -205,7 +205,7 @@ def report_lines(result: Profile) -> list[str]:
     lines += [f"{e.name:<28}{e.samples:>8}{e.mape:>8.1%}{e.max_error:>8.1%}" for e in result.errors]
     layout = "padded to the batch's longest sequence" if result.device.padded_attention else "exact (no padding)"
     chain = result.device.operators["decode_chain"].call_s
-    walk = f"; decode walks the longest sequence's blocks at {chain * 1e6:.2f} us a block per layer" if chain else ""
+    walk = f"; decode walks the longest sequence's blocks at {chain * 1e6:.3g} us a block per layer" if chain > 1e-9 else ""
     lines.append(f"attention work: {layout}{walk}")
     gemv = result.device.gemv_rows
     lines.append(f"matrix products: {f'fewer than {gemv} rows run one row at a time, ' if gemv else ''}"
