@@ -193,3 +193,15 @@ def test_simulate_reports_the_tiers_only_when_on(tmp_path) -> None:
     assert on["prefix_hit_rate"] > off["prefix_hit_rate"]
     assert tiers["bytes"]["hbm_to_host"] > 0 and tiers["bytes"]["host_to_hbm"] > 0
     assert on["config"]["resolved"]["kv_tier_blocks"]["host"] == tiers["host_capacity_blocks"]
+
+
+def test_tier_keys_in_a_run_toml(tmp_path) -> None:
+    from kvsim.sim.run.config import load_run_config
+
+    path = tmp_path / "run.toml"
+    path.write_text("kv_offload_host_gb = 16\nkv_offload_ssd_gb = 64.5\nkv_prefetch_steps = 3\n")
+    config = load_run_config(path)
+    assert (config.kv_offload_host_gb, config.kv_offload_ssd_gb, config.kv_prefetch_steps) == (16, 64.5, 3)
+    path.write_text("kv_prefetch_steps = 1.5\n")
+    with pytest.raises(ValueError, match="kv_prefetch_steps"):
+        load_run_config(path)
