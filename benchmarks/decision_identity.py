@@ -42,7 +42,8 @@ ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_p
                      "enforce_eager": None, "async_scheduling": None, "engine_core": "v1", "api_server": False,
                      "max_concurrency": 0, "instances": 1,
                      "router": "round-robin", "router_params": {}, "router_staleness_s": 0.0, "autoscaler": "",
-                     "autoscaler_params": {}}
+                     "autoscaler_params": {}, "kv_offload_host_gb": 0.0, "kv_offload_ssd_gb": 0.0,
+                     "kv_prefetch_steps": 1}
 
 
 def workloads() -> dict[str, list[str]]:

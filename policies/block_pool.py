@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
+from collections.abc import Callable
 
 _COMPACT_AT = 4096  # consumed entries dropped from the list's front once this many and half of it
 
@@ -35,6 +36,8 @@ class BlockPool:
         self._stale = 0  # entries at or after the head that are not live
         self.num_cached_free = 0  # free blocks that still hold a cached prefix
         self.evictions = 0
+        # Told the prefix of each evicted cached block (KV tiers demote it); None: it just vanishes.
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -73,6 +76,8 @@ class BlockPool:
         if h is not None:
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.on_evict is not None:
+                    self.on_evict(h)
             self.block_hash[block] = None
             self.num_cached_free -= 1
             self.evictions += 1

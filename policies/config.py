@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from kvsim.policies.kv_tiers import TierConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +27,7 @@ class EngineConfig:
     # ceil(seq_len / block_size) exceeds the cache's block count, even when prefix sharing
     # makes the distinct blocks fewer. On, a step never schedules such a batch.
     batch_blocks_within_pool: bool = False
+    kv_tiers: TierConfig | None = None  # host DRAM and SSD under the pool (policies.kv_tiers); None: off
 
     def __post_init__(self) -> None:
         problems = []

@@ -132,7 +132,12 @@ class EngineCore:
             block_size=config.block_size,
             num_host_blocks=config.num_host_blocks,
             max_model_len=config.max_model_len,
+            kv_tiers=config.kv_tiers,
         )
+        # The tiers under the pool (None: off), whose transfers the simulator times each step.
+        self.kv_tiers = getattr(self.kv, "tiers", None)
+        if config.kv_tiers is not None and self.kv_tiers is None:
+            raise ValueError(f"block manager {config.block_manager!r} keeps no KV tiers; KV offloading needs 'prefix'")
         self._watermark_blocks = config.watermark_blocks
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue(self.policy.queue_key)

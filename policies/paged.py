@@ -6,6 +6,10 @@ a new request reuses every leading cached block (ref count + 1, no copy); blocks
 ref count drops to zero stay cached and sit in an LRU free queue, evicted from its head
 only when an allocation needs room; a fork shares every block, and a write into a shared,
 partially filled block copies it first (copy-on-write).
+
+With KV tiers (``kv_tiers``, ``prefix`` only: ``policies.kv_tiers``) an evicted cached block
+demotes to host memory or SSD, and a lookup goes on past HBM's last hit through the blocks the
+tiers hold; admission gives those fresh device blocks (a promotion) instead of recomputing them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from kvsim.policies.block_manager import BlockManager, DecodeFastPath, DecodeOut
 from kvsim.policies.block_pool import BlockPool
 from kvsim.policies.blocks import cdiv
 from kvsim.policies.hashing import check_block_size_compatible, extend_block_hashes
+from kvsim.policies.kv_tiers import KVTiers, TierConfig
 from kvsim.policies.registry import register_block_manager
 from kvsim.policies.request import Request
 
@@ -26,9 +31,16 @@ _num_computed = attrgetter("num_computed_tokens")
 class PagedBlockManager(BlockManager, DecodeFastPath):
     enable_caching = False
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 kv_tiers: TierConfig | None = None) -> None:
         super().__init__(num_blocks, block_size, num_host_blocks)
         self.pool = BlockPool(num_blocks)
+        self.tiers: KVTiers | None = None
+        if kv_tiers is not None:
+            if not self.enable_caching:
+                raise ValueError("KV tiers hold cached prefixes: they need the prefix block manager, not paged")
+            self.tiers = KVTiers(kv_tiers)
+            self.pool.on_evict = self.tiers.demote
         self.tables: dict[str, list[int]] = {}
         self.hashes: dict[str, list[int]] = {}  # each request's block-hash chain so far
         self.num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
@@ -42,9 +54,12 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
     def num_available_blocks(self) -> int:
         return self.pool.num_free
 
-    def _hit_blocks(self, request: Request, num_hit_tokens: int) -> list[int]:
-        hashes = self.hashes[request.request_id]
-        return [self.pool.cached[hashes[j]] for j in range(num_hit_tokens // self.block_size)]
+    def _hit_blocks(self, request: Request, num_hit_tokens: int) -> list[int | None]:
+        """The device blocks of the hit; with tiers, None where a tier holds the block instead."""
+        hashes, cached = self.hashes[request.request_id], self.pool.cached
+        if self.tiers is None:
+            return [cached[hashes[j]] for j in range(num_hit_tokens // self.block_size)]
+        return [cached.get(hashes[j]) for j in range(num_hit_tokens // self.block_size)]
 
     def _needs_copy(self, table: list[int], first_write: int) -> bool:
         idx = first_write // self.block_size
@@ -57,6 +72,8 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
         evictable_hits = 0
         if num_hit_tokens:
             hit_blocks = self._hit_blocks(request, num_hit_tokens)
+            if self.tiers is not None:  # a block promoted from a tier takes a fresh one: it stays in ``new``
+                hit_blocks = [b for b in hit_blocks if b is not None]
             new -= len(hit_blocks)
             evictable_hits = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
         return max(0, new) + self._needs_copy(table, first_write) + evictable_hits
@@ -70,8 +87,13 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(self.hashes.setdefault(request.request_id, []), request, max_blocks, self.block_size)
         hits = 0
-        while hits < max_blocks and hashes[hits] in self.pool.cached:
+        cached = self.pool.cached
+        while hits < max_blocks and hashes[hits] in cached:
             hits += 1
+        tiers = self.tiers
+        if tiers is not None:
+            while hits < max_blocks and (hashes[hits] in cached or hashes[hits] in tiers):
+                hits += 1
         return hits * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_hit_tokens: int = 0) -> bool:
@@ -97,9 +119,13 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
             else:
                 self.resume_hit_blocks += num_hit_tokens // self.block_size
         if num_hit_tokens:
-            for block in self._hit_blocks(request, num_hit_tokens):
-                self.pool.touch(block)
-                table.append(block)
+            hit_blocks = self._hit_blocks(request, num_hit_tokens)
+            for block in hit_blocks:
+                if block is not None:
+                    self.pool.touch(block)
+            if self.tiers is not None and None in hit_blocks:
+                self._promote(request, hit_blocks)
+            table += hit_blocks
             self.num_table_blocks += num_hit_tokens // self.block_size
             self.num_registered[seq] = len(table)
         first_write = request.num_computed_tokens + num_hit_tokens
@@ -119,6 +145,22 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
             self._register_full_blocks(request, table, min(total, request.num_tokens) // self.block_size)
         return True
 
+    def _promote(self, request: Request, hit_blocks: list[int | None]) -> None:
+        """Fresh device blocks, indexed by their prefix, for the hit's blocks a tier holds (the
+        Nones of ``hit_blocks``, filled in place); the device hits are referenced already, so the
+        allocations cannot evict them, and the promoted prefixes leave their tiers first, so the
+        demotions the allocations cause cannot push them further down."""
+        hashes = self.hashes[request.request_id]
+        missing = [j for j, block in enumerate(hit_blocks) if block is None]
+        from_host, from_ssd = self.tiers.promote([hashes[j] for j in missing], request.arrival_s)
+        if request.num_preemptions == 0:  # as the prefix hit rate: first admissions only
+            self.tiers.stats.host_tokens += from_host * self.block_size
+            self.tiers.stats.ssd_tokens += from_ssd * self.block_size
+        for j in missing:
+            block = self.pool.allocate()
+            self.pool.cache(block, hashes[j])
+            hit_blocks[j] = block
+
     def _register_full_blocks(self, request: Request, table: list[int], num_full: int) -> None:
         seq = request.request_id
         start = self.num_registered[seq]
@@ -127,6 +169,8 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
         hashes = extend_block_hashes(self.hashes.setdefault(seq, []), request, num_full, self.block_size)
         for j in range(start, num_full):
             self.pool.cache(table[j], hashes[j])
+        if self.tiers is not None:  # a prefix computed again (its request was admitted before it demoted)
+            self.tiers.supersede(hashes[start:num_full], self.pool.cached)
         self.num_registered[seq] = num_full
 
     def _free_device(self, request: Request) -> None:
@@ -227,6 +271,8 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
             )
             for block in table:
                 holders[block] += 1
+        if self.tiers is not None:
+            self.tiers.check(self.pool.cached.keys())
         assert set(self.tables) <= {r.request_id for r in live}, "a table belongs to no live request"
         assert self.num_table_blocks == sum(map(len, self.tables.values())), "table block count out of step"
         self.pool.check_invariants(holders)

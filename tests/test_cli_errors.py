@@ -62,6 +62,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "ep without experts": ([*sim, "--model", "qwen3-32b", "-tp", "2", "--enable-expert-parallel", *out],
                                ["--enable-expert-parallel", "not an MoE model"]),
         "parallel on the real executor": (["validate", "-tp", "2", *out], ["real executor runs one device"]),
+        "kv tiers on the real executor": (["execute", "--kv-offload-host-gb", "1", *out], ["--kv-offload-host-gb", "simulated only"]),
         "memory model is a directory": (["memory", "--model", str(tmp / "a_dir"), "--device", "ascend-910b3"], ["a_dir"]),
         "block size vs trace hash block size": (
             ["simulate", "--quiet", "--trace", "mooncake_500", "--block-size", "100", *out], ["block_size 100", "hash block size"]),

@@ -62,7 +62,7 @@ def open_backend(name: str, enforce_eager: bool = False) -> KernelBackend:
 
 def require_executor_setup(config: RunConfig) -> None:
     """What the real executor runs: one device, vLLM V1's synchronous steps. A parallel layout,
-    async scheduling and the V0 engine are the simulator's alone for now."""
+    async scheduling, the V0 engine, the benchmark client and KV tiers are the simulator's alone for now."""
     sizes = (config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size)
     if sizes != (1, 1, 1) or config.enable_expert_parallel:
         raise UserError("--tensor/pipeline/data-parallel-size, --enable-expert-parallel: the real executor runs one "
@@ -73,6 +73,9 @@ def require_executor_setup(config: RunConfig) -> None:
     if config.api_server or config.max_concurrency:
         raise UserError("--api-server, --max-concurrency: the real executor replays the trace's arrivals into the engine; "
                         "the benchmark client and API server are simulated only")
+    if config.kv_offload_host_gb or config.kv_offload_ssd_gb:
+        raise UserError("--kv-offload-host-gb, --kv-offload-ssd-gb: the real executor keeps KV in device memory only; "
+                        "KV tiers are simulated only (kvsim simulate)")
 
 
 def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:

@@ -94,6 +94,13 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--max-num-batched-tokens",), "max_num_batched_tokens", {"type": int, "help": "Token budget per step."}),
     (("--preemption-mode",), "preemption_mode", {"type": click.Choice(["recompute", "swap"])}),
     (("--swap-space",), "swap_space_gb", {"type": float, "help": "Host swap space in GiB."}),
+    (("--kv-offload-host-gb",), "kv_offload_host_gb",
+     {"type": float, "help": "Host DRAM tier under the KV pool, GiB per device: evicted prefix blocks demote to it "
+                             "(LMCache / vllm-ascend KV offloading); 0: none."}),
+    (("--kv-offload-ssd-gb",), "kv_offload_ssd_gb",
+     {"type": float, "help": "SSD tier below the host tier, GiB per device; 0: none."}),
+    (("--kv-prefetch-steps",), "kv_prefetch_steps",
+     {"type": int, "help": "Steps ahead of a request's admission that its tier hits start loading (0: at admission)."}),
     (("--watermark",), "watermark", {"type": float, "help": "Fraction of blocks admission keeps free."}),
     (("--max-waiting",), "max_waiting", {"type": int, "help": "Waiting-queue cap (0: none); beyond it requests are rejected."}),
     (("--seed",), "seed", {"type": int}),

@@ -15,6 +15,10 @@ Layout::
     interconnect_bandwidth = 1.96e11  # B/s device <-> device (0: none)
     launch_overhead_s = 3e-6          # fixed cost of one kernel launch
     runtime_reserve_bytes = 1073741824  # memory the runtime holds outside the framework's allocator
+    host_memory_bytes = 137438953472  # optional: host DRAM per device (its share of the server's)
+    host_link_latency_s = 1e-5        # optional: fixed cost of one host -> device transfer
+    ssd_bandwidth = 6.8e9             # optional: B/s one way, the local NVMe SSD -> host
+    ssd_latency_s = 1e-4              # optional: fixed cost of one SSD read
     padded_attention = false          # optional: attention pads a batch to its longest sequence
     gemv_rows = 0                     # optional: matrix products of fewer rows run one row at a time
                                       # optional [row_count_s]: "2" = 2.1e-3 (seconds a step of that
@@ -104,6 +108,13 @@ _SCALAR_FIELDS: dict[str, type] = {
     "runtime_reserve_bytes": int,
 }
 _MAY_BE_ZERO = frozenset({"interconnect_bandwidth", "launch_overhead_s", "runtime_reserve_bytes"})
+# What the KV tiers below HBM read (policies/kv_tiers.py); optional, 0 where a file does not state them.
+_TIER_FIELDS: dict[str, type] = {
+    "host_memory_bytes": int,
+    "host_link_latency_s": float,
+    "ssd_bandwidth": float,
+    "ssd_latency_s": float,
+}
 
 
 @dataclass(frozen=True)
@@ -171,6 +182,12 @@ class DeviceProfile:
     engine: EngineProfile | None = None
     # How devices are wired inside and between nodes (sim/perf/topology.py); None: a single device.
     topology: Topology | None = None
+    # The KV tiers' figures (host DRAM per device, the host link's latency, the SSD's bandwidth and
+    # latency); 0: not stated, and a run that needs one says so.
+    host_memory_bytes: int = 0
+    host_link_latency_s: float = 0.0
+    ssd_bandwidth: float = 0.0
+    ssd_latency_s: float = 0.0
 
     def matrix_peak(self, dtype: str) -> float:
         try:
@@ -257,6 +274,7 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     path = Path(path)
     lines = [f"name = {_toml_str(profile.name)}", f"source = {_toml_str(profile.source)}"]
     lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _SCALAR_FIELDS]
+    lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _TIER_FIELDS if getattr(profile, key)]
     lines.append(f"padded_attention = {'true' if profile.padded_attention else 'false'}")
     if profile.attention_query_tile:
         lines.append(f"attention_query_tile = {profile.attention_query_tile}")
@@ -303,6 +321,9 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     values: dict = {"name": str(data.get("name", path.stem)), "source": str(data.get("source", ""))}
     for key, kind in _SCALAR_FIELDS.items():
         values[key] = _number(data, key, kind, path, "", allow_zero=key in _MAY_BE_ZERO)
+    for key, kind in _TIER_FIELDS.items():
+        if key in data:
+            values[key] = _number(data, key, kind, path, "", allow_zero=True)
     values["padded_attention"] = data.get("padded_attention", False)
     if not isinstance(values["padded_attention"], bool):
         raise ValueError(f"{path}: field padded_attention must be true or false, got {values['padded_attention']!r}")

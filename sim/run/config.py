@@ -23,6 +23,7 @@ from kvsim import traces
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.hashing import check_block_size_compatible
+from kvsim.policies.kv_tiers import TierConfig, TierSpec
 from kvsim.sim.parallel.layout import ParallelLayout
 from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
 from kvsim.sim.parallel.rank_cost import ParallelCostModel
@@ -85,6 +86,11 @@ class RunConfig:
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"
     swap_space_gb: float = 4.0  # vLLM's default swap space
+    # KV tiers below HBM (policies/kv_tiers.py), GiB per device as swap_space: evicted prefix blocks
+    # demote to host DRAM, then SSD; hits promote, prefetched this many steps ahead. 0 GiB: no tier.
+    kv_offload_host_gb: float = 0.0
+    kv_offload_ssd_gb: float = 0.0
+    kv_prefetch_steps: int = 1
     watermark: float = 0.0
     max_waiting: int = 0
     long_prefill_token_threshold: int = 0
@@ -161,6 +167,11 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("max_num_batched_tokens", "must be >= 1", c.max_num_batched_tokens >= 1),
         ("preemption_mode", "must be recompute or swap", c.preemption_mode in ("recompute", "swap")),
         ("swap_space_gb", "must be a finite number >= 0 (GiB)", math.isfinite(c.swap_space_gb) and c.swap_space_gb >= 0),
+        ("kv_offload_host_gb", "must be a finite number >= 0 (GiB; 0: no host tier)",
+         math.isfinite(c.kv_offload_host_gb) and c.kv_offload_host_gb >= 0),
+        ("kv_offload_ssd_gb", "must be a finite number >= 0 (GiB; 0: no SSD tier)",
+         math.isfinite(c.kv_offload_ssd_gb) and c.kv_offload_ssd_gb >= 0),
+        ("kv_prefetch_steps", "must be >= 0 (0: a promotion starts at the step that needs it)", c.kv_prefetch_steps >= 0),
         ("watermark", "must be in [0, 1)", 0 <= c.watermark < 1),
         ("max_waiting", "must be >= 0 (0: no cap)", c.max_waiting >= 0),
         ("tensor_parallel_size", "must be >= 1", c.tensor_parallel_size >= 1),
@@ -271,6 +282,9 @@ class ResolvedRun:
             if "moe" in facts:
                 facts["moe"]["routing"] = self.routing().describe()
             resolved["model"] = facts
+        tiers = self.engine_config.kv_tiers
+        if tiers is not None:
+            resolved["kv_tier_blocks"] = {"host": tiers.host.capacity_blocks, "ssd": tiers.ssd.capacity_blocks}
         if not self.layout.is_single_device:
             resolved["parallel"] = {"layout": self.layout.describe(), "world_size": self.layout.world_size,
                                     "expert_parallel_size": self.layout.expert_parallel_size,
@@ -316,10 +330,41 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         max_waiting=config.max_waiting,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         batch_blocks_within_pool=config.batch_blocks_within_pool,
+        kv_tiers=kv_tiers(config, device, memory.bytes_per_block, dp),
     )
     resolved = ResolvedRun(config, model, device, memory, engine_config, layout)
     _check_policies(resolved)
     return resolved
+
+
+def kv_tiers(config: RunConfig, device: DeviceProfile, bytes_per_block: int, dp: int) -> TierConfig | None:
+    """The tiers under the pool from the run's sizes and the device's figures; None with both sizes 0.
+
+    Sizes are per device as ``swap_space``; each must fit what the device file states (host
+    DRAM per device) and the device must state the figures its tier reads. An SSD block reaches
+    HBM through host memory: the slower of the SSD and the host link, both latencies.
+    """
+    host_gb, ssd_gb = config.kv_offload_host_gb, config.kv_offload_ssd_gb
+    if not host_gb and not ssd_gb:
+        return None
+    if config.normalized().block_manager != "prefix":
+        raise ValueError(f"kv_offload_host_gb / kv_offload_ssd_gb: KV tiers hold cached prefixes and need "
+                         f"block_manager 'prefix', not {config.normalized().block_manager!r}")
+    if host_gb and not device.host_memory_bytes:
+        raise ValueError(f"kv_offload_host_gb = {host_gb!r}: device {device.name} states no host_memory_bytes")
+    if host_gb * GIB > device.host_memory_bytes:
+        raise ValueError(f"kv_offload_host_gb = {host_gb!r}: larger than the host memory of device {device.name} "
+                         f"({device.host_memory_bytes / GIB:g} GiB per device)")
+    if ssd_gb and not device.ssd_bandwidth:
+        raise ValueError(f"kv_offload_ssd_gb = {ssd_gb!r}: device {device.name} states no ssd_bandwidth")
+
+    def blocks(gb: float) -> int:
+        return int(gb * GIB) // bytes_per_block * dp
+
+    host = TierSpec(blocks(host_gb), device.host_link_bandwidth, device.host_link_latency_s)
+    ssd = TierSpec(blocks(ssd_gb), min(device.ssd_bandwidth, device.host_link_bandwidth),
+                   device.ssd_latency_s + device.host_link_latency_s)
+    return TierConfig(host, ssd, bytes_per_block, config.kv_prefetch_steps)
 
 
 def _check_policies(resolved: ResolvedRun) -> None:

@@ -56,7 +56,10 @@ class SimRun:
         return list(self.engine.requests.values())
 
     def summary(self) -> dict:
-        out = summarize(self.requests, self.times, self.steps, self.engine.config.num_blocks, self.engine.kv_stats())
+        stats = self.engine.kv_stats()
+        out = summarize(self.requests, self.times, self.steps, self.engine.config.num_blocks, stats)
+        if self.engine.kv_tiers is not None:
+            out["kv_tiers"] = self.engine.kv_tiers.summary(stats.prefix_query_tokens, stats.prefix_hit_tokens)
         out["wall_s"] = self.wall_s
         return out
 
@@ -108,12 +111,14 @@ class Simulation:
     def _engine_process(self):
         """Admit what has arrived, run one step, repeat; with nothing to run, sleep until an arrival.
 
-        A step is schedule -> step timer -> (swap on the host link) -> timeout -> commit, written
+        A step is schedule -> step timer -> (swap on the host link) -> (the wait for KV promoted
+        from host or SSD tiers that has not arrived by the step's start) -> timeout -> commit, written
         out here rather than in nested generators: a generator a step is a visible share of the
         simulator's time on long traces.
         """
         engine, env, arrivals = self.engine, self.env, self._arrivals
         schedule, timer_step, detail = engine.schedule, self.timer.step, self.plan_detail
+        tiers = engine.kv_tiers
         while True:
             self._admit_arrivals()
             if not engine.has_unfinished():
@@ -143,6 +148,8 @@ class Simulation:
                     with self.host_link.request() as link:
                         yield link
                         yield env.timeout(swap_s)
+                if tiers is not None:
+                    duration += tiers.exposed_s(start)
             now = self.clock = start + duration
             if now > env.now:
                 yield env.timeout(now - env.now)
