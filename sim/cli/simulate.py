@@ -9,7 +9,7 @@ import click
 from kvsim.cli.errors import UserError, user_errors
 from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.sim.cluster.routers import RouterError, make_router
-from kvsim.sim.cluster.runner import run_cluster, scaling_of
+from kvsim.sim.cluster.runner import pd_setup_of, run_cluster, scaling_of
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.outputs import format_summary
@@ -27,6 +27,10 @@ def prepare(config: RunConfig):
         timer = CostModelTimer(resolved.cost_model())
         make_router(config.router, config.router_params)  # a router that cannot be built is the input's mistake
         scaling_of(resolved)  # ... or an autoscaler
+        if pd_setup_of(resolved) is not None:  # ... or P/D pools that the topology cannot link
+            make_router(config.decode_router, config.decode_router_params)
+            if trace.n_samples is not None and (trace.n_samples > 1).any():
+                raise ValueError(f"prefill_instances: P/D pools serve one sample a request; {config.trace} has n_samples > 1")
     return resolved, trace, timer
 
 
@@ -51,7 +55,7 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
         stage = staged_dir(out_dir, overwrite)
     try:
         with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
-            if config.instances > 1 or config.autoscaler:
+            if config.instances > 1 or config.autoscaler or config.disaggregated:
                 router = make_router(config.router, config.router_params)
                 _, summary = run_cluster(resolved, trace, router, tmp, check=check, decisions=decisions)
             else:  # one instance: the router has nothing to choose
