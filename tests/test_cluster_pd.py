@@ -110,7 +110,7 @@ def test_layerwise_transfer_exposes_only_what_the_prefill_does_not_hide() -> Non
 def test_decode_admission_never_starts_before_its_kv_arrived() -> None:
     run = _pd(MOONCAKE.updated(max_requests=80, rate_scale=4.0, decode_instances=2, num_blocks=600), check=True)
     checked = 0
-    for d, one in enumerate(run.runs[run.num_prefill:]):
+    for one in run.runs[run.num_prefill:]:
         for r in one.requests:
             if r.admitted_step < 0:
                 continue
