@@ -41,7 +41,9 @@ ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_p
                      "pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False,
                      "enforce_eager": None, "async_scheduling": None, "engine_core": "v1", "instances": 1,
                      "router": "round-robin", "router_params": {}, "router_staleness_s": 0.0, "autoscaler": "",
-                     "autoscaler_params": {}}
+                     "autoscaler_params": {}, "prefill_instances": 0, "decode_instances": 0, "decode_router": "least-requests",
+                     "decode_router_params": {}, "decode_tensor_parallel_size": 0, "kv_connector": "after-prefill",
+                     "kv_link": "auto"}
 
 
 def workloads() -> dict[str, list[str]]:
