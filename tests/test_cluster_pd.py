@@ -178,3 +178,13 @@ def test_pools_across_nodes_need_a_network(tmp_path: Path) -> None:
     result = _simulate(tmp_path, "--prefill-instances", "1", "--decode-instances", "1", "--kv-link", "inter",
                        "--device", str(tmp_path / "isolated.toml"))
     assert result.exit_code == 2 and "kv_link = 'inter'" in result.output and "inter_bandwidth = 0" in result.output
+
+
+def test_the_decode_pool_may_have_its_own_tensor_parallel_size() -> None:
+    run = _pd(MOONCAKE.updated(max_requests=20, decode_tensor_parallel_size=2), check=True)
+    _check_conservation(run, 20)
+    prefill_blocks = {one.engine.config.num_blocks for one in run.runs[:2]}
+    decode_blocks = {one.engine.config.num_blocks for one in run.runs[2:]}
+    assert len(prefill_blocks) == len(decode_blocks) == 1 and decode_blocks != prefill_blocks
+    assert resolve(MOONCAKE).device.topology.devices_per_node >= 2 + 3 * 2  # 8 NPUs: one node, HCCS
+    assert all(t.link == "intra" for t in run.transfers.values())

@@ -72,6 +72,8 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--decode-instances",), "decode_instances",
      {"type": int, "help": "P/D disaggregation: instances that generate after the prompt's KV arrived. [default: 0]"}),
     (("--decode-router",), "decode_router", {"help": "Which decode instance takes each request (the --router names)."}),
+    (("--decode-tensor-parallel-size", "-dtp"), "decode_tensor_parallel_size",
+     {"type": int, "help": "P/D: the decode instances' TP (0: --tensor-parallel-size's)."}),
     (("--kv-connector",), "kv_connector",
      {"type": click.Choice(["after-prefill", "layerwise"]),
       "help": "P/D: the KV moves once the prefill ends, or layer by layer during it (Mooncake / vllm-ascend layerwise)."}),
