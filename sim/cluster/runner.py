@@ -102,7 +102,7 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
                                  "retired": sum(t is not None for t in run.retired_s)}
     summary["config"] = resolved.to_dict()
     summary["memory"] = resolved.memory.to_dict()  # each instance's
-    requests = [r for one in run.runs for r in one.requests]
+    requests = run.user_requests()
     first = {}
     for one in run.runs:
         first.update(one.times.first_scheduled)
