@@ -88,6 +88,7 @@ def test_one_transfer_takes_latency_plus_bytes_over_the_links_bandwidth(kv_link:
     assert transfer.delay_s == pytest.approx(latency + nbytes / (bandwidth * efficiency), rel=1e-9)
     (row,) = run.request_tuples()
     assert row[PD_REQUEST_COLUMNS.index("kv_transfer_s")] == pytest.approx(transfer.delay_s)
+    assert row[PD_REQUEST_COLUMNS.index("max_itl_s")] > transfer.delay_s  # the user waits for the KV between tokens 1 and 2
 
 
 def test_layerwise_transfer_exposes_only_what_the_prefill_does_not_hide() -> None:

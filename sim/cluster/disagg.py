@@ -37,7 +37,7 @@ from kvsim.sim.cluster.kv_transfer import PoolPlacement, exposed_s
 from kvsim.sim.cluster.routers import ClusterView, Router
 from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun
-from kvsim.sim.run.metrics import REQUEST_COLUMNS, distribution
+from kvsim.sim.run.metrics import REQUEST_COLUMNS, TokenTimes, distribution
 from kvsim.sim.run.simulator import SimOptions, Simulation, cyclic_gc_paused
 from kvsim.traces.schema import Trace
 
@@ -184,7 +184,7 @@ class PDClusterSimulation:
             sim.on_ended = self._prefill_ended(i)
         for i, sim in enumerate(self.decode):
             sim.serve_routed()
-            sim.add_row = self._add_decode_row
+            sim.add_row = self._decode_adder(sim.times)
             sim.on_ended = self._decode_ended(i)
 
     # --- routing ---------------------------------------------------------------------------
@@ -267,14 +267,17 @@ class PDClusterSimulation:
                 sim.feeding_over()
 
     # --- the decode side -----------------------------------------------------------------------
-    def _add_decode_row(self, engine: EngineCore, trace: Trace, row: int) -> Request:
-        """The row as its decode instance takes it: the prompt's KV delivered, the first token sampled."""
-        request = add_trace_request(engine, trace, row)
-        if request.status is Status.WAITING:
-            request.external_tokens = request.prompt_tokens
-            request.num_output_tokens = 1
-            request.first_token_s = self.first_token_s[row]
-        return request
+    def _decode_adder(self, times: TokenTimes):
+        def add_decode_row(engine: EngineCore, trace: Trace, row: int) -> Request:
+            """The row as its decode instance takes it: the prompt's KV delivered, the first token sampled."""
+            request = add_trace_request(engine, trace, row)
+            if request.status is Status.WAITING:
+                request.external_tokens = request.prompt_tokens
+                request.num_output_tokens = 1
+                request.first_token_s = self.first_token_s[row]
+                times.last_token[request.request_id] = request.first_token_s  # the next gap carries the transfer
+            return request
+        return add_decode_row
 
     def _decode_ended(self, instance: int):
         def ended(finished: list[Request], rejected: list[tuple[str, str]]) -> None:
