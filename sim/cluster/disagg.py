@@ -11,8 +11,11 @@ stay cached afterwards). The decode instance admits the request once its KV has 
 free blocks for the prompt and the next token (``Request.external_tokens``: delivered, not
 computed); a recompute preemption there starts over from the prompt, locally.
 
-Transfers out of one prefill instance queue on its link (one send at a time); the decode side's
-receiving link is not modelled. The decode router defaults to ``least-requests``, not ``least-kv``:
+Simplified: transfers out of one prefill instance queue on its link (one send at a time), and the
+layerwise overlap is credited from the request's first scheduled step even where it waited for the
+link; the decode side's receiving link is not modelled; the decode side allocates at admission, after
+the KV arrived, so KV that waits there for blocks is counted in neither pool (vLLM's pull connectors
+allocate first and leave it on the prefill instance meanwhile). The decode router defaults to ``least-requests``, not ``least-kv``:
 it chooses at arrival, when a decode instance's KV usage does not yet show the requests routed to it
 that are still prefilling or on the link, so least-kv sends a burst to one instance; the router's own
 in-flight counters count them from the start, as proxies count them: vLLM's toy proxy round-robins,
