@@ -43,7 +43,9 @@ ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_p
                      "max_concurrency": 0, "instances": 1,
                      "router": "round-robin", "router_params": {}, "router_staleness_s": 0.0, "autoscaler": "",
                      "autoscaler_params": {}, "kv_offload_host_gb": 0.0, "kv_offload_ssd_gb": 0.0,
-                     "kv_prefetch_steps": 1}
+                     "kv_prefetch_steps": 1, "prefill_instances": 0, "decode_instances": 0, "decode_router": "least-requests",
+                     "decode_router_params": {}, "decode_tensor_parallel_size": 0, "kv_connector": "after-prefill",
+                     "kv_link": "auto"}
 
 
 def workloads() -> dict[str, list[str]]:

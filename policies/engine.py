@@ -164,6 +164,10 @@ class EngineCore:
         self._pending_rejections: list[tuple[str, str]] = []
         self._left: list[str] = []  # requests that left the running set since the last plan was filled
         self._last_ran_all = True  # the last step ran every running request and forked none
+        # A P/D prefill instance's finished requests keep their blocks until their KV has left
+        # (:meth:`release_kv`), as vLLM's connectors delay freeing (request_finished -> delay_free_blocks).
+        self.hold_finished_kv = False
+        self.held: dict[str, Request] = {}
 
     # --- requests in and out -----------------------------------------------------------
     def add_request(
@@ -457,14 +461,16 @@ class EngineCore:
             if step.budget <= 0 or self._running_seats + request.seats > limit:
                 break
             num_hit = self.kv.lookup(request)
-            num_new = self._num_new_tokens(step, request, num_hit)
-            if num_new == 0 or not self._within_kernel_block_limit(step, num_hit + num_new):
+            num_external = max(0, request.external_tokens - num_hit)  # delivered KV: fresh blocks, nothing to compute
+            num_new = self._num_new_tokens(step, request, num_hit + num_external)
+            if num_new == 0 or not self._within_kernel_block_limit(step, num_hit + num_external + num_new):
                 break
-            if not self._room_for(self.kv.blocks_needed(request, num_new, num_hit)):
+            if not self._room_for(self.kv.blocks_needed(request, num_external + num_new, num_hit)):
                 break
-            if not self.kv.allocate_slots(request, num_new, num_hit):
+            if not self.kv.allocate_slots(request, num_external + num_new, num_hit):
                 break
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_external
+            request.external_tokens = 0
             if request.num_preemptions == 0:
                 request.prefix_hit_tokens = num_hit
             request.admitted_step = self.counters.steps
@@ -715,21 +721,34 @@ class EngineCore:
         request.status = Status.FINISHED
         request.finish_s = now
         self._leave_running(request, step)
-        self.kv.free(request)
+        if self.hold_finished_kv:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
         self.counters.finished += 1
+
+    def release_kv(self, request_id: str) -> None:
+        """A held request's KV has been sent: its blocks go back to the pool (or its prefix cache)."""
+        self.kv.free(self.held.pop(request_id))
 
     # --- observation -------------------------------------------------------------------
     def kv_counts(self) -> KVCounts:
         """(used, cached, free, internal-waste slots): what every step records."""
         computed = self._batch.ctx_sum + sum(map(_num_computed, self._loose))
-        return (*self.kv.pool_counts(), self.kv.internal_waste(self.running, computed))
+        if self.held:
+            computed += sum(map(_num_computed, self.held.values()))
+        return (*self.kv.pool_counts(), self.kv.internal_waste(self._holding(), computed))
 
     def kv_stats(self) -> KVStats:
-        return self.kv.stats(self.running)
+        return self.kv.stats(self._holding())
+
+    def _holding(self) -> list[Request]:
+        """The requests holding device blocks: the running, and finished ones whose KV is still being sent."""
+        return [*self.running, *self.held.values()] if self.held else self.running
 
     def check_invariants(self) -> None:
         """Pool bookkeeping and request state agree; raises AssertionError otherwise."""
-        self.kv.check_invariants(self.running)
+        self.kv.check_invariants(self._holding())
         for request in self.running:
             assert request.status is Status.RUNNING
             assert len(self.kv.block_table(request)) * self.kv.block_size >= request.num_computed_tokens
@@ -741,6 +760,6 @@ class EngineCore:
         assert [r for r in self.running if not r.in_decode_batch] == self._loose, "loose requests out of step"
         assert len(self._batch) + len(self._loose) == len(self.running), "decode batch out of step"
         self._batch.check(self.counters.steps)
-        if not self.has_unfinished():
+        if not self.has_unfinished() and not self.held:
             stats = self.kv_stats()
             assert stats.used == 0, f"engine drained but {stats.used} blocks are still used"

@@ -55,6 +55,9 @@ class Request:
     parent: Request | None = None
     content_id: int = -1  # ``order`` of the root request: samples share prompt identity
     trace_index: int = -1
+    # Prompt tokens whose KV a connector delivers at admission (a P/D decode instance's, computed on a
+    # prefill instance: vLLM's num_external_computed_tokens); consumed there, so a recompute starts over.
+    external_tokens: int = 0
 
     status: Status = Status.WAITING
     # Progress as stored, read through ``num_computed_tokens`` and ``num_output_tokens``: the

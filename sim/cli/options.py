@@ -73,6 +73,20 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--autoscaler",), "autoscaler",
      {"help": "Scale the cluster's instances: kv-utilization | queue | module:Class (bounds and parameters: "
               "[autoscaler_params] in --config). [default: none]"}),
+    (("--prefill-instances",), "prefill_instances",
+     {"type": int, "help": "P/D disaggregation: instances that run prompts (behind --router); with --decode-instances "
+                           "they replace --instances. [default: 0, no P/D]"}),
+    (("--decode-instances",), "decode_instances",
+     {"type": int, "help": "P/D disaggregation: instances that generate after the prompt's KV arrived. [default: 0]"}),
+    (("--decode-router",), "decode_router", {"help": "Which decode instance takes each request (the --router names)."}),
+    (("--decode-tensor-parallel-size", "-dtp"), "decode_tensor_parallel_size",
+     {"type": int, "help": "P/D: the decode instances' TP (0: --tensor-parallel-size's)."}),
+    (("--kv-connector",), "kv_connector",
+     {"type": click.Choice(["after-prefill", "layerwise"]),
+      "help": "P/D: the KV moves once the prefill ends, or layer by layer during it (Mooncake / vllm-ascend layerwise)."}),
+    (("--kv-link",), "kv_link",
+     {"type": click.Choice(["auto", "intra", "inter"]),
+      "help": "P/D: the pools' placement: packed on nodes in order (auto), one node (intra: HCCS), a node apart (inter: RoCE)."}),
     (("--scheduler",), "scheduler",
      {"help": "fcfs | chunked | priority | sjf | static | vllm-v0 (prefill-first, as vLLM V0 and vllm-ascend's "
               "AscendScheduler) | module:Class."}),

@@ -9,7 +9,7 @@ import click
 from kvsim.cli.errors import UserError, user_errors
 from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.sim.cluster.routers import RouterError, make_router
-from kvsim.sim.cluster.runner import run_cluster, scaling_of
+from kvsim.sim.cluster.runner import pd_setup_of, run_cluster, scaling_of
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.clients import format_bench, run_with_clients
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
@@ -28,8 +28,12 @@ def prepare(config: RunConfig):
         timer = CostModelTimer(resolved.cost_model())
         make_router(config.router, config.router_params)  # a router that cannot be built is the input's mistake
         scaling_of(resolved)  # ... or an autoscaler
+        if pd_setup_of(resolved) is not None:  # ... or P/D pools that the topology cannot link
+            make_router(config.decode_router, config.decode_router_params)
+            if trace.n_samples is not None and (trace.n_samples > 1).any():
+                raise ValueError(f"prefill_instances: P/D pools serve one sample a request; {config.trace} has n_samples > 1")
     if config.api_server or config.max_concurrency:
-        if config.instances > 1 or config.autoscaler:
+        if config.instances > 1 or config.autoscaler or config.disaggregated:
             raise UserError("--api-server, --max-concurrency: one instance for now (the clients of a cluster are not modelled)")
         if trace.n_samples is not None and (trace.n_samples > 1).any():
             raise UserError(f"--api-server, --max-concurrency: trace {config.trace} has requests of n > 1 samples, "
@@ -58,7 +62,7 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
         stage = staged_dir(out_dir, overwrite)
     try:
         with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
-            if config.instances > 1 or config.autoscaler:
+            if config.instances > 1 or config.autoscaler or config.disaggregated:
                 router = make_router(config.router, config.router_params)
                 _, summary = run_cluster(resolved, trace, router, tmp, check=check, decisions=decisions)
             elif config.api_server or config.max_concurrency:  # the clients' sends, then the engine's run of them

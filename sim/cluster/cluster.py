@@ -65,18 +65,27 @@ class ClusterRun:
         """Every instance's step rows with the instance, ordered by the step's end time."""
         return sorted(((row, i) for i, run in enumerate(self.runs) for row in run.steps.rows), key=lambda p: p[0][1] + p[0][2])
 
+    def user_requests(self) -> list[Request]:
+        """The requests as users see them: every instance's (a P/D cluster's: one a trace row)."""
+        return [r for run in self.runs for r in run.requests]
+
+    def prefix_stats(self) -> _SummedStats:
+        return _SummedStats([run.engine.kv_stats() for run in self.runs])
+
+    def routed_to(self, instance: int) -> int:
+        return int((self.placement == instance).sum())
+
     def summary(self) -> dict:
         per_instance = [run.summary() for run in self.runs]
-        requests = [r for run in self.runs for r in run.requests]
+        requests = self.user_requests()
         steps = StepLog([row for row, _ in self.steps_by_end])
-        stats = [run.engine.kv_stats() for run in self.runs]
         total_blocks = sum(run.engine.config.num_blocks for run in self.runs)
-        out = summarize(requests, _Gaps(self.runs), steps, total_blocks, _SummedStats(stats))
+        out = summarize(requests, _Gaps(self.runs), steps, total_blocks, self.prefix_stats())
         busy = [float(run.steps.array("duration_s").sum()) if len(run.steps) else 0.0 for run in self.runs]
         out["peak_kv_blocks_used"] = sum(s["peak_kv_blocks_used"] for s in per_instance)
         out["mean_kv_usage"] = (sum(b * s["mean_kv_usage"] for b, s in zip(busy, per_instance)) / sum(busy)) if sum(busy) else 0.0
         out["wall_s"] = self.wall_s
-        out["instances"] = [{"instance": i, "requests_routed": int((self.placement == i).sum()), **s}
+        out["instances"] = [{"instance": i, "requests_routed": self.routed_to(i), **s}
                             for i, s in enumerate(per_instance) if self.launched_s[i] is not None]
         end = out["duration_s"] + min((r.arrival_s for r in requests), default=0.0)
         seconds = sum(self._stopped(i, end) - start for i, start in enumerate(self.launched_s) if start is not None)
@@ -124,6 +133,32 @@ class _SummedStats:
         self.resume_hit_blocks = sum(s.resume_hit_blocks for s in stats)
 
 
+def instance_states(instances: list[Simulation]) -> tuple[InstanceState, ...]:
+    """A scrape of every instance's queue and KV usage."""
+    return tuple(InstanceState(len(sim.engine.waiting), len(sim.engine.running),
+                               sim.engine.kv_counts()[0] / sim.engine.config.num_blocks) for sim in instances)
+
+
+def route_request(trace: Trace, row: int) -> RouteRequest:
+    hashes = trace.hashes_of(row)
+    return RouteRequest(row, float(trace.arrival_s[row]), int(trace.prompt_tokens[row]),
+                        () if hashes is None else tuple(int(h) for h in hashes),
+                        None if trace.session_id is None else int(trace.session_id[row]))
+
+
+def checked_choice(router: Router, request: RouteRequest, view: ClusterView) -> int:
+    """The router's choice, a plug-in's failure (it raised, or named no instance) as a RouterError."""
+    name = type(router).__name__
+    try:
+        chosen = router.choose(request, view)
+    except Exception as exc:  # a plug-in's failure, named as such
+        raise RouterError(f"router {name} raised {type(exc).__name__}: {exc} (request {request_id_of(request.index)})") from None
+    if not (isinstance(chosen, (int, np.integer)) and 0 <= chosen < view.size):
+        raise RouterError(f"router {name} chose {chosen!r} for request {request_id_of(request.index)}: "
+                          f"not an instance index in [0, {view.size})")
+    return int(chosen)
+
+
 class ClusterSimulation:
     def __init__(self, trace: Trace, resolved: ResolvedRun, timers: list[StepTimer], router: Router,
                  staleness_s: float = 0.0, options: list[SimOptions] | None = None, scaling: Scaling | None = None,
@@ -168,10 +203,7 @@ class ClusterSimulation:
     def view(self) -> ClusterView:
         now = self.env.now
         if now - self._scraped_at >= self.staleness_s or not self._scrape:
-            self._scrape = tuple(
-                InstanceState(len(sim.engine.waiting), len(sim.engine.running),
-                              sim.engine.kv_counts()[0] / sim.engine.config.num_blocks)
-                for sim in self.instances)
+            self._scrape = instance_states(self.instances)
             self._scraped_at = now
         return ClusterView(self._scrape, tuple(self.in_flight), self._scraped_at,
                            () if all(self.serving) else tuple(self.serving))
@@ -182,22 +214,11 @@ class ClusterSimulation:
         for row, arrival in enumerate(arrivals):
             if arrival > env.now:
                 yield env.timeout(arrival - env.now)
-            hashes = trace.hashes_of(row)
-            request = RouteRequest(row, arrival, int(trace.prompt_tokens[row]),
-                                   () if hashes is None else tuple(int(h) for h in hashes),
-                                   None if trace.session_id is None else int(trace.session_id[row]))
-            name = type(self.router).__name__
-            try:
-                chosen = self.router.choose(request, self.view())
-            except Exception as exc:  # a plug-in's failure, named as such
-                raise RouterError(f"router {name} raised {type(exc).__name__}: {exc} (request {request_id_of(row)})") from None
-            if not (isinstance(chosen, (int, np.integer)) and 0 <= chosen < len(self.instances)):
-                raise RouterError(f"router {name} chose {chosen!r} for request {request_id_of(row)}: "
-                                  f"not an instance index in [0, {len(self.instances)})")
-            chosen = int(chosen)
+            request = route_request(trace, row)
+            chosen = checked_choice(self.router, request, self.view())
             if not self.serving[chosen]:
-                raise RouterError(f"router {name} chose instance {chosen} for request {request_id_of(row)}, which takes "
-                                  "no new requests (ClusterView.candidates lists those that do)")
+                raise RouterError(f"router {type(self.router).__name__} chose instance {chosen} for request "
+                                  f"{request_id_of(row)}, which takes no new requests (ClusterView.candidates lists those that do)")
             self.placement[row] = chosen
             self.in_flight[chosen] += 1
             self.router.routed(request, chosen)

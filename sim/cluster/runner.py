@@ -12,9 +12,11 @@ from pathlib import Path
 
 from kvsim.sim.cluster.autoscaler import DEFAULT_LOAD_BANDWIDTH, make_autoscaler
 from kvsim.sim.cluster.cluster import ClusterRun, ClusterSimulation, Scaling
-from kvsim.sim.cluster.routers import Router
+from kvsim.sim.cluster.disagg import PD_REQUEST_COLUMNS, PDClusterSimulation, PDSetup
+from kvsim.sim.cluster.kv_transfer import place_pools
+from kvsim.sim.cluster.routers import Router, make_router
 from kvsim.sim.perf.cost_model import CostModelTimer
-from kvsim.sim.run.config import ResolvedRun
+from kvsim.sim.run.config import ResolvedRun, resolve
 from kvsim.sim.run.decisions import DecisionLog
 from kvsim.sim.run.metrics import REQUEST_COLUMNS, STEP_COLUMNS
 from kvsim.sim.run.outputs import REQUESTS, STEPS, atomic_open, write_summary
@@ -40,28 +42,58 @@ def scaling_of(resolved: ResolvedRun) -> Scaling | None:
                    int(bounds.get("max_instances", 4 * config.instances)), float(bounds.get("interval_s", 10.0)), cold_start)
 
 
+def pd_setup_of(resolved: ResolvedRun) -> PDSetup | None:
+    """The P/D pools (the decode pool with its own tensor parallel size), placed on the device's
+    nodes with the links between them checked; None without P/D pools."""
+    config = resolved.config
+    if not config.disaggregated:
+        return None
+    if config.instances > 1 or config.autoscaler:
+        raise ValueError("prefill_instances / decode_instances replace instances and take no autoscaler: "
+                         f"give one or the other (instances = {config.instances}, autoscaler = {config.autoscaler!r})")
+    decode_tp = config.decode_tensor_parallel_size
+    decode = resolved if decode_tp in (0, config.tensor_parallel_size) else resolve(config.updated(tensor_parallel_size=decode_tp))
+    placement = place_pools(resolved.device.topology, resolved.device.name, config.prefill_instances,
+                            resolved.layout.world_size, config.decode_instances, decode.layout.world_size, config.kv_link)
+    return PDSetup(resolved, decode, placement, config.kv_connector)
+
+
 def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Path | None,
                 *, check: bool = False, decisions: str = "summary") -> tuple[ClusterRun, dict]:
-    """The configured instances behind ``router`` (and its autoscaler); with ``out_dir``, its files."""
+    """The configured instances behind ``router`` (and its autoscaler), or the P/D pools; with
+    ``out_dir``, its files."""
     config = resolved.config
     scaling = scaling_of(resolved)
-    instances = max(config.instances, scaling.max_instances) if scaling else config.instances
+    setup = pd_setup_of(resolved)
+    instances = config.prefill_instances + config.decode_instances if setup else config.instances
+    instances = max(instances, scaling.max_instances) if scaling else instances
     logs = []
     if out_dir is not None and decisions != "off":
         for i in range(instances):
             (out_dir / "instances" / str(i)).mkdir(parents=True, exist_ok=True)
             logs.append(DecisionLog(decisions, resolved.engine_config.block_size, out_dir / "instances" / str(i)))
     options = [SimOptions(check=check, decisions=logs[i] if logs else None) for i in range(instances)]
-    timers = [CostModelTimer(resolved.cost_model()) for _ in range(instances)]
     try:
-        run = ClusterSimulation(trace, resolved, timers, router, config.router_staleness_s, options, scaling,
-                                initial_instances=config.instances).run()
+        if setup is None:
+            timers = [CostModelTimer(resolved.cost_model()) for _ in range(instances)]
+            run = ClusterSimulation(trace, resolved, timers, router, config.router_staleness_s, options, scaling,
+                                    initial_instances=config.instances).run()
+        else:
+            p = config.prefill_instances
+            timers = [CostModelTimer(pool.cost_model()) for pool in [setup.prefill] * p + [setup.decode] * config.decode_instances]
+            decode_router = make_router(config.decode_router, config.decode_router_params)
+            run = PDClusterSimulation(trace, setup, timers[:p], timers[p:], router, decode_router, config.router_staleness_s,
+                                      options[:p], options[p:]).run()
     finally:
         for log in logs:
             log.close()
     summary = run.summary()
     summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
     summary["router"] = {"name": config.router, "instances": config.instances, "staleness_s": config.router_staleness_s}
+    if setup is not None:
+        summary["router"].update(instances=instances, decode_router=config.decode_router)
+        summary["pd"].update(connector=config.kv_connector, kv_link=config.kv_link,
+                             prefill_nodes=list(setup.placement.prefill_nodes), decode_nodes=list(setup.placement.decode_nodes))
     if scaling is not None:
         summary["autoscaler"] = {"name": config.autoscaler, "min_instances": scaling.min_instances,
                                  "max_instances": scaling.max_instances, "interval_s": scaling.interval_s,
@@ -70,7 +102,7 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
                                  "retired": sum(t is not None for t in run.retired_s)}
     summary["config"] = resolved.to_dict()
     summary["memory"] = resolved.memory.to_dict()  # each instance's
-    requests = [r for one in run.runs for r in one.requests]
+    requests = run.user_requests()
     first = {}
     for one in run.runs:
         first.update(one.times.first_scheduled)
@@ -78,7 +110,7 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_summary(out_dir, summary)
-        _write_rows(out_dir / REQUESTS, (*REQUEST_COLUMNS, "instance"), run.request_tuples())
+        _write_rows(out_dir / REQUESTS, PD_REQUEST_COLUMNS if setup else (*REQUEST_COLUMNS, "instance"), run.request_tuples())
         _write_rows(out_dir / STEPS, (*STEP_COLUMNS, "instance"), [(*row, i) for row, i in run.steps_by_end])
     return run, summary
 

@@ -73,6 +73,16 @@ class RunConfig:
     router_staleness_s: float = 0.0
     autoscaler: str = ""  # "": a fixed number of instances; else a policy (sim/cluster/autoscaler.py)
     autoscaler_params: dict = field(default_factory=dict)  # min/max_instances, interval_s, load_bandwidth, start_s, the policy's
+    # Prefill/decode disaggregation (sim/cluster/disagg.py): both > 0 replace ``instances`` with a
+    # prefill pool behind ``router`` and a decode pool behind ``decode_router``, the prompt's KV
+    # moving between them (sim/cluster/kv_transfer.py) over the device's [topology]
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    decode_router: str = "least-requests"
+    decode_router_params: dict = field(default_factory=dict)
+    decode_tensor_parallel_size: int = 0  # 0: the prefill pool's tensor_parallel_size
+    kv_connector: str = "after-prefill"  # after-prefill | layerwise
+    kv_link: str = "auto"  # auto (pools packed on nodes in order) | intra (one node) | inter (a node apart)
     scheduler: str = "fcfs"
     scheduler_params: dict = field(default_factory=dict)
     block_manager: str = "prefix"
@@ -98,6 +108,11 @@ class RunConfig:
     seed: int = 0
     enable_prefix_caching: bool | None = None  # vLLM's switch: True = block manager prefix, False = paged
     enable_chunked_prefill: bool | None = None  # vLLM's switch: the scheduler's chunked_prefill parameter
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode pools instead of ``instances`` copies."""
+        return self.prefill_instances > 0 or self.decode_instances > 0
 
     def updated(self, **overrides) -> RunConfig:
         """A copy with every override that is not None applied."""
@@ -179,6 +194,13 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("data_parallel_size", "must be >= 1", c.data_parallel_size >= 1),
         ("instances", "must be >= 1", c.instances >= 1),
         ("max_concurrency", "must be >= 0 (0: no limit)", c.max_concurrency >= 0),
+        ("prefill_instances", "must be >= 0 (0: no P/D pools)", c.prefill_instances >= 0),
+        ("decode_instances", "must be >= 0 (0: no P/D pools)", c.decode_instances >= 0),
+        ("decode_instances", "must be >= 1: a prefill pool needs a decode pool", c.prefill_instances <= 0 or c.decode_instances >= 1),
+        ("prefill_instances", "must be >= 1: a decode pool needs a prefill pool", c.decode_instances <= 0 or c.prefill_instances >= 1),
+        ("decode_tensor_parallel_size", "must be >= 0 (0: tensor_parallel_size)", c.decode_tensor_parallel_size >= 0),
+        ("kv_connector", "must be after-prefill or layerwise", c.kv_connector in ("after-prefill", "layerwise")),
+        ("kv_link", "must be auto, intra or inter", c.kv_link in ("auto", "intra", "inter")),
         ("router_staleness_s", "must be a finite number >= 0 (seconds)", math.isfinite(c.router_staleness_s) and c.router_staleness_s >= 0),
         ("engine_core", f"must be one of {', '.join(ENGINE_CORES)}", c.engine_core in ENGINE_CORES),
         ("quantization", f"must be one of {', '.join(QUANTIZATIONS)}", c.quantization in (None, *QUANTIZATIONS)),

@@ -92,6 +92,8 @@ class Simulation:
         self._rows: list[int] | None = None  # the trace rows this engine serves, in arrival order; None: all
         self._fed = True  # no arrival is still to be handed to this engine
         self.on_ended: Callable[[list[Request], list[tuple[str, str]]], None] | None = None  # a step's finished and rejected
+        # How a trace row becomes an engine request (a P/D decode instance's carries its delivered KV)
+        self.add_row: Callable[[EngineCore, Trace, int], Request] = add_trace_request
         # Plans spell out what their readers need, no more: the timer's and the decision sink's
         # ``plan_detail``, and whole plans for --check.
         needs = [timer.plan_detail, PlanDetail.SLOTS if self.options.check else PlanDetail.TOTALS]
@@ -159,7 +161,7 @@ class Simulation:
     def _admit_arrivals(self) -> None:
         arrivals, n, rows = self._arrivals, len(self._arrivals), self._rows
         while self.next_index < n and arrivals[self.next_index] <= self.clock:
-            request = add_trace_request(self.engine, self.trace, self.next_index if rows is None else rows[self.next_index])
+            request = self.add_row(self.engine, self.trace, self.next_index if rows is None else rows[self.next_index])
             self.timer.add_request(request)
             self.next_index += 1
 
@@ -168,9 +170,10 @@ class Simulation:
         """Serve only what :meth:`hand` gives, until :meth:`feeding_over`."""
         self._arrivals, self._rows, self._fed = [], [], False
 
-    def hand(self, row: int) -> None:
-        """Trace row ``row`` arrives here now (the router's time); an idle engine wakes."""
-        self._arrivals.append(float(self.trace.arrival_s[row]))
+    def hand(self, row: int, at_s: float | None = None) -> None:
+        """Trace row ``row`` arrives here now: at its trace arrival (the router's time), or at ``at_s``
+        (a P/D decode instance: when its KV arrived); an idle engine wakes."""
+        self._arrivals.append(float(self.trace.arrival_s[row]) if at_s is None else at_s)
         self._rows.append(row)
         self._wake_up()
 
