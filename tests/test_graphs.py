@@ -196,3 +196,22 @@ def test_npu_graph_attention_pads_the_step_with_one_dummy_request():
     assert unpadded["actual_seq_lengths"] == [2, 3] and unpadded["actual_seq_lengths_kv"] == [12, 4]
     with pytest.raises(ValueError, match="does not fit"):
         fia_step_args(meta, 2)
+
+
+@pytest.mark.filterwarnings("ignore::kvsim.realexec.backends.npu_preflight.PreflightWarning")
+def test_the_graph_token_check_passes_on_the_npu_standin(monkeypatch, capsys):
+    """benchmarks/graph_tokens.py, the first graph check docs/npu-bring-up.md asks for on a device, here on the stand-in."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from torch_npu_standin import make_torch_npu_standin
+
+    monkeypatch.setitem(sys.modules, "torch_npu", make_torch_npu_standin())
+    path = Path(__file__).parents[1] / "benchmarks" / "graph_tokens.py"
+    spec = importlib.util.spec_from_file_location("graph_tokens", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "graph_tokens", module)  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    assert module.main(["--backend", "npu", "--device", "cpu", "--requests", "2"]) == 0
+    assert "generated the same tokens with graphs as eagerly" in capsys.readouterr().out

@@ -34,7 +34,10 @@ loaded step's, ``realexec/graphs.py``) and replays. Differences from vllm-ascend
 attends over as many positions as it has rows (vllm-ascend gives it one) because a query longer
 than its context under causal ``sparse_mode=3`` is undefined by FIA's documentation, and its block
 table row holds whatever ids the static buffer's row last held (zeros at first; vllm-ascend zeroes it):
-it reads, never writes. All of it is tested only through the stand-in (``tests/torch_npu_standin.py``).
+it reads, never writes. At the 910B profiles' capture sizes a step is padded by at most 15 rows, so
+with FIA's block sizes (128 and up) the dummy request adds one block to the batch's block count,
+which FIA requires to stay within the cache's blocks: the one block the executor reserves past the
+engine's when it runs graphs. All of it is tested only through the stand-in (``tests/torch_npu_standin.py``).
 """
 
 from __future__ import annotations
