@@ -59,8 +59,6 @@ class HostInputs:
 
     graph_inputs: GraphInputs
     query_start: list[int]  # cumulative query lengths, [B + 1]
-    seq_lens: list[int]
-    query_lens: list[int]
     sample_rows: list[int]
     sampling_ids: list[str]
 
@@ -153,7 +151,8 @@ class Executor:
         self.host_caches: KVCaches = backend.allocate_host_cache(*host_shape) if num_host_blocks else []
         self.graphs = (
             StepGraphs(backend, self.model, lambda meta: self._paged_attend(meta, self._all_caches), capture_sizes,
-                       min(num_blocks, cdiv(spec.max_position, block_size)), block_size, pad_slot=num_blocks * block_size)
+                       min(num_blocks, cdiv(spec.max_position, block_size)), block_size,
+                       pad_slot=num_blocks * block_size if backend.graph_pad_slot is None else backend.graph_pad_slot)
             if graphs else None
         )
         self._tokens: dict[str, list[int]] = {}  # prompt + generated, per request
@@ -277,9 +276,9 @@ class Executor:
                 sampling_ids.append(entry.request_id)
         tables = [plan.block_tables[e.request_id] for e in plan.entries]
         return HostInputs(
-            GraphInputs(ids, positions, list(plan.slot_mapping), token_seq, tables),
-            query_start, [e.end_position for e in plan.entries], [e.num_tokens for e in plan.entries],
-            sample_rows, sampling_ids,
+            GraphInputs(ids, positions, list(plan.slot_mapping), token_seq, tables,
+                        [e.num_tokens for e in plan.entries], [e.end_position for e in plan.entries]),
+            query_start, sample_rows, sampling_ids,
         )
 
     def _device_inputs(self, step: HostInputs) -> StepInputs:
@@ -292,11 +291,11 @@ class Executor:
 
         meta = AttentionMetadata(
             query_start_loc=dev(step.query_start, torch.int32),
-            seq_lens=dev(step.seq_lens, torch.int32),
+            seq_lens=dev(tokens.seq_lens, torch.int32),
             block_tables=dev(padded, torch.int32),
             slot_mapping=dev(tokens.slots, torch.int64),
-            query_lens_list=step.query_lens,
-            seq_lens_list=step.seq_lens,
+            query_lens_list=tokens.query_lens,
+            seq_lens_list=tokens.seq_lens,
             block_size=self.block_size,
         )
         return StepInputs(dev(tokens.input_ids, torch.int64), dev(tokens.positions, torch.int64), meta,

@@ -13,13 +13,18 @@ Where it differs from vLLM, and why:
   before capture write the very K/V into the very slots the replay then writes again.
 - Padding rows repeat the step's last token (its id, position and sequence) and write their K/V
   into a slot of one block past the engine's (``pad_slot``); vLLM points them at a slot its
-  kernels skip. Their attention is skipped, as vLLM's kernels skip padded rows (the cost model
+  kernels skip, as the npu backend does (``KernelBackend.graph_pad_slot``: -1, which its scatter
+  skips). Their attention is skipped, as vLLM's kernels skip padded rows (the cost model
   pads the GEMMs, not attention), so from the second layer on they no longer compute what the
   last token computes: their K/V must not land in its slot.
 - The LM head and the argmax run outside the graph, on the sampling rows only, as vLLM's sampler does.
 
-Attention inside a graph reads only device tensors (``AttentionMetadata.captured``): the
-token-addressed path of ``backends/token_attention.py``.
+Attention inside a CUDA graph reads only device tensors (``AttentionMetadata.captured``): the
+token-addressed path of ``backends/token_attention.py``. The captured metadata's host lists
+(``query_lens_list``, ``seq_lens_list``) are the loaded step's, refilled in place by every ``load``:
+a CUDA graph never reads them, while an ACL graph (``backends/npu.py``, as vllm-ascend runs it)
+re-issues its attention tasks with them before each replay, since the NPU attention kernel takes its
+sequence lengths as host arguments.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class GraphInputs:
     slots: list[int]
     token_seq: list[int]  # each token's sequence (row of block_tables)
     block_tables: list[list[int]]
+    query_lens: list[int]  # per sequence: its tokens in this step
+    seq_lens: list[int]  # per sequence: its context after this step (cached + new)
 
 
 class StepGraphs:
@@ -82,6 +89,9 @@ class StepGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.num_real = torch.zeros(1, dtype=torch.int32, device=device)  # tokens of the loaded step before its padding
         self.hidden = torch.zeros(n, model.spec.hidden_size, dtype=model.dtype, device=device)
+        # The loaded step's per-sequence lengths, the captured metadata's host lists (refilled in place).
+        self.query_lens: list[int] = []
+        self.seq_lens: list[int] = []
         self._graphs: dict[int, StepGraph] = {}
 
     def size_for(self, num_tokens: int) -> int | None:
@@ -108,6 +118,7 @@ class StepGraphs:
         fill(self.slots, step.slots, self.pad_slot)
         fill(self.token_seq, step.token_seq, step.token_seq[-1])
         self.num_real.fill_(len(step.input_ids))
+        self.query_lens[:], self.seq_lens[:] = step.query_lens, step.seq_lens
         tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32)
         self.block_tables[: len(tables), :width].copy_(tables, non_blocking=True)
 
@@ -129,8 +140,8 @@ class StepGraphs:
             seq_lens=self.token_seq[:0],
             block_tables=self.block_tables,
             slot_mapping=self.slots[:size],
-            query_lens_list=[],
-            seq_lens_list=[],
+            query_lens_list=self.query_lens,
+            seq_lens_list=self.seq_lens,
             block_size=self.block_size,
             captured=True,
         )

@@ -267,6 +267,16 @@ def test_preflight_missing_op(standin) -> None:
     assert "has no _npu_paged_attention" in _preflight_error(standin)
 
 
+def test_preflight_warns_when_graph_mode_cannot_run(standin) -> None:
+    """Eager steps still run without the graph API; the warning says what is missing and how to run without it."""
+    del standin.npu.graph_task_update_begin
+    del standin._npu_fused_infer_attention_score_get_max_workspace
+    with pytest.warns(PreflightWarning, match="graph mode"):
+        warnings = NpuBackend("cpu", torch_npu_module=standin).preflight_warnings
+    assert len(warnings) == 1 and "torch.npu.graph_task_update_begin, torch_npu._npu_fused_infer_attention_score_" \
+        "get_max_workspace" in warnings[0] and "--enforce-eager" in warnings[0]
+
+
 def test_preflight_reports_every_problem_at_once(standin, monkeypatch) -> None:
     standin.__version__ = "2.5.1"
     monkeypatch.setattr(standin.npu, "get_cann_version", lambda module="CANN": "8.0.0")

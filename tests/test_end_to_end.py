@@ -113,6 +113,32 @@ def test_npu_backend_through_the_standin_equals_dense_run(mode):
     assert_matches_dense(engine, executor, BF16_LOGIT_SLACK)
 
 
+def test_npu_acl_graphs_through_the_standin_equal_the_eager_and_dense_runs(monkeypatch):
+    """ACLGraph as vllm-ascend runs it: steps replayed from graphs whose FIA tasks are re-issued with each step's
+    lengths before the replay, every ascend-910b3 capture size the run reaches captured once; --enforce-eager
+    captures nothing. The stand-in replays what was captured, so a length left stale changes the tokens."""
+    import sys
+
+    runs = {}
+    for enforce_eager in (True, False):
+        standin = make_torch_npu_standin()
+        monkeypatch.setitem(sys.modules, "torch_npu", standin)
+        _, engine, executor = run_paged(get_backend("npu", "cpu", enforce_eager=enforce_eager), "recompute",
+                                        block_size=128, kv_dtype="bf16")
+        runs[enforce_eager] = standin, engine, executor
+    eager_standin, _, eager = runs[True]
+    assert eager.graphs is None and not eager_standin.npu.graphs.graphs
+    standin, engine, executor = runs[False]
+    assert engine.counters.preemptions > 0
+    graphs, sizes = standin.npu.graphs.graphs, executor.graphs.captured_sizes
+    assert len(graphs) == len(sizes) > 3 and all(g.captured and g.replays for g in graphs)  # one capture a size
+    assert set(sizes) <= set(executor.backend.capture_sizes)
+    assert all(len(g.tasks) == SPEC.num_layers for g in executor.graphs._graphs.values())  # one FIA task a layer
+    assert "_npu_paged_attention" not in standin.calls  # inside graphs decode runs FIA, as vllm-ascend's full graphs
+    assert all(executor.tokens(r) == eager.tokens(r) for r in engine.requests)
+    assert_matches_dense(engine, executor, BF16_LOGIT_SLACK)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -106,14 +106,15 @@ def test_a_step_replays_at_the_smallest_capture_size_that_holds_it():
 def test_loaded_steps_pad_with_their_last_token_writing_to_the_pad_slot():
     backend = GraphingCpuBackend()
     graphs = StepGraphs(backend, DecoderModel.build(SPEC, "cpu", seed=0), lambda meta: None, (1, 2, 4, 8), 4, 16, pad_slot=64)
-    graphs.load(GraphInputs([5, 6, 7], [10, 11, 3], [170, 171, 35], [0, 0, 1], [[3, 10], [2]]), 8)
+    graphs.load(GraphInputs([5, 6, 7], [10, 11, 3], [170, 171, 35], [0, 0, 1], [[3, 10], [2]], [2, 1], [12, 4]), 8)
     assert graphs.input_ids.tolist() == [5, 6, 7, 7, 7, 7, 7, 7]
     assert graphs.positions.tolist() == [10, 11, 3, 3, 3, 3, 3, 3]
     assert graphs.slots.tolist() == [170, 171, 35, 64, 64, 64, 64, 64]
     assert graphs.token_seq.tolist() == [0, 0, 1, 1, 1, 1, 1, 1] and graphs.num_real.item() == 3
     assert graphs.block_tables[:2, :2].tolist() == [[3, 10], [2, 0]]
+    assert (graphs.query_lens, graphs.seq_lens) == ([2, 1], [12, 4])  # the captured metadata's host lists
     with pytest.raises(ValueError, match="does not fit"):
-        graphs.load(GraphInputs([1] * 3, [0] * 3, [0] * 3, [0] * 3, [[0] * 5]), 4)
+        graphs.load(GraphInputs([1] * 3, [0] * 3, [0] * 3, [0] * 3, [[0] * 5], [3], [3]), 4)
 
 
 def test_a_graphing_executor_describes_itself_as_graph_mode_without_dispatch():
@@ -163,3 +164,54 @@ def test_triton_kernel_equals_the_token_reference(dtype):
 def test_cuda_backend_replays_steps_as_graphs_unless_eager():
     assert get_backend("cuda").capture_sizes == VLLM_SIZES
     assert get_backend("cuda", enforce_eager=True).capture_sizes == ()
+
+
+# -- the npu backend: ACLGraph through the torch_npu stand-in (tests/torch_npu_standin.py) -----------------
+
+ASCEND_SIZES = load_device("ascend-910b3").engine.capture_sizes
+
+
+@pytest.mark.filterwarnings("ignore::kvsim.realexec.backends.npu_preflight.PreflightWarning")
+def test_npu_backend_replays_steps_at_the_910b_profile_sizes_unless_eager(monkeypatch):
+    import sys
+
+    from torch_npu_standin import make_torch_npu_standin
+
+    monkeypatch.setitem(sys.modules, "torch_npu", make_torch_npu_standin())
+    assert get_backend("npu", "cpu").capture_sizes == ASCEND_SIZES
+    eager = get_backend("npu", "cpu", enforce_eager=True)
+    assert eager.capture_sizes == () and not any("graphs" in part for part in eager.fingerprint_parts())
+
+
+def test_npu_graph_attention_pads_the_step_with_one_dummy_request():
+    """FIA's TND lengths must cover every query row: the padding rows form one request over as many positions."""
+    from kvsim.realexec.backends.npu_graphs import fia_step_args
+
+    meta = AttentionMetadata.build([2, 1], [12, 4], [[3], [2]], 128)
+    meta.block_tables = torch.zeros(8, 4, dtype=torch.int32)  # a graph's static table: rows for the largest size
+    args = fia_step_args(meta, 8)
+    assert args["actual_seq_lengths"] == [2, 3, 8] and args["actual_seq_lengths_kv"] == [12, 4, 5]
+    assert args["block_table"].shape == (3, 4)
+    unpadded = fia_step_args(meta, 3)
+    assert unpadded["actual_seq_lengths"] == [2, 3] and unpadded["actual_seq_lengths_kv"] == [12, 4]
+    with pytest.raises(ValueError, match="does not fit"):
+        fia_step_args(meta, 2)
+
+
+@pytest.mark.filterwarnings("ignore::kvsim.realexec.backends.npu_preflight.PreflightWarning")
+def test_the_graph_token_check_passes_on_the_npu_standin(monkeypatch, capsys):
+    """benchmarks/graph_tokens.py, the first graph check docs/npu-bring-up.md asks for on a device, here on the stand-in."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from torch_npu_standin import make_torch_npu_standin
+
+    monkeypatch.setitem(sys.modules, "torch_npu", make_torch_npu_standin())
+    path = Path(__file__).parents[1] / "benchmarks" / "graph_tokens.py"
+    spec = importlib.util.spec_from_file_location("graph_tokens", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "graph_tokens", module)  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    assert module.main(["--backend", "npu", "--device", "cpu", "--requests", "2"]) == 0
+    assert "generated the same tokens with graphs as eagerly" in capsys.readouterr().out

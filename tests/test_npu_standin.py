@@ -434,13 +434,14 @@ def test_event_timing_needs_enable_timing() -> None:
 
 
 def test_every_rule_is_exercised() -> None:
-    assert {rule_id for rule_id, _ in VIOLATIONS} | {"event.enable_timing"} == set(RULES)
+    cases = VIOLATIONS + GRAPH_VIOLATIONS
+    assert {rule_id for rule_id, _ in cases} | {"event.enable_timing"} == set(RULES)
 
 
 def test_rules_cite_their_sources() -> None:
     for rule in RULES.values():
         assert rule.effect in ("rejects", "undefined", "convention")
-        assert rule.quote and rule.source.endswith((".py", ".md", ".yaml", ".h"))
+        assert rule.quote and rule.source.endswith((".py", ".md", ".yaml", ".h", ".cpp"))
 
 
 # -- correct calls are accepted and computed ----------------------------------------------------------
@@ -599,3 +600,131 @@ def test_calls_are_recorded_in_order() -> None:
     standin.npu_scatter_pa_kv_cache(**args)
     standin.npu.synchronize()
     assert standin.calls == ["npu_scatter_pa_kv_cache", "npu.synchronize"]
+
+
+# -- graph mode: ACLGraph capture, task groups and their updates (vllm-ascend's full-graph attention) -----
+
+
+@dataclass
+class GraphFlow:
+    """vllm-ascend's full-graph attention on a fresh stand-in: capture FIA as a task group, update it, replay.
+
+    ``run`` goes through the whole flow; each ``break_*`` flag changes one step of it.
+    """
+
+    kv_lens: tuple[int, int] = (3, 130)  # the lengths the update re-issues the task with
+    break_stream: str = ""  # "capture_default", "recapture", "end_elsewhere", "replay_uncaptured", "group_outside",
+    # "empty_group", "nested_group", "unclosed_group", "bad_handle", "update_off_stream", "update_other_kernel",
+    # "update_twice", "replay_in_update", "end_without_begin", "no_record"
+    out: str = ""  # "short", "wrong_shape"
+    workspace: str = ""  # "own"
+
+    def run(self):
+        t = make_torch_npu_standin()
+        npu, kernel = t.npu, t.npu_fused_infer_attention_score.out
+        args = fia(decode=True).args
+        workspace = t._npu_fused_infer_attention_score_get_max_workspace(**args)
+        if self.workspace == "own":
+            workspace = torch.empty(64, dtype=torch.uint8)
+        out = [torch.empty_like(args["query"]), torch.empty(1, dtype=args["query"].dtype)]
+        if self.out == "short":
+            out = out[:1]
+        elif self.out == "wrong_shape":
+            out[0] = out[0][:1]
+        graph, event, brk = npu.NPUGraph(), npu.ExternalEvent(), self.break_stream
+        if brk == "replay_uncaptured":
+            graph.replay()
+        if brk == "capture_default":
+            graph.capture_begin()
+        if brk == "group_outside":
+            npu.graph_task_group_begin(npu.current_stream())
+        if brk == "end_elsewhere":
+            with npu.stream(npu.Stream()):
+                graph.capture_begin()
+            graph.capture_end()
+        with npu.graph(graph):
+            stream = npu.current_stream()
+            event.wait(stream)
+            event.reset(stream)
+            npu.graph_task_group_begin(stream)
+            if brk == "nested_group":
+                npu.graph_task_group_begin(stream)
+            if brk != "empty_group":
+                kernel(**args, workspace=workspace, out=out)
+            if brk != "unclosed_group":
+                handle = npu.graph_task_group_end(stream)
+        if brk == "recapture":
+            with npu.graph(graph):
+                pass
+        update = npu.Stream()
+        with npu.stream(None if brk == "update_off_stream" else update):
+            if brk == "end_without_begin":
+                npu.graph_task_update_end(update)
+            npu.graph_task_update_begin(update, "handle" if brk == "bad_handle" else handle)
+            changed = args | {"actual_seq_lengths_kv": list(self.kv_lens)}
+            if brk == "update_other_kernel":
+                t.npu_fused_infer_attention_score(**changed)
+            else:
+                kernel(**changed, workspace=workspace, out=out)
+            if brk == "update_twice":
+                kernel(**changed, workspace=workspace, out=out)
+            if brk == "replay_in_update":
+                graph.replay()
+            npu.graph_task_update_end(update)
+            if brk != "no_record":
+                event.record(update)
+        graph.replay()
+        return out[0], graph
+
+
+GRAPH_VIOLATIONS: list[tuple[str, Callable[[], GraphFlow]]] = [
+    ("graph.capture_stream", lambda: GraphFlow(break_stream="capture_default")),
+    ("graph.recapture", lambda: GraphFlow(break_stream="recapture")),
+    ("graph.capture_end_stream", lambda: GraphFlow(break_stream="end_elsewhere")),
+    ("graph.replay_uncaptured", lambda: GraphFlow(break_stream="replay_uncaptured")),
+    ("graph.event_unrecorded", lambda: GraphFlow(break_stream="no_record")),
+    ("task_group.in_capture", lambda: GraphFlow(break_stream="group_outside")),
+    ("task_group.one_kernel", lambda: GraphFlow(break_stream="empty_group")),
+    ("task_group.one_kernel", lambda: GraphFlow(break_stream="nested_group")),
+    ("task_group.one_kernel", lambda: GraphFlow(break_stream="unclosed_group")),
+    ("task_update.handle", lambda: GraphFlow(break_stream="bad_handle")),
+    ("task_update.stream", lambda: GraphFlow(break_stream="update_off_stream")),
+    ("task_update.one_kernel", lambda: GraphFlow(break_stream="update_other_kernel")),
+    ("task_update.one_kernel", lambda: GraphFlow(break_stream="update_twice")),
+    ("task_update.one_kernel", lambda: GraphFlow(break_stream="replay_in_update")),
+    ("task_update.one_kernel", lambda: GraphFlow(break_stream="end_without_begin")),
+    ("fia_out.out", lambda: GraphFlow(out="short")),
+    ("fia_out.out", lambda: GraphFlow(out="wrong_shape")),
+    ("fia_out.workspace", lambda: GraphFlow(workspace="own")),
+]
+
+
+@pytest.mark.parametrize("rule_id,make", GRAPH_VIOLATIONS, ids=[_case_id(c) for c in GRAPH_VIOLATIONS])
+def test_each_documented_graph_misuse_is_rejected(rule_id: str, make: Callable[[], GraphFlow]) -> None:
+    with pytest.raises(ContractViolation) as err:
+        make().run()
+    assert err.value.rule.id == rule_id, str(err.value)
+    assert RULES[rule_id].quote in str(err.value) and RULES[rule_id].source in str(err.value)
+
+
+def test_a_replay_runs_the_task_with_the_lengths_of_its_last_update() -> None:
+    """What the update mechanism is for: the graph keeps the captured host lengths until a task update replaces them."""
+    captured = fia(decode=True).run()[0]  # the capture's lengths: contexts of 3 and 130 tokens
+    shorter = fia(decode=True, actual_seq_lengths_kv=[3, 100]).run()[0]
+    assert not torch.equal(captured, shorter)
+    replayed, graph = GraphFlow(kv_lens=(3, 100)).run()
+    torch.testing.assert_close(replayed, shorter, atol=0, rtol=0)
+    assert graph.replays == 1
+    not_updated, _ = GraphFlow(kv_lens=(3, 130)).run()
+    torch.testing.assert_close(not_updated, captured, atol=0, rtol=0)
+
+
+def test_a_replay_reruns_captured_work_on_the_memory_as_it_is_now() -> None:
+    """Tensors are read at replay (static buffers refilled before it); host values were fixed at capture."""
+    npu = make_torch_npu_standin().npu
+    x, graph = torch.ones(4), npu.NPUGraph()
+    with npu.graph(graph):
+        y = x * 2 + float(x.sum())  # the sum is read on the host at capture: a constant of the graph
+    x.fill_(3)
+    graph.replay()
+    assert y.tolist() == [10.0] * 4 and graph.replays == 1

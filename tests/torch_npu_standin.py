@@ -22,6 +22,21 @@ Sources (torch-npu 2.13.0 wheel, read with ``pip download --no-deps torch-npu==2
   npu_moe_init_routing_v2, npu_grouped_matmul, npu_swiglu, npu_moe_token_unpermute) and
   npu_fused_infer_attention_score_v2 in its MLA mode (query_rope/key_rope), as its absorbed decode calls it.
 
+Graph mode (ACLGraph, as vllm-ascend runs it), modelled in ``_GraphRuntime``: ``torch.npu.NPUGraph`` /
+``torch.npu.graph`` / ``graph_pool_handle`` / ``graph_task_group_begin|end`` / ``graph_task_update_begin|end``
+(Ascend/pytorch ``torch_npu/npu/graphs.py`` and ``torch_npu/csrc/core/npu/NPUGraph.cpp``, commit bd722ac),
+``torch.npu.ExternalEvent``, ``npu.Stream`` / ``npu.stream``, and ``npu_fused_infer_attention_score.out``
+with ``_npu_fused_infer_attention_score_get_max_workspace`` as vllm-ascend's full-graph attention calls
+them (vllm-project/vllm-ascend 182b75e: ``vllm_ascend/attention/attention_v1.py``, ``full_graph_fia`` and
+``update_graph_params``; ``vllm_ascend/compilation/acl_graph.py``; ``docs/source/developer_guide/
+Design_Documents/ACL_Graph.md``). A capture records every aten op run on the capture stream (a
+``TorchDispatchMode``) and every stand-in kernel with the arguments it was given; a replay reruns that
+record on the same tensors, so it reads device memory as it is now and host arguments (lengths, shapes,
+scalars) as they were captured, unless a task group's kernel was re-issued in an update block since.
+Unlike a device, a capture here also computes (the executor's forward pass is idempotent, so this
+changes nothing it can observe); an update block's kernel does not run (its contract is checked when the
+next replay runs it).
+
 Where the FIA documentation contradicts itself, the more specific paragraph wins and the choice
 is noted at the rule. In particular the TND composite limits (Q_D = K_D = 192, bf16 only, Q_N =
 K_N) describe the non-paged MLA path: vllm-ascend runs TND with page attention, GQA and D=128.
@@ -36,11 +51,14 @@ from __future__ import annotations
 import math
 import time
 import types
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 from kvsim.realexec.backends.reference import dense_attention
 
@@ -50,6 +68,14 @@ ATB_HEADER = "torch_npu/include/third_party/op-plugin/op_plugin/include/AtbOpsIn
 NATIVE_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 REFERENCE_MD = "shared/reference/ascend-paged-kernels.md"
 STREAMS_PY = "torch_npu/npu/streams.py"
+GRAPHS_PY = "torch_npu/npu/graphs.py"
+NPU_GRAPH_CPP = "torch_npu/csrc/core/npu/NPUGraph.cpp"
+VA_ATTENTION_PY = "vllm_ascend/attention/attention_v1.py"
+VA_ACL_GRAPH_MD = "docs/source/developer_guide/Design_Documents/ACL_Graph.md"
+NPU_GRAPH = "npu.NPUGraph"
+TASK_GROUP = "npu.graph_task_group"
+TASK_UPDATE = "npu.graph_task_update"
+FIA_OUT = "npu_fused_infer_attention_score.out"
 
 HALF_TYPES = (torch.float16, torch.bfloat16)
 FIA = "npu_fused_infer_attention_score"
@@ -605,6 +631,49 @@ RULES: dict[str, Rule] = {
         Rule("fia2.kv_lengths", FIA2, OPS_DOC,
              "actual_seq_kvlen: int类型数组, 代表不同Batch中key/value的有效seqlenKv, 数据类型支持int64.", "rejects"),
         Rule("fia2.layout", FIA2, OPS_DOC, "BNSD_NBSD输入(B,Q_N,Q_S,D)输出(Q_N,B,Q_S,D)仅支持Q_S为1~16", "rejects"),
+        # -- ACLGraph: torch.npu.NPUGraph, task groups and their updates ---------------------------------
+        Rule("graph.capture_stream", NPU_GRAPH, NPU_GRAPH_CPP,
+             "NPU graphs must be captured on a non-default stream. (However, after capture, it's ok to replay them on "
+             "the default stream.)", "rejects"),
+        Rule("graph.recapture", NPU_GRAPH, NPU_GRAPH_CPP,
+             "This NPUGraph instance already owns a captured graph. To capture a new graph, create a new instance.",
+             "rejects"),
+        Rule("graph.capture_end_stream", NPU_GRAPH, NPU_GRAPH_CPP, "Capture must end on the same stream it began on.",
+             "rejects"),
+        Rule("graph.replay_uncaptured", NPU_GRAPH, NPU_GRAPH_CPP,
+             "Called NPUGraph::replay without a preceding successful capture.", "rejects"),
+        Rule("graph.event_unrecorded", NPU_GRAPH, VA_ACL_GRAPH_MD,
+             "If ordering is not preserved, the parameter update for iteration *i* can be observed by the replay of "
+             "iteration *i-1*, or the replay of iteration *i* can start before its own parameter update has completed. "
+             "In practice, this means the attention operator may run with mismatched runtime metadata, which can cause "
+             "incorrect results, precision issues, or even hangs. (A replay reaching a captured ExternalEvent.wait whose "
+             "event was not recorded since it was last reset waits forever.)", "undefined"),
+        Rule("task_group.in_capture", TASK_GROUP, NPU_GRAPH_CPP,
+             "void graph_task_group_begin(c10_npu::NPUStream stream) { NPU_CHECK_ERROR(c10_npu::acl::"
+             "AclmdlRICaptureTaskGrpBegin(stream)); } (a task group of the capture underway on that stream: "
+             "vllm-ascend's full_graph_fia opens it on torch_npu.npu.current_stream() inside torch.npu.graph)",
+             "convention"),
+        Rule("task_group.one_kernel", TASK_GROUP, VA_ATTENTION_PY,
+             "torch.npu.graph_task_group_begin(stream); torch_npu.npu_fused_infer_attention_score.out(...); "
+             "handle = torch.npu.graph_task_group_end(stream) (one group per kernel, groups not nested, each closed "
+             "before the capture ends: the kernel an update re-issues)", "convention"),
+        Rule("task_update.handle", TASK_UPDATE, NPU_GRAPH_CPP,
+             "void graph_task_update_begin(c10_npu::NPUStream stream, NPUTaskGroupHandle handle) (the handle "
+             "graph_task_group_end returned for a captured graph)", "rejects"),
+        Rule("task_update.stream", TASK_UPDATE, VA_ATTENTION_PY,
+             "with torch.npu.stream(update_stream): ... torch.npu.graph_task_update_begin(update_stream, handle) (the "
+             "update is issued on the current stream, one that is not capturing)", "convention"),
+        Rule("task_update.one_kernel", TASK_UPDATE, VA_ACL_GRAPH_MD,
+             "That backend runs parameter refresh on an update stream with `torch.npu.graph_task_update_begin(...)` and "
+             "`torch.npu.graph_task_update_end(...)` around the underlying attention operator launch. (exactly one "
+             "launch, of the kernel the group captured, between a begin and its end; no replay while one is open)",
+             "convention"),
+        Rule("fia_out.out", FIA_OUT, GRAPHS_PY,
+             "output = torch.empty_like(args[0]); softmax_lse = torch.empty(1, dtype=args[0].dtype, device=args[0].device)"
+             " ... kwargs[\"out\"] = [output, softmax_lse]", "convention"),
+        Rule("fia_out.workspace", FIA_OUT, GRAPHS_PY,
+             "workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs) ... "
+             "kwargs[\"workspace\"] = workspace", "convention"),
     ]
 }
 
@@ -662,6 +731,7 @@ class _Ops:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self._causal_masks: list[torch.Tensor] = []  # masks found causal already (the check reads 4M entries)
 
     # -- writing ----------------------------------------------------------------------------------
     def npu_scatter_pa_kv_cache(
@@ -931,12 +1001,14 @@ class _Ops:
         if sparse_mode != 3:
             raise NotModelled(f"FIA sparse_mode={sparse_mode}: the stand-in models the causal mode 3")
         assert atten_mask is not None
-        causal = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=atten_mask.device).triu(1)
-        _require(
-            torch.equal(atten_mask.reshape(MASK_SIZE, MASK_SIZE).bool(), causal),
-            "fia.causal_mask_content",
-            "atten_mask is not 1 exactly above the diagonal",
-        )
+        if not any(atten_mask is seen for seen in self._causal_masks):  # a backend builds its mask once: check it once
+            causal = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=atten_mask.device).triu(1)
+            _require(
+                torch.equal(atten_mask.reshape(MASK_SIZE, MASK_SIZE).bool(), causal),
+                "fia.causal_mask_content",
+                "atten_mask is not 1 exactly above the diagonal",
+            )
+            self._causal_masks.append(atten_mask)
         _require(
             all(q <= k for q, k in zip(q_lens, kv_lens)),
             "fia.causal_query_fits_context",
@@ -1511,8 +1583,307 @@ class _Event:
         return (end_event._time - self._time) * 1e3
 
 
-def _npu_runtime(calls: list[str]) -> types.SimpleNamespace:
-    """``torch_npu.npu``: one visible device whose memory is the host's (no device allocator to query)."""
+# -- graph mode (ACLGraph) ---------------------------------------------------------------------------
+
+
+class _Stream:
+    """``torch.npu.Stream``: work here runs when issued, so waits and synchronize have nothing to wait for."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_stream(self, stream: _Stream) -> None:
+        """Issued work has already run."""
+
+    def synchronize(self) -> None:
+        """Issued work has already run."""
+
+    def __repr__(self) -> str:
+        return f"<stand-in npu stream {self.name}>"
+
+
+@dataclass
+class _AtenEntry:
+    """An aten op run on the capture stream: replay reruns it on the captured tensors."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    result: Any
+
+    def replay(self) -> None:
+        _into(self.result, self.func(*self.args, **self.kwargs))
+
+
+@dataclass
+class _KernelEntry:
+    """A stand-in kernel launched on the capture stream, with the arguments it was captured or last updated with."""
+
+    kernel: _Kernel
+    args: tuple
+    kwargs: dict
+    result: Any
+
+    def replay(self) -> None:
+        with _disable_current_modes():
+            _into(self.result, self.kernel.impl(*self.args, **self.kwargs))
+
+
+@dataclass
+class _EventEntry:
+    """A captured ``ExternalEvent.wait`` (the replay stops there until the event is recorded) or ``reset``."""
+
+    event: _ExternalEvent
+    wait: bool
+
+    def replay(self) -> None:
+        if self.wait:
+            _require(self.event.recorded, "graph.event_unrecorded",
+                     "replay reached the wait on an ExternalEvent nobody recorded since its last reset")
+        else:
+            self.event.recorded = False
+
+
+def _into(captured: Any, fresh: Any) -> None:
+    """Copy a rerun's results into the tensors the capture produced (where the graph's later work reads them)."""
+    for old, new in zip(tree_leaves(captured), tree_leaves(fresh)):
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.data_ptr() != new.data_ptr():
+            old.copy_(new)
+
+
+@dataclass(eq=False, repr=False)
+class _TaskGroup:
+    """What ``graph_task_group_end`` hands back: the handle an update names."""
+
+    graph: _NPUGraph
+    entries: list[_KernelEntry] = field(default_factory=list)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the aten ops a capture runs (stand-in kernels record themselves, their insides unrecorded)."""
+
+    def __init__(self, graph: _NPUGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        self.graph.log.append(_AtenEntry(func, args, kwargs, result))
+        return result
+
+
+class _NPUGraph:
+    """``torch.npu.NPUGraph``: capture_begin/capture_end around the recorded work, replay reruns it."""
+
+    def __init__(self, runtime: _GraphRuntime) -> None:
+        self.runtime = runtime
+        self.log: list[_AtenEntry | _KernelEntry | _EventEntry] = []
+        self.captured = False
+        self.capture_stream: _Stream | None = None
+        self.replays = 0
+        runtime.graphs.append(self)
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        rt = self.runtime
+        _require(not self.captured and self.capture_stream is None, "graph.recapture", "capture_begin on a captured graph")
+        _require(rt.current is not rt.default_stream, "graph.capture_stream", "capture_begin on the default stream")
+        self.capture_stream, rt.capturing = rt.current, self
+
+    def capture_end(self) -> None:
+        rt = self.runtime
+        _require(rt.current is self.capture_stream, "graph.capture_end_stream",
+                 f"capture began on {self.capture_stream}, ends on {rt.current}")
+        _require(rt.open_group is None, "task_group.one_kernel", "the capture ends inside a task group")
+        rt.capturing, self.captured = None, True
+
+    def replay(self) -> None:
+        _require(self.captured, "graph.replay_uncaptured", "replay of a graph never captured")
+        _require(self.runtime.update is None, "task_update.one_kernel", "replay while a task update block is open")
+        self.replays += 1
+        with torch.inference_mode():
+            for entry in self.log:
+                entry.replay()
+
+    def reset(self) -> None:
+        self.log, self.captured, self.capture_stream = [], False, None
+
+
+class _ExternalEvent:
+    """``torch.npu.ExternalEvent``: captured wait/reset become graph nodes; record marks it for the next replay."""
+
+    def __init__(self, runtime: _GraphRuntime) -> None:
+        self.runtime = runtime
+        self.recorded = False
+
+    def _captured(self, stream: _Stream, wait: bool) -> bool:
+        graph = self.runtime.capturing
+        if graph is None or stream is not graph.capture_stream:
+            return False
+        graph.log.append(_EventEntry(self, wait))
+        return True
+
+    def wait(self, stream: _Stream) -> None:
+        if not self._captured(stream, wait=True):
+            _EventEntry(self, wait=True).replay()
+
+    def reset(self, stream: _Stream) -> None:
+        if not self._captured(stream, wait=False):
+            self.recorded = False
+
+    def record(self, stream: _Stream | None = None) -> None:
+        self.recorded = True
+
+
+class _Kernel:
+    """A stand-in op as torch_npu exposes it: runs now, is recorded under capture, re-issued in an update block."""
+
+    def __init__(self, runtime: _GraphRuntime, name: str, impl: Callable[..., Any]) -> None:
+        self.runtime, self.name, self.impl = runtime, name, impl
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rt = self.runtime
+        if rt.update is not None:
+            return rt.update_kernel(self, args, kwargs)
+        graph = rt.capturing
+        if graph is None or rt.current is not graph.capture_stream:
+            return self.impl(*args, **kwargs)
+        with _disable_current_modes():
+            result = self.impl(*args, **kwargs)
+        entry = _KernelEntry(self, args, kwargs, result)
+        graph.log.append(entry)
+        if rt.open_group is not None:
+            rt.open_group.entries.append(entry)
+        return result
+
+
+@dataclass
+class _Update:
+    handle: _TaskGroup
+    stream: _Stream
+    launches: int = 0
+
+
+class _GraphRuntime:
+    """Streams, the capture underway, the open task group and update block: ``torch.npu``'s graph API."""
+
+    def __init__(self) -> None:
+        self.default_stream = _Stream("default")
+        self.current = self.default_stream
+        self.capturing: _NPUGraph | None = None
+        self.open_group: _TaskGroup | None = None
+        self.update: _Update | None = None
+        self.graphs: list[_NPUGraph] = []  # every graph made, in order (tests count captures and replays)
+        self.workspaces: list[torch.Tensor] = []
+        self.capture_side_stream = _Stream("graph capture")  # torch.npu.graph's default_capture_stream
+
+    @contextmanager
+    def stream(self, stream: _Stream | None) -> Iterator[None]:
+        previous = self.current
+        self.current = stream if stream is not None else previous
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    @contextmanager
+    def graph(self, npu_graph: _NPUGraph, pool: Any = None, stream: _Stream | None = None,
+              auto_dispatch_capture: bool = False, capture_error_mode: str = "global") -> Iterator[None]:
+        """``torch.npu.graph``: capture on its side stream (or ``stream``), recording what runs there."""
+        if auto_dispatch_capture:
+            raise NotModelled("torch.npu.graph(auto_dispatch_capture=True) is not modelled")
+        with self.stream(stream or self.capture_side_stream):
+            npu_graph.capture_begin(pool, capture_error_mode)
+            try:
+                with _Recorder(npu_graph):
+                    yield
+            except BaseException:
+                self.capturing, self.open_group = None, None  # a failed capture: report its own error
+                raise
+            npu_graph.capture_end()
+
+    def task_group_begin(self, stream: _Stream) -> None:
+        graph = self.capturing
+        _require(graph is not None and stream is graph.capture_stream and stream is self.current,
+                 "task_group.in_capture", f"graph_task_group_begin on {stream}, which is not capturing")
+        _require(self.open_group is None, "task_group.one_kernel", "graph_task_group_begin inside an open task group")
+        assert graph is not None
+        self.open_group = _TaskGroup(graph)
+
+    def task_group_end(self, stream: _Stream) -> _TaskGroup:
+        graph = self.capturing
+        _require(graph is not None and stream is graph.capture_stream, "task_group.in_capture",
+                 f"graph_task_group_end on {stream}, which is not capturing")
+        group = self.open_group
+        _require(group is not None and len(group.entries) == 1, "task_group.one_kernel",
+                 "graph_task_group_end without a begin" if group is None
+                 else f"a task group of {len(group.entries)} kernels")
+        assert group is not None
+        self.open_group = None
+        return group
+
+    def task_update_begin(self, stream: _Stream, handle: Any) -> None:
+        _require(isinstance(handle, _TaskGroup) and handle.graph.captured, "task_update.handle",
+                 f"a {type(handle).__name__} is no task group of a captured graph")
+        _require(stream is self.current and (self.capturing is None or stream is not self.capturing.capture_stream),
+                 "task_update.stream", f"update on {stream} while the current stream is {self.current}")
+        _require(self.update is None, "task_update.one_kernel", "graph_task_update_begin inside an open update block")
+        self.update = _Update(handle, stream)
+
+    def update_kernel(self, kernel: _Kernel, args: tuple, kwargs: dict) -> Any:
+        """The launch inside an update block: it replaces the captured kernel's arguments for later replays.
+
+        Nothing runs now (a device only re-tiles the task); the next replay runs the kernel with these
+        arguments, and its contract is checked then.
+        """
+        update = self.update
+        assert update is not None
+        entry = update.handle.entries[0]
+        _require(update.launches == 0 and kernel is entry.kernel, "task_update.one_kernel",
+                 f"{kernel.name} launched in an update of a {entry.kernel.name} task"
+                 + (" (a second launch)" if update.launches else ""))
+        update.launches += 1
+        entry.args, entry.kwargs = args, kwargs
+        return entry.result
+
+    def task_update_end(self, stream: _Stream) -> None:
+        update = self.update
+        _require(update is not None and stream is update.stream and update.launches == 1, "task_update.one_kernel",
+                 "graph_task_update_end without a begin" if update is None
+                 else f"an update block of {update.launches} launches on {stream}")
+        self.update = None
+
+    def get_max_workspace(self, **kwargs: Any) -> torch.Tensor:
+        """``_npu_fused_infer_attention_score_get_max_workspace``: a workspace the .out call then takes."""
+        workspace = torch.empty(64, dtype=torch.uint8, device=kwargs["query"].device)
+        self.workspaces.append(workspace)
+        return workspace
+
+
+def _fia_out(runtime: _GraphRuntime, fia: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:
+    """``npu_fused_infer_attention_score.out``: FIA's contract, writing into ``out`` with a given workspace."""
+
+    def out_variant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, workspace: torch.Tensor | None = None,
+                    out: Sequence[torch.Tensor] | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        _require(
+            isinstance(out, (list, tuple)) and len(out) == 2
+            and out[0].shape == query.shape and out[0].dtype == query.dtype and out[0].is_contiguous()
+            and out[1].dtype == query.dtype and out[1].numel() >= 1,
+            "fia_out.out", f"out={[(tuple(t.shape), t.dtype) for t in out] if isinstance(out, (list, tuple)) else out!r}"
+                           f" for a query {tuple(query.shape)} {query.dtype}",
+        )
+        _require(any(workspace is w for w in runtime.workspaces), "fia_out.workspace",
+                 "workspace is not one _npu_fused_infer_attention_score_get_max_workspace returned")
+        assert out is not None
+        attention, _ = fia(query, key, value, **kwargs)
+        out[0].copy_(attention)
+        return out[0], out[1]
+
+    return out_variant
+
+
+def _npu_runtime(calls: list[str], graphs: _GraphRuntime) -> types.SimpleNamespace:
+    """``torch_npu.npu``: one visible device whose memory is the host's (no device allocator to query), and its graph API."""
     return types.SimpleNamespace(
         Event=_Event,
         is_available=lambda: True,
@@ -1522,20 +1893,39 @@ def _npu_runtime(calls: list[str]) -> types.SimpleNamespace:
         memory_allocated=lambda device=None: 0,
         get_cann_version=lambda module="CANN": STANDIN_CANN_VERSION,
         get_device_name=lambda device=None: "Ascend910B3 (torch_npu stand-in)",
+        Stream=lambda device=None, priority=0: _Stream(f"side {len(graphs.graphs)}"),
+        current_stream=lambda device=None: graphs.current,
+        default_stream=lambda device=None: graphs.default_stream,
+        stream=graphs.stream,
+        NPUGraph=lambda: _NPUGraph(graphs),
+        graph=graphs.graph,
+        graph_pool_handle=lambda: object(),
+        is_current_stream_capturing=lambda: graphs.capturing is not None and graphs.current is graphs.capturing.capture_stream,
+        ExternalEvent=lambda: _ExternalEvent(graphs),
+        graph_task_group_begin=graphs.task_group_begin,
+        graph_task_group_end=graphs.task_group_end,
+        graph_task_update_begin=graphs.task_update_begin,
+        graph_task_update_end=graphs.task_update_end,
+        graphs=graphs,
     )
 
 
 def make_torch_npu_standin() -> types.ModuleType:
     """A fresh ``torch_npu`` stand-in; ``delattr`` an op to mimic a version that lacks it."""
     ops = _Ops()
+    graphs = _GraphRuntime()
     module = types.ModuleType("torch_npu", __doc__)
     module.__version__ = f"{torch.__version__.split('+')[0]}+standin"  # built for the installed torch, as a real pair is
     module.calls = ops.calls
-    for name in (SCATTER, RESHAPE, FIA, PA, GATHER, GATING, ROUTING, GMM, SWIGLU, UNPERMUTE, FIA2):
-        setattr(module, name, getattr(ops, name))
+    for name in (SCATTER, RESHAPE, PA, GATHER, GATING, ROUTING, GMM, SWIGLU, UNPERMUTE, FIA2):
+        setattr(module, name, _Kernel(graphs, name, getattr(ops, name)))
+    fia = _Kernel(graphs, FIA, ops.npu_fused_infer_attention_score)
+    fia.out = _Kernel(graphs, FIA_OUT, _fia_out(graphs, ops.npu_fused_infer_attention_score))
+    module.npu_fused_infer_attention_score = fia
+    module._npu_fused_infer_attention_score_get_max_workspace = graphs.get_max_workspace
     module.atb = types.ModuleType("torch_npu.atb")
-    module.atb.npu_paged_cache_load = ops.npu_paged_cache_load
-    module.npu = _npu_runtime(ops.calls)
+    module.atb.npu_paged_cache_load = _Kernel(graphs, LOAD, ops.npu_paged_cache_load)
+    module.npu = _npu_runtime(ops.calls, graphs)
     # torch_npu loads NNAL's libatb.so on the first ATB call (op_plugin/atb/_atb_ops.py); nothing to load here.
     atb_ops = types.SimpleNamespace(_register_atb_extensions=lambda: None)
     module.op_plugin = types.SimpleNamespace(atb=types.SimpleNamespace(_atb_ops=atb_ops))

@@ -50,7 +50,9 @@ class AttentionMetadata:
     # of once per layer is where the per-layer cost goes down; backends key it by their own name.
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # A captured graph's metadata (``realexec/graphs.py``): its device tensors are static buffers refilled
-    # before each replay and its host lists are empty, so attention must read the device tensors alone.
+    # before each replay, and its host lists are the loaded step's, refilled in place. A CUDA graph bakes
+    # whatever host values its kernels saw at capture, so the cuda/cpu paths read the device tensors alone;
+    # the npu backend updates its captured attention tasks from the host lists before each replay.
     captured: bool = False
 
     @classmethod
@@ -145,6 +147,10 @@ class KernelBackend(ABC):
     # Token counts whose steps replay as captured graphs (``realexec/graphs.py``); empty: every step runs
     # eagerly. ``get_backend`` sets vLLM's sizes from the backend's bundled profile unless told --enforce-eager.
     capture_sizes: tuple[int, ...] = ()
+    # The slot a captured step's padding rows write their K/V to: None, a slot of one block past the
+    # engine's (no block table names it); -1 where the backend's write kernel skips such slots (vLLM's
+    # PAD_SLOT_ID) and would leave the repeated slot a shared one gets undefined (the npu scatter).
+    graph_pad_slot: ClassVar[int | None] = None
 
     def new_graph(self) -> Any:
         """An empty ``realexec.graphs.StepGraph`` to capture one step's forward pass in."""

@@ -57,6 +57,10 @@ switch off while it imports torch, then restores the user's value for child proc
 machine without CANN the explicit import is where the failure surfaces, as one
 ``BackendUnavailable`` line, and only for the npu backend.
 
+Graph mode (ACLGraph, as vllm-ascend replays decode): ``npu_graphs.py``. Steps a capture size holds
+(the 910B profiles' ``[engine] capture_sizes``) replay as ``torch.npu.NPUGraph`` graphs; attention inside
+them is FIA captured as a task group and re-issued with each step's lengths before the replay.
+
 Tests pass a stand-in module (``tests/torch_npu_standin.py``) as ``torch_npu_module`` with ``device="cpu"``.
 """
 
@@ -75,6 +79,7 @@ from kvsim.realexec.backends.base import AttentionMetadata, KernelBackend
 from kvsim.realexec.backends.cache_ops import KVCaches, allocate_caches, copy_blocks, swap_blocks
 from kvsim.realexec.backends.errors import BackendUnavailable, PreflightFailed
 from kvsim.realexec.backends.kv_quant import KVScales, dequantize, quantize, require_scales
+from kvsim.realexec.backends.npu_graphs import AttentionTask, NpuStepGraph, graph_attention
 from kvsim.realexec.backends.npu_preflight import (
     NPU_COMPUTE_DTYPES,
     PAGED_ATTENTION_MAX_BLOCK,
@@ -119,6 +124,8 @@ class NpuBackend(KernelBackend):
     needs_batch_blocks_within_pool = True  # FIA: "blocknum >= sum(ceil(seq_len / block_size))"
     profile_block_sizes = (128, 256)  # FIA takes block sizes 128 to 512
     attention_dtypes = NPU_COMPUTE_DTYPES  # FIA/PA queries: float16, bfloat16 (or int8, not used)
+    supports_graphs = True  # ACLGraph (npu_graphs.py)
+    graph_pad_slot = -1  # vLLM's PAD_SLOT_ID: the scatter skips it (a repeated real slot is undefined)
 
     def __init__(self, device: str | None = None, torch_npu_module: Any = None) -> None:
         self.torch_npu = torch_npu_module if torch_npu_module is not None else import_torch_npu()
@@ -138,10 +145,29 @@ class NpuBackend(KernelBackend):
         )
         self._causal_mask: torch.Tensor | None = None
         self._expert_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # MoE layer -> grouped-matmul layout
+        self._graph_pool: Any = None
+        self._update_stream: Any = None
+        # While a graph is being captured: the attention tasks its FIA calls record (npu_graphs.graph_attention).
+        self.recording_tasks: list[AttentionTask] | None = None
         self.preflight_warnings = _raise_errors(environment_problems(self.torch_npu), "npu backend unavailable")
 
     def default_profile(self) -> str:
         return "ascend-910b3"
+
+    def new_graph(self) -> NpuStepGraph:
+        return NpuStepGraph(self)
+
+    def graph_pool(self) -> Any:
+        """One memory pool for every graph of the backend (vllm-ascend: one pool for all ACLGraphWrapper entries)."""
+        if self._graph_pool is None:
+            self._graph_pool = self.torch_npu.npu.graph_pool_handle()
+        return self._graph_pool
+
+    def update_stream(self) -> Any:
+        """The stream captured attention tasks are re-issued on before a replay (vllm-ascend's ``update_stream``)."""
+        if self._update_stream is None:
+            self._update_stream = self.torch_npu.npu.Stream()
+        return self._update_stream
 
     def machine_name(self) -> str:
         return str(self.torch_npu.npu.get_device_name(self.device.index or 0))
@@ -210,6 +236,8 @@ class NpuBackend(KernelBackend):
     ) -> torch.Tensor:
         quant = require_scales(key_cache, kv_scales)
         query = query.contiguous()
+        if meta.captured:  # inside an ACL graph: FIA as an updatable task (the executor captures no int8 steps)
+            return graph_attention(self, query, key_cache, value_cache, meta, scale)
         if quant is not None:
             return self._int8_attention(query, key_cache, value_cache, meta, scale, quant)
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape

@@ -34,6 +34,12 @@ PAGED_ATTENTION_MAX_HEAD_SIZE = 256  # ATB PagedAttention: "head_size范围为�
 NPU_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)  # FIA query: "数据类型支持float16、bfloat16、int8"
 NPU_KV_DTYPES = (*NPU_COMPUTE_DTYPES, torch.int8)  # FIA page attention: "支持key、value数据类型为float16、bfloat16、int8"
 
+# What graph mode calls (npu_graphs.py), as vllm-ascend's ACLGraph path does: torch_npu/npu/graphs.py's API and
+# the FIA workspace query its full-graph attention captures with.
+GRAPH_APIS = ("NPUGraph", "graph", "graph_pool_handle", "Stream", "stream", "current_stream", "ExternalEvent",
+              "graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin", "graph_task_update_end")
+GRAPH_OPS = ("_npu_fused_infer_attention_score_get_max_workspace",)
+
 NNAL_HINT = (
     "install the NNAL package (Ascend-cann-nnal, the version of your CANN toolkit) and run "
     "'source /usr/local/Ascend/nnal/atb/set_env.sh'"
@@ -93,6 +99,13 @@ def environment_problems(torch_npu: Any) -> list[Finding]:
     problem = _atb_load_error(torch_npu)
     if problem is not None:
         found.append(Finding(f"ATB ops unavailable ({problem}): {NNAL_HINT}"))
+    missing = [f"torch.npu.{name}" for name in GRAPH_APIS if not hasattr(torch_npu.npu, name)]
+    missing += [f"torch_npu.{name}" for name in GRAPH_OPS if not hasattr(torch_npu, name)]
+    if not hasattr(getattr(torch_npu, "npu_fused_infer_attention_score", None), "out"):
+        missing.append("torch_npu.npu_fused_infer_attention_score.out")
+    if missing:
+        found.append(Finding(f"graph mode (ACLGraph) unavailable: torch_npu {torch_npu.__version__} has no "
+                             f"{', '.join(missing)}; run with --enforce-eager (or install torch-npu 2.13.0)", error=False))
     return found
 
 
