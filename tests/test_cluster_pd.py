@@ -182,8 +182,8 @@ def test_pools_across_nodes_need_a_network(tmp_path: Path) -> None:
 
 
 def test_the_decode_pool_may_have_its_own_tensor_parallel_size() -> None:
-    run = _pd(MOONCAKE.updated(max_requests=20, decode_tensor_parallel_size=2), check=True)
-    _check_conservation(run, 20)
+    run = _pd(MOONCAKE.updated(max_requests=6, decode_tensor_parallel_size=2), check=True)
+    _check_conservation(run, 6)
     prefill_blocks = {one.engine.config.num_blocks for one in run.runs[:2]}
     decode_blocks = {one.engine.config.num_blocks for one in run.runs[2:]}
     assert len(prefill_blocks) == len(decode_blocks) == 1 and decode_blocks != prefill_blocks
