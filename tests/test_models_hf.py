@@ -83,13 +83,16 @@ def test_model_info_json_gives_total_and_active_params() -> None:
     assert data["moe"]["num_experts"] == 128 and data["moe"]["num_experts_per_tok"] == 8
 
 
+NULL = object()  # a field written as JSON null (None: the field left out)
+
+
 def _config(tmp_path: Path, **changes) -> Path:
     data = json.loads((MODELS_DIR / "qwen3-30b-a3b.json").read_text())
     for key, value in changes.items():
         if value is None:
             data.pop(key)
         else:
-            data[key] = value
+            data[key] = None if value is NULL else value
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
     return path
@@ -100,6 +103,7 @@ def _config(tmp_path: Path, **changes) -> Path:
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
         ({"num_experts": None}, "num_experts"),
+        ({"num_attention_heads": NULL}, "num_attention_heads must be an integer > 0, got null"),
         ({"hidden_size": -2048}, "hidden_size"),
         ({"num_experts_per_tok": 129}, "num_experts_per_tok"),
         ({"decoder_sparse_step": 2}, "decoder_sparse_step"),

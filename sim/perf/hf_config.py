@@ -42,7 +42,9 @@ class _Config:
         if value is None:
             if default is None and key not in self.data:
                 raise self.error(f"missing field {key}")
-            value = 0
+            if positive:
+                raise self.error(f"field {key} must be an integer > 0, got null")
+            value = 0  # a null count where 0 is allowed (e.g. no dense first layers)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(f"field {key} must be an integer, got {value!r}")
         if value < 0 or (positive and value == 0):
