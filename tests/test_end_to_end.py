@@ -93,7 +93,7 @@ def test_cpu_paged_run_equals_dense_run(mode):
 
 def test_graph_replayed_steps_equal_dense_run():
     """Every step replayed through a stand-in graph (static buffers refilled, padded to vLLM's sizes)."""
-    from test_graphs import GraphingCpuBackend
+    from graph_standin import GraphingCpuBackend
 
     backend = GraphingCpuBackend()
     _, engine, executor = run_paged(backend, "recompute", block_size=16)

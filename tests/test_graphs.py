@@ -13,9 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from graph_standin import VLLM_SIZES, GraphingCpuBackend  # noqa: E402
+
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.backends.base import AttentionMetadata  # noqa: E402
-from kvsim.realexec.backends.cpu import CpuBackend  # noqa: E402
 from kvsim.realexec.backends.portable import paged_attention  # noqa: E402
 from kvsim.realexec.backends.token_attention import TokenMetadata, token_paged_attention  # noqa: E402
 from kvsim.realexec.graphs import GraphInputs, StepGraphs, engine_of  # noqa: E402
@@ -24,38 +25,6 @@ from kvsim.sim.perf.device import load_device  # noqa: E402
 from kvsim.sim.perf.model_spec import load_model  # noqa: E402
 
 SPEC = load_model("tiny")
-VLLM_SIZES = load_device("h200").engine.capture_sizes
-
-
-class RerunGraph:
-    """A StepGraph stand-in: capture runs the function once (the warm-up) and replay reruns it."""
-
-    def __init__(self) -> None:
-        self.fn = None
-        self.replays = 0
-
-    def capture(self, fn) -> None:
-        fn()
-        self.fn = fn
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.fn()
-
-
-class GraphingCpuBackend(CpuBackend):
-    """The cpu backend with stand-in graphs at vLLM's capture sizes."""
-
-    supports_graphs = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.capture_sizes = VLLM_SIZES
-        self.graphs: list[RerunGraph] = []
-
-    def new_graph(self) -> RerunGraph:
-        self.graphs.append(RerunGraph())
-        return self.graphs[-1]
 
 
 def random_batch(rng: np.random.Generator, block_size: int, num_blocks: int, query_lens: list[int], context: list[int]):
