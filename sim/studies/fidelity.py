@@ -67,7 +67,7 @@ from kvsim.sim.perf.device import (
     load_device,
 )
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
-from kvsim.sim.run.clients import bench_metric, closed_loop, serve
+from kvsim.sim.run.clients import bench_metric, bench_run
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.errors import MissingExtraError
@@ -421,7 +421,7 @@ def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
         trace="(fidelity row)", model=row.model, device=row.device, block_size=row.block_size,
         memory_utilization=row.memory_utilization, max_num_seqs=row.max_num_seqs,
         max_num_batched_tokens=row.max_num_batched_tokens, max_model_len=row.max_model_len or None,
-        block_manager="paged", scheduler=row.scheduler, watermark=row.watermark, seed=row.seed,
+        block_manager="paged", scheduler=row.scheduler, watermark=row.watermark, seed=row.seed, engine_core=row.engine_core,
         quantization=row.quantization or None, tensor_parallel_size=row.tensor_parallel_size,
         pipeline_parallel_size=row.pipeline_parallel_size, data_parallel_size=row.data_parallel_size,
         enable_expert_parallel=row.enable_expert_parallel,
@@ -437,16 +437,10 @@ def predict_row(row: Row, device: DeviceProfile, lengths: str = "auto") -> float
     if row.workload == "memory":
         return float(_memory_blocks(row, device))
     resolved = _resolved(row, device)
-    front = device.engine if row.workload != "batch" else None  # offline tests have no API server
-    # V1's API server detokenises and streams every token (sim/perf/api_server.py); V0 detokenises in
-    # the engine (its v0_seq_s), so its server's share is not modelled apart
-    stream_s = front.stream_s if front is not None and row.engine_core == "v1" else 0.0
     trace = row_trace(row, lengths)
-    if row.workload == "concurrency":
-        sent, replay = closed_loop(resolved, trace, row.concurrency, front, stream_s)
-    else:
-        sent = trace.arrival_s
-        replay = serve(resolved, trace, sent, front, stream_s)
+    # offline tests (batch) send straight into the engine; served rows pass the API server
+    clients = row.concurrency if row.workload == "concurrency" else 0
+    sent, replay = bench_run(resolved, trace, api_server=row.workload != "batch", max_concurrency=clients)
     return bench_metric(row.metric, replay, trace.prompt_tokens, trace.output_tokens, sent)
 
 
