@@ -118,6 +118,11 @@ class Trace:
             name for name in optional if getattr(self, name) is not None
         )
 
+    @property
+    def has_parallel_samples(self) -> bool:
+        """Whether some request asks for n > 1 samples (what a benchmark client or a P/D proxy does not send)."""
+        return self.n_samples is not None and bool((self.n_samples > 1).any())
+
     def equals(self, other: Trace) -> bool:
         """Bit-exact equality of every column and of the metadata."""
         if (self.source, self.hash_block_size, self.notes, self.columns) != (

@@ -30,12 +30,12 @@ def prepare(config: RunConfig):
         scaling_of(resolved)  # ... or an autoscaler
         if pd_setup_of(resolved) is not None:  # ... or P/D pools that the topology cannot link
             make_router(config.decode_router, config.decode_router_params)
-            if trace.n_samples is not None and (trace.n_samples > 1).any():
+            if trace.has_parallel_samples:
                 raise ValueError(f"prefill_instances: P/D pools serve one sample a request; {config.trace} has n_samples > 1")
     if config.api_server or config.max_concurrency:
         if config.instances > 1 or config.autoscaler or config.disaggregated:
             raise UserError("--api-server, --max-concurrency: one instance for now (the clients of a cluster are not modelled)")
-        if trace.n_samples is not None and (trace.n_samples > 1).any():
+        if trace.has_parallel_samples:
             raise UserError(f"--api-server, --max-concurrency: trace {config.trace} has requests of n > 1 samples, "
                             "which the benchmark client does not send")
     return resolved, trace, timer

@@ -139,6 +139,22 @@ def instance_states(instances: list[Simulation]) -> tuple[InstanceState, ...]:
                                sim.engine.kv_counts()[0] / sim.engine.config.num_blocks) for sim in instances)
 
 
+@dataclass
+class Scrape:
+    """The instances' states as a metrics scraper last read them: read again once ``staleness_s`` has
+    passed (0: on every look), as real routers see scraped metrics."""
+
+    staleness_s: float
+    states: tuple[InstanceState, ...] = ()
+    at_s: float = -np.inf
+
+    def read(self, instances: list[Simulation], now: float) -> tuple[tuple[InstanceState, ...], float]:
+        """(the states, when they were scraped) as of ``now``."""
+        if now - self.at_s >= self.staleness_s or not self.states:
+            self.states, self.at_s = instance_states(instances), now
+        return self.states, self.at_s
+
+
 def route_request(trace: Trace, row: int) -> RouteRequest:
     hashes = trace.hashes_of(row)
     return RouteRequest(row, float(trace.arrival_s[row]), int(trace.prompt_tokens[row]),
@@ -169,15 +185,14 @@ class ClusterSimulation:
             raise ValueError("a cluster needs at least one instance")
         if staleness_s < 0:
             raise ValueError(f"router staleness must be >= 0 s, got {staleness_s}")
-        self.trace, self.router, self.staleness_s = trace, router, staleness_s
+        self.trace, self.router = trace, router
         self.env = simpy.Environment()
         options = options or [SimOptions() for _ in timers]
         self.instances = [Simulation(trace, resolved.new_engine(), timer, opts, env=self.env)
                           for timer, opts in zip(timers, options)]
         self.in_flight = [0] * len(timers)
         self.placement = np.full(len(trace), -1, dtype=np.int64)
-        self._scrape: tuple[InstanceState, ...] = ()
-        self._scraped_at = -np.inf
+        self.scrape = Scrape(staleness_s)
         self.scaling = scaling
         first = len(timers) if initial_instances is None else initial_instances
         if not 1 <= first <= len(timers):
@@ -201,11 +216,8 @@ class ClusterSimulation:
         return ended
 
     def view(self) -> ClusterView:
-        now = self.env.now
-        if now - self._scraped_at >= self.staleness_s or not self._scrape:
-            self._scrape = instance_states(self.instances)
-            self._scraped_at = now
-        return ClusterView(self._scrape, tuple(self.in_flight), self._scraped_at,
+        states, scraped_at = self.scrape.read(self.instances, self.env.now)
+        return ClusterView(states, tuple(self.in_flight), scraped_at,
                            () if all(self.serving) else tuple(self.serving))
 
     def _route_process(self):

@@ -35,7 +35,7 @@ import simpy
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.request import Request, Status
 from kvsim.policies.trace_feed import add_trace_request
-from kvsim.sim.cluster.cluster import ClusterRun, _SummedStats, checked_choice, instance_states, route_request
+from kvsim.sim.cluster.cluster import ClusterRun, Scrape, _SummedStats, checked_choice, route_request
 from kvsim.sim.cluster.kv_transfer import PoolPlacement, exposed_s
 from kvsim.sim.cluster.routers import ClusterView, Router
 from kvsim.sim.perf.step_timer import StepTimer
@@ -160,9 +160,9 @@ class PDClusterSimulation:
                  prefill_options: list[SimOptions] | None = None, decode_options: list[SimOptions] | None = None) -> None:
         if not prefill_timers or not decode_timers:
             raise ValueError("a P/D cluster needs at least one prefill and one decode instance")
-        if trace.n_samples is not None and (trace.n_samples > 1).any():
+        if trace.has_parallel_samples:
             raise ValueError(f"{trace.source}: P/D disaggregation serves one sample a request (the trace has n_samples > 1)")
-        self.trace, self.setup, self.staleness_s = trace, setup, staleness_s
+        self.trace, self.setup = trace, setup
         self.routers = (router, decode_router)
         self.env = simpy.Environment()
         prefill_trace = replace(trace, output_tokens=np.ones(len(trace), dtype=np.int64))  # the proxy's max_tokens = 1
@@ -173,7 +173,7 @@ class PDClusterSimulation:
         self.decode = [Simulation(trace, setup.decode.new_engine(), t, o, env=self.env)
                        for t, o in zip(decode_timers, decode_options)]
         self.in_flight = ([0] * len(self.prefill), [0] * len(self.decode))
-        self._scrapes: list[tuple[float, tuple]] = [(-np.inf, ()), (-np.inf, ())]
+        self.scrapes = (Scrape(staleness_s), Scrape(staleness_s))  # the prefill pool's, the decode pool's
         self.prefill_of = np.full(len(trace), -1, dtype=np.int64)
         self.decode_of = np.full(len(trace), -1, dtype=np.int64)
         self.transfers: dict[int, Transfer] = {}
@@ -192,12 +192,7 @@ class PDClusterSimulation:
 
     # --- routing ---------------------------------------------------------------------------
     def _view(self, pool: int) -> ClusterView:
-        scraped_at, states = self._scrapes[pool]
-        now = self.env.now
-        if now - scraped_at >= self.staleness_s or not states:
-            states = instance_states(self.decode if pool else self.prefill)
-            scraped_at = now
-            self._scrapes[pool] = (scraped_at, states)
+        states, scraped_at = self.scrapes[pool].read(self.decode if pool else self.prefill, self.env.now)
         return ClusterView(states, tuple(self.in_flight[pool]), scraped_at)
 
     def _route_process(self):
