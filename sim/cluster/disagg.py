@@ -79,12 +79,16 @@ class PDSetup:
     @property
     def bytes_per_token_rank(self) -> float:
         """The larger of the two layouts' per-rank KV bytes a token (kv_transfer module docstring)."""
-        return max(r.memory.bytes_per_block / r.config.block_size for r in (self.prefill, self.decode))
+        return max(map(_kv_bytes_per_token_rank, (self.prefill, self.decode)))
 
     def total_bytes(self, tokens: int) -> int:
         layout = self.prefill.layout
-        per_rank = self.prefill.memory.bytes_per_block / self.prefill.config.block_size
-        return int(per_rank * tokens * layout.tensor_parallel_size * layout.pipeline_parallel_size)
+        return int(_kv_bytes_per_token_rank(self.prefill) * tokens * layout.tensor_parallel_size * layout.pipeline_parallel_size)
+
+
+def _kv_bytes_per_token_rank(run: ResolvedRun) -> float:
+    """One rank's KV bytes a token in ``run``'s layout (the memory model's block over its tokens)."""
+    return run.memory.bytes_per_block / run.config.block_size
 
 
 @dataclass
