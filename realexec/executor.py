@@ -9,7 +9,7 @@ request re-planned from position 0 after a recompute preemption is fed the very 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +91,10 @@ class Executor:
     Block moves (swap, copy) run once: they are not idempotent when a plan reuses a block.
     The first run's time alone is kept in ``single_run_s``.
 
+    ``keep_plans`` keeps every timed step's plan so that :meth:`retime` can time the run's
+    steps again once it is over: a second measurement of each step minutes after the first,
+    which is how ``kvsim validate`` measures the machine's repeatability (realexec/repeatability.py).
+
     ``capture_sizes`` (None: the backend's) replays every step of at most the largest size as a
     captured graph padded to the next size, as vLLM does (``realexec/graphs.py``); empty, or an
     int8 cache (the graph's attention path takes float caches): every step runs eagerly.
@@ -111,6 +115,7 @@ class Executor:
         check: bool = False,
         timing_repeats: int | None = None,
         capture_sizes: Sequence[int] | None = None,
+        keep_plans: bool = False,
     ) -> None:
         self.spec = spec
         self.backend = backend
@@ -159,6 +164,8 @@ class Executor:
         self._prompt_lens: dict[str, int] = {}
         self.wall_s: list[float] = []  # wall-clock seconds of every step run, in order (first run of its pass)
         self.single_run_s: list[float] = []  # every step's duration from its pass's first run alone
+        self.kept_plans: list[tuple[StepPlan, float]] | None = [] if keep_plans else None  # (plan, its block moves' seconds)
+        self._retiming = False
 
     # ---- StepTimer -------------------------------------------------------------------
 
@@ -192,6 +199,8 @@ class Executor:
             passes = [self._timed_pass(plan)] if plan.entries else []
             wall_s = time.perf_counter() - wall_start  # the step as it ran once
             self.single_run_s.append(moves_s + sum(p.host_s + p.forward_s for p in passes))
+            if self.kept_plans is not None:
+                self.kept_plans.append((plan, moves_s))
             host_s = 0.0
             if passes:
                 count = self.timing_repeats if repeats is None else repeats
@@ -212,6 +221,35 @@ class Executor:
             operators=operators,
         )
 
+    def retime(self, passes: int, progress: Callable[[], None] | None = None) -> list[list[float]]:
+        """Time every kept step again, ``passes`` times over the whole run in its order; each pass's step durations.
+
+        Pass after pass, not repeat after repeat: a step's runs then lie minutes apart, so a
+        machine whose speed wanders moves them apart as it moved the real run from its profile
+        (a step's own repeats, back to back, share one moment's speed). Each is one run of the
+        step's forward pass (the backend's clock, as the run timed it) plus the block moves the
+        run measured: moves are not repeatable once the run is over, and the forward pass is
+        (the tokens are known, the slots are the plan's; the KV it reads is stale, which changes
+        no dense kernel's time). ``progress`` is called after every pass.
+        """
+        if self.kept_plans is None:
+            raise ValueError("retime needs an executor made with keep_plans=True")
+        out: list[list[float]] = []
+        self._retiming = True
+        try:
+            with torch.inference_mode():
+                for _ in range(passes):
+                    durations = []
+                    for plan, moves_s in self.kept_plans:
+                        timed = self._timed_pass(plan) if plan.entries else None
+                        durations.append(moves_s + (timed.host_s + timed.forward_s if timed else 0.0))
+                    out.append(durations)
+                    if progress is not None:
+                        progress()
+        finally:
+            self._retiming = False
+        return out
+
     # ---- queries ---------------------------------------------------------------------
 
     def tokens(self, request_id: str) -> list[int]:
@@ -229,7 +267,7 @@ class Executor:
                 f"request {entry.request_id}: plan asks for positions [{entry.first_position}, {entry.end_position}) "
                 f"but {len(known)} tokens are known (model max_position {self.spec.max_position})"
             )
-        if entry.samples and entry.end_position != len(known):
+        if entry.samples and entry.end_position != len(known) and not self._retiming:  # retimed: later tokens are known
             raise ValueError(
                 f"request {entry.request_id}: entry samples after position {entry.end_position - 1}, "
                 f"but the next token to generate is position {len(known)}"

@@ -209,3 +209,28 @@ def test_a_steps_time_is_its_median_pass_and_its_first_pass_is_kept(sc: Scenario
 def test_timing_repeats_must_be_positive() -> None:
     with pytest.raises(ValueError, match="timing_repeats must be at least 1"):
         Executor(TINY, get_backend("cpu"), num_blocks=4, block_size=BS, timing_repeats=0)
+
+
+def test_retime_times_every_kept_step_again_pass_after_pass_and_changes_no_token() -> None:
+    """A swap step keeps the moves the run measured; the kept plans' samples were decided before later tokens existed."""
+    sc = Scenario(Executor(TINY, get_backend("cpu"), num_blocks=64, block_size=BS, num_host_blocks=16, seed=SEED,
+                           keep_plans=True, timing_repeats=3))
+    sc.add("a", 0, 30)
+    sc.tables["a"] = [4, 5]
+    sc.run([("a", 0, 30, True)])
+    sc.decode(["a"], 3)
+    sc.run([], swap_out=[(4, 0)])  # a step of block moves alone: nothing to run again
+    tokens = list(sc.ex.tokens("a"))
+    moves = sc.ex.kept_plans[-1][1]
+    seen: list[int] = []
+    passes = sc.ex.retime(2, progress=lambda: seen.append(1))
+    assert len(passes) == 2 and seen == [1, 1] and all(len(p) == 5 for p in passes)
+    assert all(d > 0 for p in passes for d in p[:4]) and all(p[4] == moves > 0 for p in passes)
+    assert sc.ex.tokens("a") == tokens and sc.ex.single_run_s and len(sc.ex.single_run_s) == 5  # nothing appended
+    with pytest.raises(ValueError, match="samples after position"):  # the run's own check is back after retiming
+        sc.ex.step(plan(99, [("a", 30, 1, True)], sc.tables))
+
+
+def test_retime_needs_the_plans_kept() -> None:
+    with pytest.raises(ValueError, match="keep_plans=True"):
+        Executor(TINY, get_backend("cpu"), num_blocks=4, block_size=BS).retime(1)

@@ -83,15 +83,27 @@ def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
     return config.updated(batch_blocks_within_pool=True) if backend.needs_batch_blocks_within_pool else config
 
 
+def retimed(executor: Executor, passes: int, progress: bool) -> list[list[float]]:
+    """The run's steps timed again ``passes`` times (``Executor.retime``), with a bar saying so."""
+    if not passes:
+        return []
+    from tqdm import tqdm
+
+    with tqdm(total=passes, desc="timing the run's steps again", unit="pass", leave=False, disable=not progress) as bar:
+        return executor.retime(passes, progress=lambda: bar.update())
+
+
 def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None, *, trace: Trace | None = None,
-                weights: Path | None = None, check: bool = False, progress: bool = False, decisions: str = "summary"):
+                weights: Path | None = None, check: bool = False, progress: bool = False, decisions: str = "summary",
+                retime_passes: int = 0):
     """Run ``config`` (its ``trace``, when the caller loaded it) on a real backend; returns (SimRun, summary).
     Shared by execute and validate.
 
     The summary's ``measured`` block names the clock step times were taken on, how many runs of
     each step's forward pass they are the median of (``timing_repeats``) and each step's first
     run alone (``single_run_s``), and holds the run's wall-clock time beside them (``wall_s``,
-    per step in ``step_wall_s``, first runs only).
+    per step in ``step_wall_s``, first runs only). ``retime_passes`` times the run's steps again
+    that many times once it is over (``Executor.retime``), into ``retimed_s``: one list a pass.
     """
     config = for_backend(config, backend)
     resolved = resolve(config)
@@ -107,6 +119,7 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
         weights_path=weights,
         kv_dtype=resolved.memory.kv_dtype,
         check=check,
+        keep_plans=retime_passes > 0,
     )
 
     def measured(run) -> dict:
@@ -123,6 +136,7 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
                 "host_s": sum(h for h in run.steps.column("host_s") if h is not None),
                 "peak_memory_bytes": max(memory, default=None),
                 "kv_pool_bytes": sum(k.nbytes + v.nbytes for k, v in executor.kv_caches),
+                "retimed_s": retimed(executor, retime_passes, progress),
             },
         }
 
