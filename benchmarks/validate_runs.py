@@ -4,11 +4,12 @@
 
 Every run uses one profile cache (``--cache``, default ``<out>/cache``, as a user who runs the
 command again would have), writes ``<out>/<label>N`` and its log beside it, and the table gives
-each check's figure, the per-step error against first runs alone, the profile's single-run noise,
-the speed check after the run, how many profiles the run measured, the steps compared (all must
-be identical), the wall time and the load average before and after. ``--busy-loops K`` keeps K
-``while True: pass`` processes running for the whole set, the issue's "loaded" condition.
-Thresholds are validate's own; nothing here judges a run but its exit status.
+the verdict and exit status, each timing check's figure beside its real-vs-real spread, the
+per-step error with the model at the machine's measured speed, the machine's speed before and
+after the run (reference steps over their time when profiled), how many profiles the run
+measured, the steps compared (all must be identical), the wall time and the load average before
+and after. ``--busy-loops K`` keeps K ``while True: pass`` processes running for the whole set,
+the issue's "loaded" condition. Thresholds and verdicts are validate's own; nothing here judges a run.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import time
 from pathlib import Path
 
 CHECKS = ("step_mape", "ttft_p50_rel_error", "tpot_p50_rel_error", "e2e_p50_rel_error", "throughput_rel_error")
-HEADER = ("run", "exit", "step MAPE", "TTFT p50", "TPOT p50", "e2e p50", "throughput", "MAPE vs first runs",
-          "single-run noise", "speed check after", "profiles measured", "steps (identical)", "wall", "load before-after")
+HEADER = ("run", "exit", "verdict", "step MAPE / spread", "TTFT p50 / spread", "TPOT p50 / spread", "e2e p50 / spread",
+          "throughput / spread", "step MAPE at machine speed", "speed before / after", "profiles measured",
+          "steps (identical)", "wall", "load before-after")
 
 
 def run_once(out: Path, label: str, cache: Path, extra: list[str]) -> str:
@@ -39,10 +41,12 @@ def run_once(out: Path, label: str, cache: Path, extra: list[str]) -> str:
         return f"| {label} | {status} | no validation.json: see {log} |"
     result = json.loads(result_path.read_text())
     checks = {c["name"]: c["value"] for c in result["checks"]}
-    per_step, identity = result["timing"]["per_step"], result["decision_identity"]
-    cells = [label, str(status), *(f"{checks[name]:.3f}" for name in CHECKS), f"{per_step['single_run']['mape']:.3f}",
-             "-" if per_step["noise_floor"] is None else f"{per_step['noise_floor']:.3f}",
-             f"{result['timing']['speed_check']['ratio']:.2f}x", str(log.read_text(errors="replace").count("profiling cpu (")),
+    identity, again = result["decision_identity"], result["repeatability"]
+    spread, speed = again["spread"], again["machine_speed"]
+    cells = [label, str(status), result["verdict"]["outcome"],
+             *(f"{checks[name]:.3f} / {spread[name]:.3f}" for name in CHECKS),
+             f"{again['errors_at_machine_speed']['step_mape']:.3f}", f"{speed['before']:.2f} / {speed['after']:.2f}",
+             str(log.read_text(errors="replace").count("profiling cpu (")),
              f"{identity['steps_compared']} ({'yes' if identity['identical'] else 'NO'})", f"{wall:.0f} s",
              f"{load_before:.2f}-{load_after:.2f}"]
     return "| " + " | ".join(cells) + " |"

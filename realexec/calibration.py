@@ -27,8 +27,8 @@ from kvsim.sim.perf.model_spec import load_model
 # runs read the same KV blocks; 5: a step's time is the median of the backend's timing repeats, gemv_rows
 # chosen from 1-8 token GEMMs, kernel rates refitted on whole steps; 6: prefill attention counted in
 # the cpu kernel's query tiles; 7: the speed check's reference steps recorded in the profile; 8: row-count
-# terms measured on whole steps of a few tokens).
-PROFILER_VERSION = 8
+# terms measured on whole steps of a few tokens; 9: the held-out per-step error recorded, which validate gates on).
+PROFILER_VERSION = 9
 
 Echo = Callable[[str], None]
 

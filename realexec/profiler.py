@@ -190,7 +190,8 @@ def run_profile(
         f"timed on {kernels.clock}, {time.strftime('%Y-%m-%d')}; fitted from {base.name}; held-out per-step MAPE "
         f"{held.mape:.1%} against single steps whose timing noise is {result.step_noise:.1%}"
     )
-    calibrated = replace(result.device, name=f"{base.name}-calibrated", source=source, step_timing_noise=round(result.step_noise, 4))
+    calibrated = replace(result.device, name=f"{base.name}-calibrated", source=source, step_timing_noise=round(result.step_noise, 4),
+                         held_out_step_mape=round(held.mape, 4))
     result = replace(result, device=calibrated)
     save_device(result.device, out)
     if echo:

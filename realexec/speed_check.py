@@ -9,7 +9,8 @@ time compares with the profile's prediction: a ratio far from 1 means re-profile
 before reading the timing errors as the model's. Profiles from ``kvsim profile`` also record
 what the reference steps took when the machine was profiled: measured now over then is the
 machine's drift alone, and predicted over then the model's own miss on those steps, both
-reported (the decision stays on the prediction: kvsim.cli.validate.machine_profile says why).
+reported; the machine's move (``machine_ratio``) is what decides a re-profile and what
+``kvsim validate``'s verdict weighs (realexec/repeatability.py).
 """
 
 from __future__ import annotations
@@ -48,9 +49,17 @@ class SpeedCheck:
         """Median of measured / predicted: 1.3 means the steps took 30 % longer than the profile predicts."""
         return float(np.median(np.array(self.measured_s) / np.array(self.predicted_s)))
 
+    @property
+    def machine_ratio(self) -> float:
+        """Median of measured / their time when profiled: the machine's move alone (no model in it);
+        over the prediction (``ratio``) where the profile recorded no reference steps."""
+        if not self.profiled_s:
+            return self.ratio
+        return float(np.median(np.array(self.measured_s) / np.array(self.profiled_s)))
+
     def to_dict(self) -> dict:
         return {"labels": self.labels, "measured_s": self.measured_s, "predicted_s": self.predicted_s,
-                "profiled_s": self.profiled_s, "ratio": self.ratio}
+                "profiled_s": self.profiled_s, "ratio": self.ratio, "machine_ratio": self.machine_ratio}
 
 
 def reference_times(

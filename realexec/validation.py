@@ -177,3 +177,82 @@ def validate_runs(
         "memory": memory,
         "thresholds": asdict(thresholds),
     }
+
+
+PASS, FAIL, INCONCLUSIVE = 0, 1, 3  # exit statuses (2 stays the user's mistake)
+WHAT_TO_DO = "rerun it, on a quieter machine (stop other work on it) or on an accelerator (--backend cuda)"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``kvsim validate``'s outcome, its exit status and the one line that says why."""
+
+    outcome: str  # pass, fail or inconclusive
+    exit_code: int
+    reason: str
+
+    @property
+    def line(self) -> str:
+        said = {"pass": "passed", "fail": "failed"}.get(self.outcome, self.outcome)
+        return f"validation {said}: {self.reason}"
+
+    def to_dict(self) -> dict:
+        return {"outcome": self.outcome, "exit_code": self.exit_code, "reason": self.reason, "line": self.line}
+
+
+def allowance(check: str, threshold: float, spread: float) -> float:
+    """The largest figure a model exactly at ``threshold`` could show against measurements that move by ``spread``.
+
+    The per-step MAPE averages hundreds of steps whose model error and measurement error are
+    independent: they add in quadrature. Every other figure is one number of one real run, which
+    may lie ``spread`` from its repeat in either direction: the two add.
+    """
+    return float(np.hypot(threshold, spread)) if check == "step_mape" else threshold + spread
+
+
+def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict[str, float | None], moved: float,
+            thresholds: Thresholds) -> Verdict:
+    """Pass, fail or inconclusive from the checks and what the machine's own measured behaviour explains.
+
+    ``spread``: each timing check's real-vs-real spread (realexec/repeatability.py); checks without
+    one (decisions, memory) get no allowance: a miss there is the model's. ``explained``: each
+    timing check's least error with the model scaled to the speeds the machine ran at while
+    measuring. ``moved``: how far the machine's speed strayed from the profile's (|speed - 1|).
+
+    - **fail**: a check misses its threshold, and its error, even with the model at the machine's
+      speed, is beyond what a model exactly at the threshold could show given the spread
+      (:func:`allowance`): more than the machine's repeatability explains.
+    - **inconclusive**: a check misses, but within what the machine's speed and spread explain;
+      or every check passes while the machine moved by more than the step threshold (a model off
+      by as much as the machine moved would pass too).
+    - **pass**: every check within its threshold, on a machine that held its profiled speed.
+    Thresholds are the user's, unchanged; only the reading of a miss depends on the machine.
+    """
+    beyond, within = [], []
+    for c in (c for c in checks if not c["passed"]):
+        s, e = spread.get(c["name"]), explained.get(c["name"])
+        best = None if c["value"] is None or e is None else min(c["value"], e)
+        room = None if s is None else allowance(c["name"], c["threshold"], s)
+        (beyond if best is None or room is None or best > room else within).append((c, best, room))
+    if beyond:
+        c, best, room = beyond[0]
+        value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
+        why = f"{c['name']} {value} over its limit {c['threshold']:.3f}"
+        if best is not None and room is not None:
+            why += (f", and {best:.3f} with the model at the machine's measured speed, beyond the {room:.3f} that a model at "
+                    f"the limit could show on measurements that move as this machine's did")
+        more = f" (and {len(beyond) - 1} more)" if len(beyond) > 1 else ""
+        return Verdict("fail", FAIL, f"{why}{more}: the model misses by more than the machine's repeatability explains")
+    if within:
+        c, best, room = within[0]
+        more = f" (and {len(within) - 1} more)" if len(within) > 1 else ""
+        return Verdict("inconclusive", INCONCLUSIVE,
+                       f"{c['name']} {c['value']:.3f} over its limit {c['threshold']:.3f}{more}, but {best:.3f} with the model "
+                       f"at the machine's measured speed (it moved {moved:.0%} from the profile), within the {room:.3f} that "
+                       f"measurements moving as this machine's did allow: the machine cannot tell this model's error from its "
+                       f"own; {WHAT_TO_DO}")
+    if moved > thresholds.step_mape:
+        return Verdict("inconclusive", INCONCLUSIVE,
+                       f"every check passed, but the machine's speed moved {moved:.0%} from the profile's while measuring, "
+                       f"more than the step limit {thresholds.step_mape:.0%}: a model off by as much would pass too; {WHAT_TO_DO}")
+    return Verdict("pass", PASS, f"every check within its limit, the machine within {moved:.0%} of its profiled speed")

@@ -30,6 +30,7 @@ td.diff { background: #fff2c2; }
 .banner { display: inline-block; padding: 6px 14px; border-radius: 4px; font-weight: bold; font-size: 18px; }
 .banner.pass { background: #d8f0d8; color: #145214; }
 .banner.fail { background: #f7d4d4; color: #8a1010; }
+.banner.undecided { background: #f7ecc8; color: #6b4a00; }
 pre { font-size: 12px; max-width: 600px; white-space: pre-wrap; word-break: break-all; margin: 0; text-align: left; }
 """
 
@@ -57,8 +58,10 @@ class Page:
     def note(self, text: str) -> None:
         self.parts.append(f'<p class="note">{html.escape(text)}</p>')
 
-    def banner(self, text: str, passed: bool) -> None:
-        self.parts.append(f'<p><span class="banner {"pass" if passed else "fail"}">{html.escape(text)}</span></p>')
+    def banner(self, text: str, passed: bool | None) -> None:
+        """A coloured line: green when ``passed``, red when not, amber when None (undecided)."""
+        kind = "undecided" if passed is None else "pass" if passed else "fail"
+        self.parts.append(f'<p><span class="banner {kind}">{html.escape(text)}</span></p>')
 
     def figure(self, fig: go.Figure) -> None:
         self._figures += 1

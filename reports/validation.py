@@ -55,11 +55,16 @@ def missing_keys(validation: object) -> list[str]:
 
 def validation_page(validation: dict, runs: dict[str, Run]) -> Page:
     page = Page("kvsim validation report")
-    page.banner("PASSED" if validation["passed"] else "FAILED", bool(validation["passed"]))
+    verdict = validation.get("verdict")  # older validation.json files have none
+    if verdict is None:
+        page.banner("PASSED" if validation["passed"] else "FAILED", bool(validation["passed"]))
+    else:
+        page.banner(verdict["outcome"].upper(), {"pass": True, "fail": False}.get(verdict["outcome"]))
+        page.note(verdict["line"])
     page.note(_provenance(validation, runs))
     if validation.get("clocks"):
         page.note("Clocks: " + "; ".join(f"{figure.replace('_', ' ')} on {clock}" for figure, clock in validation["clocks"].items()))
-    _checks_section(page, validation["checks"])
+    _checks_section(page, validation["checks"], validation.get("repeatability", {}).get("spread", {}))
     identity = validation["decision_identity"]
     _decisions_section(page, identity)
     _timing_section(page, validation["timing"], *step_times(validation, runs["real"], runs["sim"]))
@@ -79,7 +84,8 @@ def _provenance(validation: dict, runs: dict[str, Run]) -> str:
 # --- checks and decisions ---------------------------------------------------------------
 
 
-def _checks_section(page: Page, checks: list[dict]) -> None:
+def _checks_section(page: Page, checks: list[dict], spread: dict[str, float | None]) -> None:
+    """Each check's figure and limit, beside the real-vs-real spread its verdict weighs a miss against (timing checks)."""
     page.heading("Checks")
     order = {g: i for i, g in enumerate(CHECK_GROUPS)}
     rows = [
@@ -89,10 +95,11 @@ def _checks_section(page: Page, checks: list[dict]) -> None:
             _num(c.get("value")),
             _num(c.get("threshold")),
             Cell("pass" if c["passed"] else "FAIL", "pass" if c["passed"] else "fail"),
+            _num(spread.get(c["name"])),
         ]
         for c in sorted(checks, key=lambda c: order.get(c.get("group"), len(order)))
     ]
-    page.table(["check", "group", "value", "threshold", "result"], rows)
+    page.table(["check", "group", "value", "threshold", "result", "real-vs-real spread"], rows)
 
 
 def _decisions_section(page: Page, identity: dict) -> None:

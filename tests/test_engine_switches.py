@@ -41,20 +41,20 @@ def test_eager_dispatch_slows_the_steps_a_graph_replays() -> None:
     assert eager.step_total(step) > 1.5 * graph.step_total(step)
 
 
-def test_a_biased_profile_predicts_every_step_factor_times_slower() -> None:
+def test_a_scaled_profile_predicts_every_step_factor_times_slower() -> None:
     """``kvsim validate --perturb-profile F``: the check of the checker must be what it says."""
     from kvsim.sim.perf.cost_model import CostModel
-    from kvsim.sim.perf.device import biased_profile
+    from kvsim.sim.perf.device import scaled_profile
     from kvsim.sim.perf.model_spec import load_model
 
     cpu = dataclasses.replace(load_device("cpu"), gemv_rows=3, row_count_s={2: 2e-3})
     names = [f.name for f in dataclasses.fields(StepFeatures)]
     for device in (cpu, A2):
         model = load_model("small" if device is cpu else "qwen2.5-7b")
-        base, slow = CostModel(model, device, 16), CostModel(model, biased_profile(device, 1.2), 16)
+        base, slow = CostModel(model, device, 16), CostModel(model, scaled_profile(device, 1.2), 16)
         for tokens in (1.0, 2.0, 8.0, 300.0):
             step = StepFeatures(**{**dict.fromkeys(names, 0.0), "num_tokens": tokens, "num_seqs": tokens, "num_sampled": tokens,
                                    "decode_seqs": tokens, "decode_ctx_tokens": 100 * tokens, "blocks_touched": 7 * tokens})
             assert slow.step_total(step) == pytest.approx(1.2 * base.step_total(step), rel=1e-9)
-    plain = CostModel(load_model("small"), biased_profile(cpu, row_count_terms=False), 16)
+    plain = CostModel(load_model("small"), scaled_profile(cpu, row_count_terms=False), 16)
     assert plain.device.row_count_s == {} and plain.device.operators == cpu.operators

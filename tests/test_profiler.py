@@ -188,6 +188,7 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     loaded = load_device(out)
     assert loaded == result.device and loaded.name == "cpu-calibrated"
     assert loaded.step_timing_noise == round(result.step_noise, 4)  # what validate reports as the noise floor
+    assert loaded.held_out_step_mape == round(result.error("held-out steps").mape, 4)  # what validate gates a profile on
     assert loaded.source.startswith("kvsim profile --backend cpu --model tiny --kv-cache-dtype fp32 --seed 3 on ")
     assert f"torch {torch.__version__} with num_threads=1, timed on thread CPU time," in loaded.source
     base = load_device("cpu")

@@ -109,6 +109,26 @@ def test_step_times_are_medians_of_the_cpu_backends_repeats_and_single_runs_are_
     assert series["single_run"] != series["measured"]
 
 
+def test_the_runs_steps_are_timed_again_and_every_figure_gets_its_real_vs_real_spread(validation):
+    """The passes are measurements of the run's own steps (same count, same scale), and each figure's spread is
+    its largest move over the passes' replays, recomputed here from the figures written beside it."""
+    result, out = validation
+    again, series = result["repeatability"], result["series"]["step_time"]
+    passes = json.loads((out / "real" / "summary.json").read_text())["measured"]["retimed_s"]
+    assert again["passes"] == len(passes) == 2 and all(len(p) == len(series["measured"]) for p in passes)
+    assert all(0.5 < s < 2.0 for s in again["pass_speed"])  # the same steps, timed again: the same order of time
+    spread, figures = again["spread"], again["figures"]
+    assert 0 < spread["step_mape"] < 1
+    for check, (key, q) in {"ttft_p50_rel_error": ("ttft_s", "p50"), "tpot_p50_rel_error": ("tpot_s", "p50")}.items():
+        real = result["timing"]["latency"][key][q]["real"]
+        assert spread[check] == pytest.approx(max(abs(f - real) / real for f in figures[check]))
+    speed = again["machine_speed"]
+    assert speed["before"] == 1.0 and speed["moved"] == pytest.approx(abs(speed["after"] - 1.0))  # no recorded reference
+    assert set(again["errors_at_machine_speed"]) == {"step_mape", "ttft_p50_rel_error", "tpot_p50_rel_error",
+                                                    "e2e_p50_rel_error", "throughput_rel_error"}
+    assert result["verdict"]["outcome"] in ("pass", "fail", "inconclusive")
+
+
 def test_a_diverging_log_names_the_first_step():
     real = ['{"step":0,"entries":[]}', '{"step":1,"entries":[["a",0,1,"d",1]]}']
     sim = ['{"step":0,"entries":[]}', '{"step":1,"entries":[["b",0,1,"d",1]]}']
@@ -120,6 +140,7 @@ def test_a_diverging_log_names_the_first_step():
 
 
 def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(tmp_path):
+    """A step limit of 0 no model meets on any machine: a fail (exit 1) beyond every spread, named in the last line."""
     config = tmp_path / "run.toml"
     config.write_text("model = \"tiny\"\nmax_requests = 4\n[validation]\nstep_mape = 0.0\n")
     profile = save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.2), tmp_path / "measured.toml")
@@ -132,10 +153,15 @@ def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(t
     assert "per-step MAPE against each step's first run alone: " in result.output
     assert "speed check: reference steps took " in result.output
     assert "of 7 checks passed" in result.output and "step times measured on thread CPU time" in result.output
+    assert "the machine's speed (reference steps over their time when profiled): " in result.output
     last = [line for line in result.output.splitlines() if line.strip()][-2:]
-    assert last[0] == f"report: {tmp_path / 'v' / 'report.html'}" and last[1].startswith("Error: validation failed: step_mape")
-    assert json.loads((tmp_path / "v" / "validation.json").read_text())["timing"]["per_step"]["noise_floor"] == 0.2
-    assert "Clocks: step time on thread CPU time" in (tmp_path / "v" / "report.html").read_text()
+    assert last[0] == f"report: {tmp_path / 'v' / 'report.html'}" and last[1].startswith("validation failed: step_mape")
+    written = json.loads((tmp_path / "v" / "validation.json").read_text())
+    assert written["timing"]["per_step"]["noise_floor"] == 0.2
+    assert written["verdict"]["outcome"] == "fail" and written["verdict"]["exit_code"] == 1
+    page = (tmp_path / "v" / "report.html").read_text()
+    assert "Clocks: step time on thread CPU time" in page
+    assert ">FAIL</span>" in page and "validation failed: step_mape" in page and "real-vs-real spread" in page
     assert (tmp_path / "v" / "validation.json").exists()
 
 
@@ -178,6 +204,50 @@ def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tm
         assert cli_validate.machine_profile(cpu, TINY, False, said.append) == path
         assert bool(reasons) == remeasured
     assert "the cached profile is stale: reference steps took 1.30x its prediction on thread CPU time" in said[-1]
+
+
+def test_the_stale_decision_reads_the_machines_move_not_the_predictions_miss(tmp_path, monkeypatch):
+    """Reference steps 0.80x the prediction but at their profiled times: the model misses them, the machine has not
+    moved, so the cached profile stands; at 1.25x their profiled times (and the prediction's) it is measured anew."""
+    from kvsim.cli import validate as cli_validate
+    from kvsim.realexec import calibration
+    from kvsim.realexec.speed_check import SpeedCheck
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    cpu = get_backend("cpu")
+    path = tmp_path / "profiles" / f"cpu-tiny-fp32-{calibration.machine_fingerprint(cpu, 'fp32')}.toml"
+    path.parent.mkdir()
+    save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05), path)
+    made: list[str] = []
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: made.append(str(out)))
+    for measured, remeasured in ((0.8, False), (1.25, True)):
+        check = SpeedCheck(["x", "y", "z"], [measured] * 3, [1.0] * 3, profiled_s=[min(measured, 1.0)] * 3)
+        monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0, c=check: c)
+        said: list[str] = []
+        cli_validate.machine_profile(cpu, TINY, False, said.append)
+        assert bool(made) == remeasured
+    assert "reference steps took 1.25x their time when profiled" in said[-1]
+
+
+def test_a_profile_whose_fit_missed_its_held_out_steps_past_the_step_limit_is_measured_anew(tmp_path, monkeypatch):
+    from kvsim.cli import validate as cli_validate
+    from kvsim.realexec import calibration
+    from kvsim.realexec.speed_check import SpeedCheck
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    cpu = get_backend("cpu")
+    path = tmp_path / "profiles" / f"cpu-tiny-fp32-{calibration.machine_fingerprint(cpu, 'fp32')}.toml"
+    path.parent.mkdir()
+    made: list[str] = []
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: made.append(str(out)))
+    monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.0], [1.0], [1.0]))
+    for held_out, limit, remeasured in ((0.08, 0.10, False), (0.12, 0.10, True), (0.08, 0.05, True)):
+        made.clear()
+        save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05, held_out_step_mape=held_out), path)
+        said: list[str] = []
+        cli_validate.machine_profile(cpu, TINY, False, said.append, step_limit=limit)
+        assert bool(made) == remeasured, (held_out, limit)
+    assert "the profile's fit missed its own held-out steps by 8.0%, more than the step limit 5%" in said[-1]
 
 
 def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(tmp_path, monkeypatch):

@@ -173,6 +173,10 @@ class DeviceProfile:
     # while profiling. No model predicts single steps better than this on that machine, so
     # ``kvsim validate`` reports it beside the per-step error. None for profiles not measured.
     step_timing_noise: float | None = None
+    # Written by ``kvsim profile``: the fitted model's per-step MAPE on an engine run it never saw.
+    # ``kvsim validate`` measures a profile anew (once) when it is above the step limit: a noisy
+    # machine bent the fit. None for profiles not measured.
+    held_out_step_mape: float | None = None
     # Written by ``kvsim profile``: the speed check's reference steps (label -> median seconds),
     # timed as ``kvsim validate`` times them, right after the profile's cases. The speed check
     # compares what they take now with these, so a change of the machine's speed is told apart
@@ -236,10 +240,13 @@ def engine_as_run(device: DeviceProfile, enforce_eager: bool | None = None, asyn
     return device
 
 
-def biased_profile(device: DeviceProfile, factor: float = 1.0, row_count_terms: bool = True) -> DeviceProfile:
-    """A deliberately wrong copy of a profile, to prove that ``kvsim validate`` can fail: every
-    operator's predicted time times ``factor`` (efficiencies divided by it, fixed costs, row-count
-    terms and the engine's dispatch multiplied), and without its row-count terms if asked."""
+def scaled_profile(device: DeviceProfile, factor: float = 1.0, row_count_terms: bool = True,
+                   why: str = "biased for a check of the checker") -> DeviceProfile:
+    """A copy of a profile whose every operator's predicted time is ``factor`` times as long
+    (efficiencies divided by it; fixed costs, row-count terms and the engine's dispatch multiplied),
+    without its row-count terms if asked. ``kvsim validate`` uses it twice: a deliberately wrong
+    model that proves the verdict can fail (``--perturb-profile``, ``--no-row-count-terms``), and
+    the model at the speed the machine was measured at (its verdict weighs a miss against that)."""
     if not (factor > 0 and factor != float("inf")):
         raise ValueError(f"--perturb-profile must be a finite number > 0, got {factor}")
 
@@ -250,7 +257,7 @@ def biased_profile(device: DeviceProfile, factor: float = 1.0, row_count_terms: 
 
     terms = {rows: seconds * factor for rows, seconds in device.row_count_s.items()} if row_count_terms else {}
     engine = device.engine if device.engine is None else replace(device.engine, dispatch_s=device.engine.dispatch_s * factor)
-    source = f"{device.source}; biased for a check of the checker (x{factor:g}{'' if row_count_terms else ', no row-count terms'})"
+    source = f"{device.source}; {why} (x{factor:g}{'' if row_count_terms else ', no row-count terms'})"
     return replace(device, operators={op: scaled(c) for op, c in device.operators.items()}, row_count_s=terms,
                    engine=engine, source=source)
 
@@ -280,8 +287,9 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines.append(f"attention_query_tile = {profile.attention_query_tile}")
     if profile.gemv_rows:
         lines.append(f"gemv_rows = {profile.gemv_rows}")
-    if profile.step_timing_noise is not None:
-        lines.append(f"step_timing_noise = {_toml_num(profile.step_timing_noise)}")
+    for key in ("step_timing_noise", "held_out_step_mape"):
+        if getattr(profile, key) is not None:
+            lines.append(f"{key} = {_toml_num(getattr(profile, key))}")
     if profile.engine is not None:
         lines += ["", *engine_toml_lines(profile.engine)]
     if profile.topology is not None:
@@ -330,8 +338,9 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     for key in ("gemv_rows", "attention_query_tile"):
         if key in data:
             values[key] = _number(data, key, int, path, "", allow_zero=True)
-    if "step_timing_noise" in data:
-        values["step_timing_noise"] = _number(data, "step_timing_noise", float, path, "", allow_zero=True)
+    for key in ("step_timing_noise", "held_out_step_mape"):
+        if key in data:
+            values[key] = _number(data, key, float, path, "", allow_zero=True)
     matrix = _table(data, "matrix_flops", path)
     _reject_unknown(matrix, set(MATRIX_DTYPES), path, "matrix_flops.")
     values["matrix_flops"] = {dt: _number(matrix, dt, float, path, "matrix_flops.") for dt in MATRIX_DTYPES}

@@ -1,0 +1,78 @@
+"""validate's verdict on constructed figures: each of the three outcomes, and what gets no allowance."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsim.realexec.validation import FAIL, INCONCLUSIVE, PASS, Thresholds, allowance, verdict
+
+T = Thresholds()
+
+
+def checks(**values: float) -> list[dict]:
+    """The seven checks at passing figures, with ``values`` put in."""
+    figures = {"decision_identity": 0.0, "step_mape": 0.05, "ttft_p50_rel_error": 0.05, "tpot_p50_rel_error": 0.05,
+               "e2e_p50_rel_error": 0.05, "throughput_rel_error": 0.05, "kv_pool_bytes_rel_error": 0.0, **values}
+    limits = {"decision_identity": 0.0, "step_mape": T.step_mape, "ttft_p50_rel_error": T.ttft_p50,
+              "tpot_p50_rel_error": T.tpot_p50, "e2e_p50_rel_error": T.e2e_p50, "throughput_rel_error": T.throughput,
+              "kv_pool_bytes_rel_error": T.kv_pool_bytes}
+    return [{"name": n, "value": v, "threshold": limits[n], "passed": v <= limits[n]} for n, v in figures.items()]
+
+
+SPREAD = {"step_mape": 0.04, "ttft_p50_rel_error": 0.05, "tpot_p50_rel_error": 0.02, "e2e_p50_rel_error": 0.03,
+          "throughput_rel_error": 0.01}
+
+
+def test_every_check_within_its_limit_on_a_machine_that_held_its_speed_passes():
+    v = verdict(checks(), SPREAD, {}, moved=0.03, thresholds=T)
+    assert (v.outcome, v.exit_code) == ("pass", PASS) and v.line.startswith("validation passed: ")
+
+
+def test_a_miss_beyond_the_spread_even_at_the_machines_speed_fails():
+    v = verdict(checks(ttft_p50_rel_error=0.40), SPREAD, {"ttft_p50_rel_error": 0.38}, moved=0.02, thresholds=T)
+    assert (v.outcome, v.exit_code) == ("fail", FAIL)
+    assert v.reason.startswith("ttft_p50_rel_error 0.400 over its limit 0.100, and 0.380 with the model at the machine's")
+
+
+def test_a_miss_the_machines_measured_speed_explains_is_inconclusive():
+    """20 % off on a machine that ran 18 % slower than profiled: at that speed the model is 2 % off."""
+    v = verdict(checks(step_mape=0.20), SPREAD, {"step_mape": 0.02}, moved=0.18, thresholds=T)
+    assert (v.outcome, v.exit_code) == ("inconclusive", INCONCLUSIVE)
+    assert "it moved 18% from the profile" in v.reason and "quieter machine" in v.reason
+
+
+def test_a_miss_within_the_real_vs_real_spread_is_inconclusive_and_beyond_it_fails():
+    """TTFT p50 12 % off where the run's own repeat moved it 5 %: a model at the limit could show 15 %."""
+    inside = verdict(checks(ttft_p50_rel_error=0.12), SPREAD, {"ttft_p50_rel_error": 0.12}, moved=0.0, thresholds=T)
+    outside = verdict(checks(ttft_p50_rel_error=0.16), SPREAD, {"ttft_p50_rel_error": 0.16}, moved=0.0, thresholds=T)
+    assert inside.outcome == "inconclusive" and outside.outcome == "fail"
+
+
+def test_the_step_mape_allowance_adds_in_quadrature_and_a_single_figure_linearly():
+    assert allowance("step_mape", 0.10, 0.05) == pytest.approx((0.10**2 + 0.05**2) ** 0.5)
+    assert allowance("ttft_p50_rel_error", 0.10, 0.05) == pytest.approx(0.15)
+    # a model 20 % slow on a machine whose steps move 8 % when measured again still fails the step check
+    v = verdict(checks(step_mape=0.19), SPREAD | {"step_mape": 0.08}, {"step_mape": 0.19}, moved=0.01, thresholds=T)
+    assert v.outcome == "fail"
+
+
+def test_every_check_passing_while_the_machine_moved_past_the_step_limit_is_inconclusive():
+    """A model 15 % slow on a machine that ran 15 % slow passes every check: that pass says nothing."""
+    v = verdict(checks(), SPREAD, {}, moved=0.15, thresholds=T)
+    assert (v.outcome, v.exit_code) == ("inconclusive", INCONCLUSIVE) and "moved 15%" in v.reason
+
+
+def test_decisions_and_memory_get_no_allowance():
+    for name in ("decision_identity", "kv_pool_bytes_rel_error"):
+        v = verdict(checks(**{name: 1.0}), SPREAD, {}, moved=0.30, thresholds=T)
+        assert (v.outcome, v.exit_code) == ("fail", FAIL) and v.reason.startswith(name)
+
+
+def test_a_stricter_user_threshold_is_the_one_weighed():
+    strict = Thresholds(ttft_p50=0.02)
+    c = checks()
+    for check in c:
+        if check["name"] == "ttft_p50_rel_error":
+            check.update(threshold=0.02, passed=False)
+    v = verdict(c, SPREAD | {"ttft_p50_rel_error": 0.01}, {"ttft_p50_rel_error": 0.05}, moved=0.0, thresholds=strict)
+    assert v.outcome == "fail" and "over its limit 0.020" in v.reason
