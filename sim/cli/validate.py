@@ -139,8 +139,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     real-vs-real spread of every figure): what the verdict weighs a miss against.
     """
     config = for_backend(config, backend)
-    sim_resolved = resolve(config.updated(device=str(profile_path)))
-    before = speed_check(backend, sim_resolved.cost_model(), seed=config.seed)
+    before = speed_check(backend, resolve(config.updated(device=str(profile_path))).cost_model(), seed=config.seed)
     real, real_summary = execute_run(config, backend, out_dir / "real", trace=trace, progress=progress, decisions="full",
                                      retime_passes=retime_passes)
 
@@ -157,7 +156,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
         replay_log.close()
     decisions = compare_decisions(list(read_decisions(out_dir / "real")), list(read_decisions(out_dir / "replay")))
 
-    speed = speed_check(backend, cost, seed=config.seed)  # right after the real run: the machine as it ran
+    speed = speed_check(backend, cost, seed=config.seed)  # right after the real run and its passes: the machine as it ran
     _, sim_summary = run_trace(sim_resolved, trace, CostModelTimer(cost), out_dir / "sim", progress=progress)
 
     memory = resolve(config).memory  # what the memory model says the real run's device holds
