@@ -26,15 +26,17 @@ from kvsim.traces.schema import Trace
 # VM drifted 9 % over minutes (the 768-wide, 2-layer small model's: 2 %), more than a 10 %
 # per-step bar leaves room for (docs/benchmarks.md). Above capacity (the demo at 25x, as once)
 # requests queue behind one another, so TTFT adds up every step's error and a few per cent per
-# step become tens of per cent of latency. At 3x (about two thirds busy with the small model on
-# the 2-core development VM) most decode steps run one to three sequences: two and three are
+# step become tens of per cent of latency. At 3x (the small model's steps fill about 90 % of the run
+# on the 2-core development VM) most decode steps run one to three sequences: two and three are
 # where this CPU's GEMM kernels cost more than a roofline says, which the profile's row-count
 # terms measure (sim/perf/device.py). A pool of 64 blocks (1,024 tokens, about two of the demo's
-# longest requests) forces preemptions; prefixes are still hit.
+# longest requests) forces preemptions; prefixes are still hit. Near full, the TTFT median still
+# moves about 8 % per 1 % of step time; lighter loads put the TTFT or the TPOT median in a gap of
+# the 41 requests instead (docs/validate-verdict.md): validate's verdict weighs that.
 WORKLOAD = (
     "the bundled demo trace (41 requests of 17 Mooncake conversations: prompts of about 430 "
-    "tokens sharing prefixes, outputs of about 21) at 3x its arrival rate (2.9 requests/s, about "
-    "two thirds of what a 2-core VM serves), the small model, FCFS with prefix caching, a 512-token "
+    "tokens sharing prefixes, outputs of about 21) at 3x its arrival rate (2.9 requests/s: the small "
+    "model's steps fill about 90 % of the run on a 2-core VM), the small model, FCFS with prefix caching, a 512-token "
     "step budget and a pool of 64 blocks of 16 tokens: prefill, decode and mixed steps, prefix "
     "hits and preemptions."
 )
