@@ -7,6 +7,8 @@ prompt and output lengths, number of prompts, arrival rate or client concurrency
 the same figure. Rows are ``fit`` or ``check``: :func:`fit_parameters` solves each fit row's one
 named parameter (``fits``) so that row is matched, in file order, and check rows are only
 predicted, never used to choose a value, so their error is the model's accuracy.
+:func:`leave_one_source_out` goes further: each source's rows predicted with every parameter fitted
+on the other sources' fit rows alone (its rule for a parameter only that source fits is there).
 
 A row may carry vLLM's ``quantization`` and parallel flags (``tensor_parallel_size`` and the rest,
 defaults off / 1); they go into the RunConfig it replays, so a multi-device row is priced by
@@ -49,6 +51,7 @@ published totals (per-request lengths an assumption, the totals not). ``auto`` (
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
@@ -567,3 +570,97 @@ def summarize_errors(results: list[Result], split: str) -> dict:
     if errors.size == 0:
         return {"rows": 0, "median_abs_error": None, "max_abs_error": None}
     return {"rows": int(errors.size), "median_abs_error": float(np.median(errors)), "max_abs_error": float(errors.max())}
+
+
+# --- leave one source out --------------------------------------------------------------------
+@dataclass
+class SourceLeftOut:
+    """One source's rows predicted with every parameter fitted without any of its rows.
+
+    ``priors``: ``"device:parameter"`` -> (value, where it came from) for each parameter that only
+    this source's fit rows set (:func:`leave_one_source_out` says which value it takes);
+    ``hand_fitted``: hand-fitted constants (:data:`HAND_FITTED`) set on this source's rows, which
+    stay as they are (no code refits them), so for those this source is not left out.
+    """
+
+    source: str
+    results: list[Result]
+    priors: dict[str, tuple[float, str]] = field(default_factory=dict)
+    hand_fitted: list[str] = field(default_factory=list)
+
+
+def prior_value(name: str) -> float:
+    """The log-centre of a parameter's search range (:data:`PARAMETERS`): the value used where no
+    row outside the left-out source tells anything about it, fixed before any row was looked at."""
+    lo, hi = PARAMETERS[name]
+    return math.sqrt(lo * hi)
+
+
+def leave_one_source_out(
+    rows: list[Row], bundled: dict[str, DeviceProfile], fitted: dict[str, DeviceProfile], full: list[Result],
+    fit: Callable[[list[Row], dict[str, DeviceProfile]], dict[str, DeviceProfile]] | None = None, lengths: str = "auto",
+) -> list[SourceLeftOut]:
+    """For each source (in file order), its rows predicted after fitting every parameter on the other
+    sources' fit rows alone.
+
+    The rule for a parameter whose only fit rows belong to the left-out source: it is not
+    identified without them, and the bundled device value is no prior (the device files hold the
+    values these very rows fitted), so it takes the value the full fit gives the same parameter
+    on another device from a row of another source (the median where several do), and where there
+    is none, the log-centre of its search range (:func:`prior_value`); each such parameter is
+    named with its value and origin per source. Hand-fitted constants stay (:class:`SourceLeftOut`).
+
+    ``fitted``: the full fit's devices; ``full``: every row's result with them. A device's fitted
+    parameters depend only on its own fit rows, so only the devices where the left-out source has
+    fit rows are fitted again (starting from ``bundled``); the other devices and a source without
+    fit rows reuse the full fit. ``fit``: the fitting function (:func:`fit_parameters`'s signature).
+    """
+    fit = fit or (lambda fit_rows, devices: fit_parameters(fit_rows, devices, lengths=lengths))
+    full_by_id = {r.row.id: r for r in full}
+    fitters = {(r.device, r.fits): r for r in rows if r.split == "fit" and r.fits in PARAMETERS}
+    out = []
+    for source in dict.fromkeys(r.source for r in rows):
+        own = [r for r in rows if r.source == source]
+        others = [r for r in rows if r.source != source]
+        refit = sorted({r.device for r in own if (r.device, r.fits) in fitters})
+        devices = dict(fitted)
+        priors: dict[str, tuple[float, str]] = {}
+        for name in refit:
+            device = bundled[name]
+            for dev, parameter in fitters:
+                if dev != name or any(r.device == dev and r.fits == parameter for r in others):
+                    continue
+                value, origin = _prior(parameter, dev, source, fitters, fitted)
+                priors[f"{dev}:{parameter}"] = (value, origin)
+                device = set_parameter(device, parameter, value)
+            devices[name] = fit([r for r in others if r.device == name], {name: device})[name]
+        results = [Result(r, predict_row(r, devices[r.device], lengths)) if r.device in refit else full_by_id[r.id] for r in own]
+        hand = sorted({r.fits for r in own if r.fits in HAND_FITTED})
+        out.append(SourceLeftOut(source, results, priors, hand))
+    return out
+
+
+def _prior(parameter: str, device: str, source: str, fitters: dict[tuple[str, str], Row],
+           fitted: dict[str, DeviceProfile]) -> tuple[float, str]:
+    """A left-out parameter's value and its origin (:func:`leave_one_source_out`'s rule)."""
+    elsewhere = {dev: row.id for (dev, p), row in fitters.items() if p == parameter and dev != device and row.source != source}
+    if elsewhere:
+        value = float(np.median([get_parameter(fitted[dev], parameter) for dev in elsewhere]))
+        return value, "fitted on " + ", ".join(f"{dev} (row {row_id})" for dev, row_id in sorted(elsewhere.items()))
+    return prior_value(parameter), "log-centre of its search range"
+
+
+def summarize_left_out(left_out: list[SourceLeftOut]) -> dict:
+    """Median and largest |signed error| over every left-out source's rows, and per source."""
+    pooled = [abs(r.signed_error) for s in left_out for r in s.results]
+    summary = {"rows": len(pooled), "sources": len(left_out),
+               "median_abs_error": float(np.median(pooled)) if pooled else None,
+               "max_abs_error": float(max(pooled)) if pooled else None, "per_source": {}}  # fmt: skip
+    for s in left_out:
+        errors = [abs(r.signed_error) for r in s.results]
+        summary["per_source"][s.source] = {
+            "rows": len(errors), "median_abs_error": float(np.median(errors)), "max_abs_error": float(max(errors)),
+            "priors": {k: {"value": v, "from": origin} for k, (v, origin) in s.priors.items()},
+            "hand_fitted_kept": s.hand_fitted,
+        }  # fmt: skip
+    return summary
