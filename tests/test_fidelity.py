@@ -26,6 +26,7 @@ from kvsim.sim.studies.fidelity import (
     _resolved,
     dataset_lengths,
     fit_parameters,
+    fit_to_fixed_point,
     get_parameter,
     layout_label,
     leave_one_source_out,
@@ -309,6 +310,41 @@ def test_a_parameter_only_the_left_out_source_fits_takes_a_prior_and_is_named() 
     value, origin = left_out["a"].priors[f"ascend-910b3:{name}"]
     assert value == pytest.approx(5e-5, rel=0.01) and origin == "fitted on h100-sxm (row c1)"
     assert left_out["c"].results[0].predicted != full[2].predicted  # "c" falls back to "a"'s 910B3 value
+
+
+def _coupled_fit_rows() -> tuple[list[Row], dict[str, float]]:
+    """Two fit rows where the first row's figure depends on the second row's parameter: a served
+    TTFT (API server's request_s plus an eager prefill, so dispatch_s) fitting request_s, then an
+    offline batch latency (dispatch_s alone) fitting dispatch_s. One pass cannot match both."""
+    truth = {"engine.request_s": 0.03, "engine.dispatch_s": 2.5e-4}
+    device = load_device("ascend-910b3")
+    for name, value in truth.items():
+        device = set_parameter(device, name, value)
+    ttft = _serving_row(id="ttft", split="fit", fits="engine.request_s", metric="ttft_mean", workload="concurrency",
+                        concurrency=1, num_prompts=4, input_len=512, engine_mode="eager")  # fmt: skip
+    latency = _serving_row(id="latency", split="fit", fits="engine.dispatch_s", metric="batch_latency", engine_mode="eager")
+    return [replace(r, measured=predict_row(r, device)) for r in (ttft, latency)], truth
+
+
+def test_the_fit_runs_to_a_fixed_point_and_says_so() -> None:
+    rows, truth = _coupled_fit_rows()
+    result = fit_to_fixed_point(rows, {"ascend-910b3": load_device("ascend-910b3")}, tolerance=1e-3, max_passes=6)
+    # pass 2 refits request_s to pass 1's dispatch_s; pass 3 moves nothing: a fixed point
+    assert result.converged and len(result.moves) == 3 and result.moves[-1][1] == 0.0
+    assert result.moves[1][0] == "ascend-910b3:engine.request_s" and result.moves[1][1] > 1e-3
+    for name, value in truth.items():
+        assert get_parameter(result.devices["ascend-910b3"], name) == pytest.approx(value, rel=0.01)
+    assert "a fixed point after 3 passes" in result.describe() and result.to_dict()["converged"] is True
+    again = fit_to_fixed_point(rows, result.devices, tolerance=1e-3, max_passes=6)  # from its own result: nothing moves
+    assert again.converged and len(again.moves) == 1 and again.moves[0][1] == 0.0
+
+
+def test_a_fit_cut_off_before_its_fixed_point_says_it_is_not_one() -> None:
+    rows, _ = _coupled_fit_rows()
+    result = fit_to_fixed_point(rows, {"ascend-910b3": load_device("ascend-910b3")}, tolerance=1e-3, max_passes=2)
+    assert not result.converged and len(result.moves) == 2
+    assert "NOT a fixed point after 2 passes: the last still moved ascend-910b3:engine.request_s" in result.describe()
+    assert result.to_dict()["converged"] is False
 
 
 @pytest.mark.parametrize(

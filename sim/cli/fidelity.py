@@ -9,6 +9,8 @@ import click
 import numpy as np
 
 from kvsim.sim.studies.fidelity import (
+    FIT_MAX_PASSES,
+    FIT_TOLERANCE,
     HAND_FITTED,
     LENGTH_SOURCES,
     PARAMETERS,
@@ -19,7 +21,7 @@ from kvsim.sim.studies.fidelity import (
     bundled_devices_for,
     dataset_lengths,
     evaluate,
-    fit_parameters,
+    fit_to_fixed_point,
     get_parameter,
     leave_one_source_out,
     load_published,
@@ -49,7 +51,12 @@ from kvsim.traces.errors import FIDELITY_EXTRA
               "is installed.")
 @click.option("--leave-one-source-out/--no-leave-one-source-out", "loso", default=True, show_default=True,
               help="With --fit: also predict each source's rows with every parameter fitted without that source's rows.")
-def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str, loso: bool) -> None:
+@click.option("--fit-tolerance", type=click.FloatRange(min=0, min_open=True), default=FIT_TOLERANCE, show_default=True,
+              help="The fit runs pass after pass until a pass moves no parameter by more than this (relative).")
+@click.option("--max-fit-passes", type=click.IntRange(min=1), default=FIT_MAX_PASSES, show_default=True,
+              help="At most this many fit passes; the output says whether the fit reached a fixed point.")
+def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str, loso: bool, fit_tolerance: float,
+             max_fit_passes: int) -> None:
     """Replay published vLLM / vllm-ascend measurements; print predicted vs measured and signed errors."""
     try:
         published = load_published(data_path)
@@ -63,10 +70,12 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str,
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     bundled = devices = bundled_devices_for(rows)
-    if fit:
-        devices = fit_parameters(rows, devices, lengths=lengths)
+    convergence = fit_to_fixed_point(rows, devices, fit_tolerance, max_fit_passes, lengths=lengths) if fit else None
+    if convergence:
+        devices = convergence.devices
     results = evaluate(rows, devices, lengths)
-    left_out = leave_one_source_out(rows, bundled, devices, results, lengths=lengths) if fit and loso else []
+    left_out = (leave_one_source_out(rows, bundled, devices, results, fit_tolerance, max_fit_passes, lengths)
+                if fit and loso else [])
     loso_summary = summarize_left_out(left_out) if left_out else None
     fitted = {
         f"{r.device}:{r.fits}": {"row": r.id, "value": get_parameter(devices[r.device], r.fits)}
@@ -86,6 +95,8 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str,
         click.echo(format_left_out(loso_summary))
     for name, f in fitted.items():
         click.echo(f"fitted {name} = {f['value']:.4g} (row {f['row']})")
+    if convergence:
+        click.echo(convergence.describe())
     out_dir.mkdir(parents=True, exist_ok=True)
     commands = row_commands(rows, out_dir / "traces", lengths)
     if not fit:
@@ -96,6 +107,7 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str,
     payload = {
         "data": str(data_path.name),
         "fitted": fitted,
+        "fit_convergence": convergence.to_dict() if convergence else None,
         "parameters_searched": {k: list(v) for k, v in PARAMETERS.items()},
         "summary": summary,
         "leave_one_source_out": loso_summary,
@@ -124,6 +136,9 @@ def format_left_out(summary: dict) -> str:
             lines.append(f"    no other source fits {name}: {prior['value']:.4g} ({prior['from']})")
         for name in s["hand_fitted_kept"]:
             lines.append(f"    {name}: hand-fitted on this source, kept (not left out)")
+        for device, refit in s["refits"].items():
+            state = "a fixed point" if refit["converged"] else "NOT a fixed point"
+            lines.append(f"    {device} fitted again without it: {state} after {refit['passes']} passes")
     lines.append(
         f"leave-one-source-out: {summary['rows']} rows from {summary['sources']} sources, "
         f"median |error| {summary['median_abs_error']:.1%}, max |error| {summary['max_abs_error']:.1%}"

@@ -51,7 +51,6 @@ published totals (per-request lengths an assumption, the totals not). ``auto`` (
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
@@ -539,6 +538,65 @@ def fit_parameters(
     return devices
 
 
+FIT_TOLERANCE = 1e-3  # a pass that moves no fitted parameter by more than this (relative) ends the fit
+FIT_MAX_PASSES = 6
+
+
+@dataclass(frozen=True)
+class FixedPoint:
+    """The fit run pass after pass, each from the previous pass's result (:func:`fit_to_fixed_point`).
+
+    ``moves``: per pass, the largest relative move of any fitted parameter (``"device:parameter"``,
+    move) against its value before that pass; the first pass's is against the starting devices.
+    """
+
+    devices: dict[str, DeviceProfile]
+    moves: list[tuple[str, float]]
+    tolerance: float
+
+    @property
+    def converged(self) -> bool:
+        """True when the last pass moved nothing beyond the tolerance: run again from its own result,
+        the fit gives back (within the tolerance) the parameters it started from."""
+        return bool(self.moves) and self.moves[-1][1] <= self.tolerance
+
+    def describe(self) -> str:
+        name, move = self.moves[-1] if self.moves else ("", 0.0)
+        if self.converged:
+            return (f"fit: a fixed point after {len(self.moves)} passes (the last moved no parameter by more than "
+                    f"{move:.3%}; tolerance {self.tolerance:.2%})")
+        return (f"fit: NOT a fixed point after {len(self.moves)} passes: the last still moved {name} by {move:.2%} "
+                f"(tolerance {self.tolerance:.2%})")
+
+    def to_dict(self) -> dict:
+        return {"converged": self.converged, "passes": len(self.moves), "tolerance": self.tolerance,
+                "largest_move_per_pass": [{"parameter": n, "relative_move": m} for n, m in self.moves]}
+
+
+def fit_to_fixed_point(
+    rows: list[Row], devices: dict[str, DeviceProfile], tolerance: float = FIT_TOLERANCE,
+    max_passes: int = FIT_MAX_PASSES, steps: int = 14, lengths: str = "auto",
+) -> FixedPoint:
+    """:func:`fit_parameters` one pass at a time, each from the previous pass's result, until a pass
+    moves no fitted parameter by more than ``tolerance`` (relative), or ``max_passes`` passes.
+
+    A later fit row's parameter moves an earlier row's figure, so one pass does not match every
+    fit row; a pass that moves nothing is a fixed point. The tolerance must exceed the bisection's
+    own resolution (``steps`` halvings of the log range: under 0.1 % for every range of
+    :data:`PARAMETERS` at 14 steps), or rounding alone keeps the fit from converging.
+    """
+    fitted = sorted({(r.device, r.fits) for r in rows if r.split == "fit" and r.fits in PARAMETERS})
+    moves: list[tuple[str, float]] = []
+    for _ in range(max_passes):
+        before = {(d, n): get_parameter(devices[d], n) for d, n in fitted}
+        devices = fit_parameters(rows, devices, steps, passes=1, lengths=lengths)
+        move = {f"{d}:{n}": abs(get_parameter(devices[d], n) / before[d, n] - 1) for d, n in fitted}
+        moves.append(max(move.items(), key=lambda kv: kv[1], default=("", 0.0)))
+        if moves[-1][1] <= tolerance:
+            break
+    return FixedPoint(devices, moves, tolerance)
+
+
 def bundled_devices_for(rows: list[Row]) -> dict[str, DeviceProfile]:
     return {name: load_device(name) for name in sorted({r.device for r in rows})}
 
@@ -578,7 +636,8 @@ class SourceLeftOut:
     """One source's rows predicted with every parameter fitted without any of its rows.
 
     ``priors``: ``"device:parameter"`` -> (value, where it came from) for each parameter that only
-    this source's fit rows set (:func:`leave_one_source_out` says which value it takes);
+    this source's fit rows set (:func:`leave_one_source_out` says which value it takes); ``fits``:
+    each device fitted again without this source, with its convergence;
     ``hand_fitted``: hand-fitted constants (:data:`HAND_FITTED`) set on this source's rows, which
     stay as they are (no code refits them), so for those this source is not left out.
     """
@@ -587,6 +646,7 @@ class SourceLeftOut:
     results: list[Result]
     priors: dict[str, tuple[float, str]] = field(default_factory=dict)
     hand_fitted: list[str] = field(default_factory=list)
+    fits: dict[str, FixedPoint] = field(default_factory=dict)  # device -> its fit without this source
 
 
 def prior_value(name: str) -> float:
@@ -598,7 +658,7 @@ def prior_value(name: str) -> float:
 
 def leave_one_source_out(
     rows: list[Row], bundled: dict[str, DeviceProfile], fitted: dict[str, DeviceProfile], full: list[Result],
-    fit: Callable[[list[Row], dict[str, DeviceProfile]], dict[str, DeviceProfile]] | None = None, lengths: str = "auto",
+    tolerance: float = FIT_TOLERANCE, max_passes: int = FIT_MAX_PASSES, lengths: str = "auto",
 ) -> list[SourceLeftOut]:
     """For each source (in file order), its rows predicted after fitting every parameter on the other
     sources' fit rows alone.
@@ -612,10 +672,9 @@ def leave_one_source_out(
 
     ``fitted``: the full fit's devices; ``full``: every row's result with them. A device's fitted
     parameters depend only on its own fit rows, so only the devices where the left-out source has
-    fit rows are fitted again (starting from ``bundled``); the other devices and a source without
-    fit rows reuse the full fit. ``fit``: the fitting function (:func:`fit_parameters`'s signature).
+    fit rows are fitted again (:func:`fit_to_fixed_point`, starting from ``bundled``); the other
+    devices and a source without fit rows reuse the full fit.
     """
-    fit = fit or (lambda fit_rows, devices: fit_parameters(fit_rows, devices, lengths=lengths))
     full_by_id = {r.row.id: r for r in full}
     fitters = {(r.device, r.fits): r for r in rows if r.split == "fit" and r.fits in PARAMETERS}
     out = []
@@ -625,6 +684,7 @@ def leave_one_source_out(
         refit = sorted({r.device for r in own if (r.device, r.fits) in fitters})
         devices = dict(fitted)
         priors: dict[str, tuple[float, str]] = {}
+        fits: dict[str, FixedPoint] = {}
         for name in refit:
             device = bundled[name]
             for dev, parameter in fitters:
@@ -633,10 +693,12 @@ def leave_one_source_out(
                 value, origin = _prior(parameter, dev, source, fitters, fitted)
                 priors[f"{dev}:{parameter}"] = (value, origin)
                 device = set_parameter(device, parameter, value)
-            devices[name] = fit([r for r in others if r.device == name], {name: device})[name]
+            fits[name] = fit_to_fixed_point([r for r in others if r.device == name], {name: device}, tolerance, max_passes,
+                                            lengths=lengths)
+            devices[name] = fits[name].devices[name]
         results = [Result(r, predict_row(r, devices[r.device], lengths)) if r.device in refit else full_by_id[r.id] for r in own]
         hand = sorted({r.fits for r in own if r.fits in HAND_FITTED})
-        out.append(SourceLeftOut(source, results, priors, hand))
+        out.append(SourceLeftOut(source, results, priors, hand, fits))
     return out
 
 
@@ -662,5 +724,6 @@ def summarize_left_out(left_out: list[SourceLeftOut]) -> dict:
             "rows": len(errors), "median_abs_error": float(np.median(errors)), "max_abs_error": float(max(errors)),
             "priors": {k: {"value": v, "from": origin} for k, (v, origin) in s.priors.items()},
             "hand_fitted_kept": s.hand_fitted,
+            "refits": {device: fit.to_dict() for device, fit in s.fits.items()},
         }  # fmt: skip
     return summary
