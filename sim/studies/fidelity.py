@@ -102,6 +102,7 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "operators.gemm.memory_efficiency": (0.2, 1.0),
     "operators.attn_prefill.compute_efficiency": (0.01, 1.0),
     "operators.attn_decode.half_context": (1.0, 1e5),
+    "operators.attn_decode.memory_efficiency": (0.2, 1.0),
     "operators.attn_prefill.score_bytes": (1e-2, 1e3),
     "operators.host_seq.seq_s": (1e-7, 1e-2),
     "engine.admit_s": (1e-5, 0.2),
