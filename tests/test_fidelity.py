@@ -26,14 +26,18 @@ from kvsim.sim.studies.fidelity import (
     _resolved,
     dataset_lengths,
     fit_parameters,
+    fit_to_fixed_point,
     get_parameter,
     layout_label,
+    leave_one_source_out,
     load_published,
     predict_row,
+    prior_value,
     row_lengths,
     set_parameter,
     sharegpt_unavailable,
     summarize_errors,
+    summarize_left_out,
 )
 from kvsim.traces.sharegpt import bundled_dataset, read_conversations, sample_lengths
 from kvsim.traces.tokenizers import get_tokenizer
@@ -254,6 +258,95 @@ def test_fit_rows_recover_the_parameter_that_made_the_figure() -> None:
     assert untouched["ascend-910b3"] == device
 
 
+def _measured_at(row: Row, name: str, value: float, **changes) -> Row:
+    """``row`` with ``changes``, measuring what kvsim predicts with ``name`` set to ``value`` on the bundled device."""
+    row = replace(row, **changes)
+    return replace(row, measured=predict_row(row, set_parameter(load_device(row.device), name, value)))
+
+
+def _loso(rows: list[Row]) -> tuple[list[Result], dict]:
+    bundled = {name: load_device(name) for name in {r.device for r in rows}}
+    fitted = fit_parameters(rows, bundled)
+    full = [Result(r, predict_row(r, fitted[r.device])) for r in rows]
+    return full, {s.source: s for s in leave_one_source_out(rows, bundled, fitted, full)}
+
+
+def test_a_source_fitted_perfectly_in_sample_shows_its_error_when_left_out() -> None:
+    """Source "a" measured its two figures where dispatch_s is 2.5e-4 and fits it last (so in sample
+    it is matched); source "b" measured at 1e-4. Without "a", the parameter comes from "b" alone."""
+    base = _serving_row(metric="batch_latency", engine_mode="eager")
+    name = "engine.dispatch_s"
+    rows = [
+        _measured_at(base, name, 1e-4, id="b1", source="b", split="fit", fits=name, output_len=24),
+        _measured_at(base, name, 2.5e-4, id="a1", source="a", split="fit", fits=name),
+        _measured_at(base, name, 2.5e-4, id="a2", source="a", num_prompts=4, output_len=32),
+    ]
+    full, left_out = _loso(rows)
+    in_sample = {r.row.id: abs(r.signed_error) for r in full}
+    assert in_sample["a1"] < 0.01 and in_sample["a2"] < 0.01
+    out_of_sample = {r.row.id: abs(r.signed_error) for r in left_out["a"].results}
+    assert out_of_sample["a1"] > 0.2 and out_of_sample["a2"] > 0.2
+    assert left_out["a"].priors == {}  # "b" fits the same parameter: nothing falls back to a prior
+    # "b" is predicted with "a"'s value both ways (its own fit row comes first, "a"'s overwrites it in sample)
+    assert abs(left_out["b"].results[0].signed_error) == pytest.approx(in_sample["b1"], rel=1e-9)
+    summary = summarize_left_out(list(left_out.values()))
+    assert summary["rows"] == 3 and summary["per_source"]["a"]["median_abs_error"] > 0.2
+
+
+def test_a_parameter_only_the_left_out_source_fits_takes_a_prior_and_is_named() -> None:
+    """Not the bundled value (fitted on these very rows): the same parameter fitted on another device
+    by another source where there is one, else the log-centre of its search range."""
+    base = _serving_row(metric="batch_latency", engine_mode="eager")
+    name = "engine.dispatch_s"
+    rows = [
+        _measured_at(base, name, 2e-4, id="a1", source="a", split="fit", fits=name),
+        _measured_at(base, name, 2e-4, id="b1", source="b", num_prompts=4),
+    ]
+    _, left_out = _loso(rows)
+    assert left_out["a"].priors == {f"ascend-910b3:{name}": (prior_value(name), "log-centre of its search range")}
+    assert prior_value(name) == pytest.approx(1e-5)  # range 1e-7 .. 1e-3
+    h100 = _measured_at(base, name, 5e-5, id="c1", source="c", split="fit", fits=name, device="h100-sxm")
+    full, left_out = _loso([*rows, h100])
+    value, origin = left_out["a"].priors[f"ascend-910b3:{name}"]
+    assert value == pytest.approx(5e-5, rel=0.01) and origin == "fitted on h100-sxm (row c1)"
+    assert left_out["c"].results[0].predicted != full[2].predicted  # "c" falls back to "a"'s 910B3 value
+
+
+def _coupled_fit_rows() -> tuple[list[Row], dict[str, float]]:
+    """Two fit rows where the first row's figure depends on the second row's parameter: a served
+    TTFT (API server's request_s plus an eager prefill, so dispatch_s) fitting request_s, then an
+    offline batch latency (dispatch_s alone) fitting dispatch_s. One pass cannot match both."""
+    truth = {"engine.request_s": 0.03, "engine.dispatch_s": 2.5e-4}
+    device = load_device("ascend-910b3")
+    for name, value in truth.items():
+        device = set_parameter(device, name, value)
+    ttft = _serving_row(id="ttft", split="fit", fits="engine.request_s", metric="ttft_mean", workload="concurrency",
+                        concurrency=1, num_prompts=4, input_len=512, engine_mode="eager")  # fmt: skip
+    latency = _serving_row(id="latency", split="fit", fits="engine.dispatch_s", metric="batch_latency", engine_mode="eager")
+    return [replace(r, measured=predict_row(r, device)) for r in (ttft, latency)], truth
+
+
+def test_the_fit_runs_to_a_fixed_point_and_says_so() -> None:
+    rows, truth = _coupled_fit_rows()
+    result = fit_to_fixed_point(rows, {"ascend-910b3": load_device("ascend-910b3")}, tolerance=1e-3, max_passes=6)
+    # pass 2 refits request_s to pass 1's dispatch_s; pass 3 moves nothing: a fixed point
+    assert result.converged and len(result.moves) == 3 and result.moves[-1][1] == 0.0
+    assert result.moves[1][0] == "ascend-910b3:engine.request_s" and result.moves[1][1] > 1e-3
+    for name, value in truth.items():
+        assert get_parameter(result.devices["ascend-910b3"], name) == pytest.approx(value, rel=0.01)
+    assert "a fixed point after 3 passes" in result.describe() and result.to_dict()["converged"] is True
+    again = fit_to_fixed_point(rows, result.devices, tolerance=1e-3, max_passes=6)  # from its own result: nothing moves
+    assert again.converged and len(again.moves) == 1 and again.moves[0][1] == 0.0
+
+
+def test_a_fit_cut_off_before_its_fixed_point_says_it_is_not_one() -> None:
+    rows, _ = _coupled_fit_rows()
+    result = fit_to_fixed_point(rows, {"ascend-910b3": load_device("ascend-910b3")}, tolerance=1e-3, max_passes=2)
+    assert not result.converged and len(result.moves) == 2
+    assert "NOT a fixed point after 2 passes: the last still moved ascend-910b3:engine.request_s" in result.describe()
+    assert result.to_dict()["converged"] is False
+
+
 @pytest.mark.parametrize(
     "name, value, changes",
     [
@@ -314,6 +407,11 @@ def test_cli_writes_json_and_html(tmp_path: Path) -> None:
     assert "check:" in result.output and "independent check:" in result.output
     same_run = {r["id"]: r["same_run_as_a_fit_row"] for r in data["rows"]}
     assert same_run == {"vllm10517-20k": True, "vllm10517-29k": False}  # another KV size: another run
+    # one source: left out, its hand-fitted constant stays, so its rows keep their figures, and the output says so
+    loso = data["leave_one_source_out"]
+    assert loso["rows"] == 2 and loso["per_source"]["vllm-10517"]["hand_fitted_kept"] == ["memory.hidden_buffers"]
+    assert all(r["left_out_predicted"] == r["predicted"] for r in data["rows"])
+    assert "leave-one-source-out: 2 rows from 1 sources" in result.output and "hand-fitted on this source, kept" in result.output
 
 
 def test_check_rows_of_a_run_a_fit_row_comes_from_are_not_independent(published) -> None:

@@ -9,6 +9,8 @@ import click
 import numpy as np
 
 from kvsim.sim.studies.fidelity import (
+    FIT_MAX_PASSES,
+    FIT_TOLERANCE,
     HAND_FITTED,
     LENGTH_SOURCES,
     PARAMETERS,
@@ -19,8 +21,9 @@ from kvsim.sim.studies.fidelity import (
     bundled_devices_for,
     dataset_lengths,
     evaluate,
-    fit_parameters,
+    fit_to_fixed_point,
     get_parameter,
+    leave_one_source_out,
     load_published,
     row_command,
     row_lengths,
@@ -28,6 +31,7 @@ from kvsim.sim.studies.fidelity import (
     runs_with_fit_rows,
     sharegpt_unavailable,
     summarize_errors,
+    summarize_left_out,
 )
 from kvsim.traces.canonical import save as save_trace
 from kvsim.traces.errors import FIDELITY_EXTRA
@@ -45,7 +49,14 @@ from kvsim.traces.errors import FIDELITY_EXTRA
               help="ShareGPT rows' lengths: vLLM's draw from the [fidelity] extra's ShareGPT file (as drawn, or "
               "scaled to the published totals), or lognormal at the published totals; auto: sharegpt where the extra "
               "is installed.")
-def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str) -> None:
+@click.option("--leave-one-source-out/--no-leave-one-source-out", "loso", default=True, show_default=True,
+              help="With --fit: also predict each source's rows with every parameter fitted without that source's rows.")
+@click.option("--fit-tolerance", type=click.FloatRange(min=0, min_open=True), default=FIT_TOLERANCE, show_default=True,
+              help="The fit runs pass after pass until a pass moves no parameter by more than this (relative).")
+@click.option("--max-fit-passes", type=click.IntRange(min=1), default=FIT_MAX_PASSES, show_default=True,
+              help="At most this many fit passes; the output says whether the fit reached a fixed point.")
+def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str, loso: bool, fit_tolerance: float,
+             max_fit_passes: int) -> None:
     """Replay published vLLM / vllm-ascend measurements; print predicted vs measured and signed errors."""
     try:
         published = load_published(data_path)
@@ -58,10 +69,14 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str)
         lengths_text = describe_lengths(rows, lengths)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    devices = bundled_devices_for(rows)
-    if fit:
-        devices = fit_parameters(rows, devices, lengths=lengths)
+    bundled = devices = bundled_devices_for(rows)
+    convergence = fit_to_fixed_point(rows, devices, fit_tolerance, max_fit_passes, lengths=lengths) if fit else None
+    if convergence:
+        devices = convergence.devices
     results = evaluate(rows, devices, lengths)
+    left_out = (leave_one_source_out(rows, bundled, devices, results, fit_tolerance, max_fit_passes, lengths)
+                if fit and loso else [])
+    loso_summary = summarize_left_out(left_out) if left_out else None
     fitted = {
         f"{r.device}:{r.fits}": {"row": r.id, "value": get_parameter(devices[r.device], r.fits)}
         for r in rows
@@ -76,27 +91,59 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str)
     for split, s in summary.items():
         if s["rows"]:
             click.echo(f"{split}: {s['rows']} rows, median |error| {s['median_abs_error']:.1%}, max |error| {s['max_abs_error']:.1%}")
+    if loso_summary:
+        click.echo(format_left_out(loso_summary))
     for name, f in fitted.items():
         click.echo(f"fitted {name} = {f['value']:.4g} (row {f['row']})")
+    if convergence:
+        click.echo(convergence.describe())
     out_dir.mkdir(parents=True, exist_ok=True)
     commands = row_commands(rows, out_dir / "traces", lengths)
     if not fit:
         click.echo("each row as a kvsim simulate command (the figure: summary.json's bench.<metric>):")
         for row_id, command in commands.items():
             click.echo(f"  {row_id}: {' '.join(command)}")
+    left_out_by_id = {r.row.id: r for s in left_out for r in s.results}
     payload = {
         "data": str(data_path.name),
         "fitted": fitted,
+        "fit_convergence": convergence.to_dict() if convergence else None,
         "parameters_searched": {k: list(v) for k, v in PARAMETERS.items()},
         "summary": summary,
+        "leave_one_source_out": loso_summary,
         "sharegpt_lengths": {r.id: dataset_lengths(r, lengths) for r in rows if r.input_total},
         "sources": {s.id: {"url": s.url, "title": s.title} for s in published.sources.values()},
-        "rows": [{**r.to_dict(), "same_run_as_a_fit_row": r.row.run in fitted_runs, "command": commands.get(r.row.id)}
-                 for r in results],
+        "rows": [{**r.to_dict(), "same_run_as_a_fit_row": r.row.run in fitted_runs, "command": commands.get(r.row.id),
+                  **_left_out_fields(left_out_by_id.get(r.row.id))} for r in results],
     }
     (out_dir / "fidelity.json").write_text(json.dumps(payload, indent=2))
-    write_html(results, fitted_runs, summary, fitted, published.sources, out_dir / "fidelity.html")
+    write_html(results, fitted_runs, summary, loso_summary, fitted, published.sources, out_dir / "fidelity.html")
     click.echo(f"wrote {out_dir / 'fidelity.json'} and {out_dir / 'fidelity.html'}")
+
+
+def _left_out_fields(result: Result | None) -> dict:
+    if result is None:
+        return {}
+    return {"left_out_predicted": result.predicted, "left_out_signed_error": result.signed_error}
+
+
+def format_left_out(summary: dict) -> str:
+    """The leave-one-source-out lines: each source with the parameters that fell back to a prior, then the headline."""
+    lines = ["leave-one-source-out (each source's rows, every parameter fitted without them):"]
+    for source, s in summary["per_source"].items():
+        lines.append(f"  {source}: {s['rows']} rows, median |error| {s['median_abs_error']:.1%}, max {s['max_abs_error']:.1%}")
+        for name, prior in s["priors"].items():
+            lines.append(f"    no other source fits {name}: {prior['value']:.4g} ({prior['from']})")
+        for name in s["hand_fitted_kept"]:
+            lines.append(f"    {name}: hand-fitted on this source, kept (not left out)")
+        for device, refit in s["refits"].items():
+            state = "a fixed point" if refit["converged"] else "NOT a fixed point"
+            lines.append(f"    {device} fitted again without it: {state} after {refit['passes']} passes")
+    lines.append(
+        f"leave-one-source-out: {summary['rows']} rows from {summary['sources']} sources, "
+        f"median |error| {summary['median_abs_error']:.1%}, max |error| {summary['max_abs_error']:.1%}"
+    )
+    return "\n".join(lines)
 
 
 def row_commands(rows: list[Row], trace_dir: Path, lengths: str) -> dict[str, list[str]]:
@@ -165,7 +212,8 @@ def format_table(results: list[Result], fitted_runs: set) -> str:
     return "\n".join(lines)
 
 
-def write_html(results: list[Result], fitted_runs: set, summary: dict, fitted: dict, sources: dict, path: Path) -> Path:
+def write_html(results: list[Result], fitted_runs: set, summary: dict, loso: dict | None, fitted: dict, sources: dict,
+               path: Path) -> Path:
     from kvsim.reports.page import Cell, Page  # plotly: only the HTML page needs it
 
     page = Page("kvsim fidelity: predicted vs published serving measurements")
@@ -178,6 +226,10 @@ def write_html(results: list[Result], fitted_runs: set, summary: dict, fitted: d
                 f"(target: median <= 10 %, none beyond 25 %)",
                 passed,
             )
+    if loso:
+        page.banner(f"leave-one-source-out ({loso['rows']} rows, {loso['sources']} sources): median |error| "
+                    f"{loso['median_abs_error']:.1%}, max {loso['max_abs_error']:.1%} (target: median <= 12 %)",
+                    loso["median_abs_error"] <= 0.12)
     for split in ("check", "check*", "fit"):
         page.heading(f"{split} rows" if split != "check*" else "check rows of runs a fit row also comes from")
         rows = []
@@ -188,6 +240,13 @@ def write_html(results: list[Result], fitted_runs: set, summary: dict, fitted: d
             rows.append([r.row.id, Cell(r.row.metric, "text"), f"{r.row.measured:.4g}", f"{r.predicted:.4g}", Cell(f"{err:+.1%}", css),
                          Cell(configuration, "text"), Cell(r.row.source, "text"), Cell(r.row.fits, "text")])  # fmt: skip
         page.table(["row", "metric", "measured", "predicted", "signed error", "configuration", "source", "fits"], rows)
+    if loso:
+        page.heading("leave-one-source-out: each source's rows, every parameter fitted without them")
+        page.table(["source", "rows", "median |error|", "max |error|", "parameters no other source fits (value, from)"],
+                   [[source, s["rows"], f"{s['median_abs_error']:.1%}", f"{s['max_abs_error']:.1%}",
+                     Cell("; ".join([f"{k} = {v['value']:.4g} ({v['from']})" for k, v in s["priors"].items()]
+                                    + [f"{k}: hand-fitted here, kept" for k in s["hand_fitted_kept"]]), "text")]
+                    for source, s in loso["per_source"].items()])
     page.heading("fitted parameters")
     page.table(["parameter", "value", "fitted on row"], [[name, f"{f['value']:.4g}", f["row"]] for name, f in fitted.items()])
     page.heading("sources")

@@ -7,6 +7,8 @@ prompt and output lengths, number of prompts, arrival rate or client concurrency
 the same figure. Rows are ``fit`` or ``check``: :func:`fit_parameters` solves each fit row's one
 named parameter (``fits``) so that row is matched, in file order, and check rows are only
 predicted, never used to choose a value, so their error is the model's accuracy.
+:func:`leave_one_source_out` goes further: each source's rows predicted with every parameter fitted
+on the other sources' fit rows alone (its rule for a parameter only that source fits is there).
 
 A row may carry vLLM's ``quantization`` and parallel flags (``tensor_parallel_size`` and the rest,
 defaults off / 1); they go into the RunConfig it replays, so a multi-device row is priced by
@@ -100,6 +102,7 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "operators.gemm.memory_efficiency": (0.2, 1.0),
     "operators.attn_prefill.compute_efficiency": (0.01, 1.0),
     "operators.attn_decode.half_context": (1.0, 1e5),
+    "operators.attn_decode.memory_efficiency": (0.2, 1.0),
     "operators.attn_prefill.score_bytes": (1e-2, 1e3),
     "operators.host_seq.seq_s": (1e-7, 1e-2),
     "engine.admit_s": (1e-5, 0.2),
@@ -536,6 +539,65 @@ def fit_parameters(
     return devices
 
 
+FIT_TOLERANCE = 1e-3  # a pass that moves no fitted parameter by more than this (relative) ends the fit
+FIT_MAX_PASSES = 6
+
+
+@dataclass(frozen=True)
+class FixedPoint:
+    """The fit run pass after pass, each from the previous pass's result (:func:`fit_to_fixed_point`).
+
+    ``moves``: per pass, the largest relative move of any fitted parameter (``"device:parameter"``,
+    move) against its value before that pass; the first pass's is against the starting devices.
+    """
+
+    devices: dict[str, DeviceProfile]
+    moves: list[tuple[str, float]]
+    tolerance: float
+
+    @property
+    def converged(self) -> bool:
+        """True when the last pass moved nothing beyond the tolerance: run again from its own result,
+        the fit gives back (within the tolerance) the parameters it started from."""
+        return bool(self.moves) and self.moves[-1][1] <= self.tolerance
+
+    def describe(self) -> str:
+        name, move = self.moves[-1] if self.moves else ("", 0.0)
+        if self.converged:
+            return (f"fit: a fixed point after {len(self.moves)} passes (the last moved no parameter by more than "
+                    f"{move:.3%}; tolerance {self.tolerance:.2%})")
+        return (f"fit: NOT a fixed point after {len(self.moves)} passes: the last still moved {name} by {move:.2%} "
+                f"(tolerance {self.tolerance:.2%})")
+
+    def to_dict(self) -> dict:
+        return {"converged": self.converged, "passes": len(self.moves), "tolerance": self.tolerance,
+                "largest_move_per_pass": [{"parameter": n, "relative_move": m} for n, m in self.moves]}
+
+
+def fit_to_fixed_point(
+    rows: list[Row], devices: dict[str, DeviceProfile], tolerance: float = FIT_TOLERANCE,
+    max_passes: int = FIT_MAX_PASSES, steps: int = 14, lengths: str = "auto",
+) -> FixedPoint:
+    """:func:`fit_parameters` one pass at a time, each from the previous pass's result, until a pass
+    moves no fitted parameter by more than ``tolerance`` (relative), or ``max_passes`` passes.
+
+    A later fit row's parameter moves an earlier row's figure, so one pass does not match every
+    fit row; a pass that moves nothing is a fixed point. The tolerance must exceed the bisection's
+    own resolution (``steps`` halvings of the log range: under 0.1 % for every range of
+    :data:`PARAMETERS` at 14 steps), or rounding alone keeps the fit from converging.
+    """
+    fitted = sorted({(r.device, r.fits) for r in rows if r.split == "fit" and r.fits in PARAMETERS})
+    moves: list[tuple[str, float]] = []
+    for _ in range(max_passes):
+        before = {(d, n): get_parameter(devices[d], n) for d, n in fitted}
+        devices = fit_parameters(rows, devices, steps, passes=1, lengths=lengths)
+        move = {f"{d}:{n}": abs(get_parameter(devices[d], n) / before[d, n] - 1) for d, n in fitted}
+        moves.append(max(move.items(), key=lambda kv: kv[1], default=("", 0.0)))
+        if moves[-1][1] <= tolerance:
+            break
+    return FixedPoint(devices, moves, tolerance)
+
+
 def bundled_devices_for(rows: list[Row]) -> dict[str, DeviceProfile]:
     return {name: load_device(name) for name in sorted({r.device for r in rows})}
 
@@ -567,3 +629,102 @@ def summarize_errors(results: list[Result], split: str) -> dict:
     if errors.size == 0:
         return {"rows": 0, "median_abs_error": None, "max_abs_error": None}
     return {"rows": int(errors.size), "median_abs_error": float(np.median(errors)), "max_abs_error": float(errors.max())}
+
+
+# --- leave one source out --------------------------------------------------------------------
+@dataclass
+class SourceLeftOut:
+    """One source's rows predicted with every parameter fitted without any of its rows.
+
+    ``priors``: ``"device:parameter"`` -> (value, where it came from) for each parameter that only
+    this source's fit rows set (:func:`leave_one_source_out` says which value it takes); ``fits``:
+    each device fitted again without this source, with its convergence;
+    ``hand_fitted``: hand-fitted constants (:data:`HAND_FITTED`) set on this source's rows, which
+    stay as they are (no code refits them), so for those this source is not left out.
+    """
+
+    source: str
+    results: list[Result]
+    priors: dict[str, tuple[float, str]] = field(default_factory=dict)
+    hand_fitted: list[str] = field(default_factory=list)
+    fits: dict[str, FixedPoint] = field(default_factory=dict)  # device -> its fit without this source
+
+
+def prior_value(name: str) -> float:
+    """The log-centre of a parameter's search range (:data:`PARAMETERS`): the value used where no
+    row outside the left-out source tells anything about it, fixed before any row was looked at."""
+    lo, hi = PARAMETERS[name]
+    return math.sqrt(lo * hi)
+
+
+def leave_one_source_out(
+    rows: list[Row], bundled: dict[str, DeviceProfile], fitted: dict[str, DeviceProfile], full: list[Result],
+    tolerance: float = FIT_TOLERANCE, max_passes: int = FIT_MAX_PASSES, lengths: str = "auto",
+) -> list[SourceLeftOut]:
+    """For each source (in file order), its rows predicted after fitting every parameter on the other
+    sources' fit rows alone.
+
+    The rule for a parameter whose only fit rows belong to the left-out source: it is not
+    identified without them, and the bundled device value is no prior (the device files hold the
+    values these very rows fitted), so it takes the value the full fit gives the same parameter
+    on another device from a row of another source (the median where several do), and where there
+    is none, the log-centre of its search range (:func:`prior_value`); each such parameter is
+    named with its value and origin per source. Hand-fitted constants stay (:class:`SourceLeftOut`).
+
+    ``fitted``: the full fit's devices; ``full``: every row's result with them. A device's fitted
+    parameters depend only on its own fit rows, so only the devices where the left-out source has
+    fit rows are fitted again (:func:`fit_to_fixed_point`, starting from ``bundled``); the other
+    devices and a source without fit rows reuse the full fit.
+    """
+    full_by_id = {r.row.id: r for r in full}
+    fitters = {(r.device, r.fits): r for r in rows if r.split == "fit" and r.fits in PARAMETERS}
+    out = []
+    for source in dict.fromkeys(r.source for r in rows):
+        own = [r for r in rows if r.source == source]
+        others = [r for r in rows if r.source != source]
+        refit = sorted({r.device for r in own if (r.device, r.fits) in fitters})
+        devices = dict(fitted)
+        priors: dict[str, tuple[float, str]] = {}
+        fits: dict[str, FixedPoint] = {}
+        for name in refit:
+            device = bundled[name]
+            for dev, parameter in fitters:
+                if dev != name or any(r.device == dev and r.fits == parameter for r in others):
+                    continue
+                value, origin = _prior(parameter, dev, source, fitters, fitted)
+                priors[f"{dev}:{parameter}"] = (value, origin)
+                device = set_parameter(device, parameter, value)
+            fits[name] = fit_to_fixed_point([r for r in others if r.device == name], {name: device}, tolerance, max_passes,
+                                            lengths=lengths)
+            devices[name] = fits[name].devices[name]
+        results = [Result(r, predict_row(r, devices[r.device], lengths)) if r.device in refit else full_by_id[r.id] for r in own]
+        hand = sorted({r.fits for r in own if r.fits in HAND_FITTED})
+        out.append(SourceLeftOut(source, results, priors, hand, fits))
+    return out
+
+
+def _prior(parameter: str, device: str, source: str, fitters: dict[tuple[str, str], Row],
+           fitted: dict[str, DeviceProfile]) -> tuple[float, str]:
+    """A left-out parameter's value and its origin (:func:`leave_one_source_out`'s rule)."""
+    elsewhere = {dev: row.id for (dev, p), row in fitters.items() if p == parameter and dev != device and row.source != source}
+    if elsewhere:
+        value = float(np.median([get_parameter(fitted[dev], parameter) for dev in elsewhere]))
+        return value, "fitted on " + ", ".join(f"{dev} (row {row_id})" for dev, row_id in sorted(elsewhere.items()))
+    return prior_value(parameter), "log-centre of its search range"
+
+
+def summarize_left_out(left_out: list[SourceLeftOut]) -> dict:
+    """Median and largest |signed error| over every left-out source's rows, and per source."""
+    pooled = [abs(r.signed_error) for s in left_out for r in s.results]
+    summary = {"rows": len(pooled), "sources": len(left_out),
+               "median_abs_error": float(np.median(pooled)) if pooled else None,
+               "max_abs_error": float(max(pooled)) if pooled else None, "per_source": {}}  # fmt: skip
+    for s in left_out:
+        errors = [abs(r.signed_error) for r in s.results]
+        summary["per_source"][s.source] = {
+            "rows": len(errors), "median_abs_error": float(np.median(errors)), "max_abs_error": float(max(errors)),
+            "priors": {k: {"value": v, "from": origin} for k, (v, origin) in s.priors.items()},
+            "hand_fitted_kept": s.hand_fitted,
+            "refits": {device: fit.to_dict() for device, fit in s.fits.items()},
+        }  # fmt: skip
+    return summary
