@@ -186,16 +186,23 @@ def test_calibrated_profiles_are_cached_per_machine_and_profiler_version(tmp_pat
     assert calibration.calibrated_profile(cpu, "tiny", refresh="--reprofile").path == newer.path and len(runs) == 3
 
 
-def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tmp_path, monkeypatch):
-    from kvsim.cli import validate as cli_validate
+def cached_tiny_profile(tmp_path: Path, monkeypatch) -> tuple:
+    """A profile cached for the tiny model on this machine's cpu backend, in a cache under ``tmp_path``: (backend, its path)."""
     from kvsim.realexec import calibration
-    from kvsim.realexec.speed_check import SpeedCheck
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
     cpu = get_backend("cpu")
     path = tmp_path / "profiles" / f"cpu-tiny-fp32-{calibration.machine_fingerprint(cpu, 'fp32')}.toml"
     path.parent.mkdir()
     save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05), path)
+    return cpu, path
+
+
+def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tmp_path, monkeypatch):
+    from kvsim.cli import validate as cli_validate
+    from kvsim.realexec.speed_check import SpeedCheck
+
+    cpu, path = cached_tiny_profile(tmp_path, monkeypatch)
     reasons: list[str] = []
     monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: reasons.append(str(out)))
     for ratio, remeasured in ((1.08, False), (1.3, True)):
@@ -210,14 +217,9 @@ def test_the_stale_decision_reads_the_machines_move_not_the_predictions_miss(tmp
     """Reference steps 0.80x the prediction but at their profiled times: the model misses them, the machine has not
     moved, so the cached profile stands; at 1.25x their profiled times (and the prediction's) it is measured anew."""
     from kvsim.cli import validate as cli_validate
-    from kvsim.realexec import calibration
     from kvsim.realexec.speed_check import SpeedCheck
 
-    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
-    cpu = get_backend("cpu")
-    path = tmp_path / "profiles" / f"cpu-tiny-fp32-{calibration.machine_fingerprint(cpu, 'fp32')}.toml"
-    path.parent.mkdir()
-    save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05), path)
+    cpu, path = cached_tiny_profile(tmp_path, monkeypatch)
     made: list[str] = []
     monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: made.append(str(out)))
     for measured, remeasured in ((0.8, False), (1.25, True)):
