@@ -28,6 +28,7 @@ import numpy as np
 from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.speed_check import SpeedCheck
+from kvsim.realexec.validation import rel_error
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.device import scaled_profile
 from kvsim.sim.perf.step_timer import StepTiming
@@ -52,10 +53,6 @@ def metric(summary: dict, check: str) -> float | None:
         return summary["throughput_tok_s"]
     key, statistic = LATENCY_CHECKS[check]
     return summary[key][statistic]
-
-
-def relative(value: float | None, truth: float | None) -> float | None:
-    return None if value is None or truth is None or truth == 0 else abs(value - truth) / abs(truth)
 
 
 def running_median(values: np.ndarray, window: int = DRIFT_WINDOW) -> np.ndarray:
@@ -93,10 +90,11 @@ class DriftTimer:
         """Recorded durations need no per-request state."""
 
     def step(self, plan: StepPlan) -> StepTiming:
-        i = min(self._next, len(self.measured) - 1)
+        recorded = self._next < len(self.measured)  # past the run's last step: its neighbours' ratio and drift
+        i = self._next if recorded else len(self.measured) - 1
         self._next += 1
         predicted = self.predict(plan)
-        if self._next - 1 < len(self.measured) and predicted == self.predicted[i]:
+        if recorded and predicted == self.predicted[i]:
             return StepTiming(duration_s=float(self.measured[i] * self.drift[i]))
         self.unlike += 1
         return StepTiming(duration_s=float(predicted * self.model_ratio[i] * self.drift[i]))
@@ -115,14 +113,15 @@ def real_vs_real(resolved: ResolvedRun, trace: Trace, measured: list[float], pre
     spread: dict[str, float | None] = {"step_mape": max((float(np.mean(np.abs(d - 1.0))) for d in drifts), default=None)}
     figures: dict[str, list[float | None]] = {check: [] for check in SUMMARY_CHECKS}
     unlike = []
+    predict = resolved.cost_model().step_time
     for d in drifts:
-        timer = DriftTimer(steps, model, d, resolved.cost_model().step_time)
+        timer = DriftTimer(steps, model, d, predict)
         summary = simulate(trace, resolved.new_engine(), timer, SimOptions()).summary()
         unlike.append(timer.unlike)
         for check in SUMMARY_CHECKS:
             figures[check].append(metric(summary, check))
     for check in SUMMARY_CHECKS:
-        moves = [relative(value, metric(real_summary, check)) for value in figures[check]]
+        moves = [rel_error(value, metric(real_summary, check)) for value in figures[check]]
         spread[check] = None if None in moves else max(moves)
     return {
         "passes": len(passes),
@@ -161,12 +160,8 @@ def machine_speed(before: SpeedCheck, after: SpeedCheck) -> MachineSpeed:
     only the move during the run shows.
     """
     if before.profiled_s and after.profiled_s:
-        return MachineSpeed(_median_ratio(before.measured_s, before.profiled_s), _median_ratio(after.measured_s, after.profiled_s))
-    return MachineSpeed(1.0, _median_ratio(after.measured_s, before.measured_s))
-
-
-def _median_ratio(measured: list[float], baseline: list[float]) -> float:
-    return float(np.median(np.asarray(measured) / np.asarray(baseline)))
+        return MachineSpeed(before.machine_ratio, after.machine_ratio)
+    return MachineSpeed(1.0, float(np.median(np.asarray(after.measured_s) / np.asarray(before.measured_s))))
 
 
 def errors_at_speeds(resolved: ResolvedRun, trace: Trace, measured: list[float], predicted: list[float], real_summary: dict,
@@ -189,5 +184,5 @@ def errors_at_speeds(resolved: ResolvedRun, trace: Trace, measured: list[float],
         scaled = replace(resolved, device=scaled_profile(resolved.device, speed, why="at the machine's measured speed"))
         summary = simulate(trace, scaled.new_engine(), CostModelTimer(scaled.cost_model()), SimOptions()).summary()
         for check in SUMMARY_CHECKS:
-            keep(check, relative(metric(summary, check), metric(real_summary, check)))
+            keep(check, rel_error(metric(summary, check), metric(real_summary, check)))
     return best
