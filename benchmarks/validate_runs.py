@@ -1,7 +1,13 @@
-"""Issue 13's acceptance procedure: `kvsim validate` N times, optionally beside busy loops, one table.
+"""Issues 13 and 27's acceptance procedure: `kvsim validate` N times, optionally beside busy loops, one table.
 
     python benchmarks/validate_runs.py --runs 5 --out runs/accept [--busy-loops 2] [-- VALIDATE ARGS]
+    python benchmarks/validate_runs.py --runs 10 --out runs/verdict --fresh-rounds 5 \
+        --variant right= --variant bias=--perturb-profile=1.2 --variant norow=--no-row-count-terms -- --backend cuda
 
+With ``--variant NAME=ARGS`` (repeatable) each round runs every variant once, in turn, so that a
+machine's drift falls on all of them alike; ``--fresh-rounds K`` empties the profile cache before
+the first K rounds (a newcomer's first run: the round's first variant measures the profile the
+others then use); ``--deadline-s`` starts no run past that many seconds (a lent machine's budget).
 Every run uses one profile cache (``--cache``, default ``<out>/cache``, as a user who runs the
 command again would have), writes ``<out>/<label>N`` and its log beside it, and the table gives
 the verdict and exit status, each timing check's figure beside its real-vs-real spread, the
@@ -17,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -46,7 +54,7 @@ def run_once(out: Path, label: str, cache: Path, extra: list[str]) -> str:
     cells = [label, str(status), result["verdict"]["outcome"],
              *(f"{checks[name]:.3f} / {spread[name]:.3f}" for name in CHECKS),
              f"{again['errors_at_machine_speed']['step_mape']:.3f}", f"{speed['before']:.2f} / {speed['after']:.2f}",
-             str(log.read_text(errors="replace").count("profiling cpu (")),
+             str(log.read_text(errors="replace").count("profiled in ")),
              f"{identity['steps_compared']} ({'yes' if identity['identical'] else 'NO'})", f"{wall:.0f} s",
              f"{load_before:.2f}-{load_after:.2f}"]
     return "| " + " | ".join(cells) + " |"
@@ -59,21 +67,33 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, help="Profile cache shared by the runs (default: <out>/cache).")
     parser.add_argument("--busy-loops", type=int, default=0, help="Busy Python loops kept running beside the runs.")
     parser.add_argument("--label", default=None, help="Run name prefix (default: quiet or loaded).")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="A run kind: its name and its own validate arguments; rounds run each in turn.")
+    parser.add_argument("--fresh-rounds", type=int, default=0, help="Rounds that start with an empty profile cache.")
+    parser.add_argument("--deadline-s", type=float, default=0.0, help="Start no run after this many seconds (0: none).")
     parser.add_argument("validate_args", nargs=argparse.REMAINDER, help="After --: passed to kvsim validate.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = args.cache or args.out / "cache"
     label = args.label or ("loaded" if args.busy_loops else "quiet")
-    extra = [a for a in args.validate_args if a != "--"]
+    common = [a for a in args.validate_args if a != "--"]
+    variants = [(f"{label}-{name}", shlex.split(own)) for name, _, own in (v.partition("=") for v in args.variant)]
+    variants = variants or [(label, [])]
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_loops)]
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER), flush=True)
+    started = time.perf_counter()
     try:
-        rows = [run_once(args.out, f"{label}{i + 1}", cache, extra) for i in range(args.runs)]
+        for round_index in range(args.runs):
+            if round_index < args.fresh_rounds:
+                shutil.rmtree(cache, ignore_errors=True)
+            for name, own in variants:
+                if args.deadline_s and time.perf_counter() - started > args.deadline_s:
+                    break
+                print(run_once(args.out, f"{name}{round_index + 1}", cache, [*common, *own]), flush=True)
     finally:
         for loop in loops:
             loop.kill()
-    print("| " + " | ".join(HEADER) + " |")
-    print("|" + "---|" * len(HEADER))
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":
