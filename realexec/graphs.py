@@ -93,6 +93,7 @@ class StepGraphs:
         self.query_lens: list[int] = []
         self.seq_lens: list[int] = []
         self._graphs: dict[int, StepGraph] = {}
+        self.pool = backend.new_graph_pool()  # these graphs' own, so none is captured into a pool whose graphs are gone
 
     def size_for(self, num_tokens: int) -> int | None:
         """The captured size a step of ``num_tokens`` replays at (None: larger than any, so eager)."""
@@ -125,7 +126,7 @@ class StepGraphs:
     def ensure_captured(self, size: int) -> None:
         """Capture ``size`` on the inputs now loaded, if it has no graph yet (outside any timing)."""
         if size not in self._graphs:
-            graph = self.backend.new_graph()
+            graph = self.backend.new_graph(self.pool)
             graph.capture(self._forward(size))
             self._graphs[size] = graph
 

@@ -16,7 +16,8 @@ VLLM_SIZES = load_device("h200").engine.capture_sizes
 class RerunGraph:
     """A StepGraph stand-in: capture runs the function once (the warm-up) and replay reruns it."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: object) -> None:
+        self.pool = pool  # the memory pool a CUDA graph would capture into
         self.fn = None
         self.replays = 0
 
@@ -38,7 +39,12 @@ class GraphingCpuBackend(CpuBackend):
         super().__init__()
         self.capture_sizes = VLLM_SIZES
         self.graphs: list[RerunGraph] = []
+        self.pools: list[object] = []
 
-    def new_graph(self) -> RerunGraph:
-        self.graphs.append(RerunGraph())
+    def new_graph_pool(self) -> object:
+        self.pools.append(object())
+        return self.pools[-1]
+
+    def new_graph(self, pool: object) -> RerunGraph:
+        self.graphs.append(RerunGraph(pool))
         return self.graphs[-1]

@@ -97,6 +97,20 @@ def test_a_graphing_executor_describes_itself_as_graph_mode_without_dispatch():
     assert Executor(SPEC, backend, num_blocks=16, block_size=16, kv_dtype="int8").graphs is None  # int8: eager
 
 
+def test_each_executor_captures_into_a_memory_pool_of_its_own():
+    """validate runs the speed check's executor, then the real run's, on one backend: the second must
+    not capture into the first's pool once its graphs are gone (the CUDA allocator asserts)."""
+    from kvsim.realexec.speed_check import reference_times
+
+    backend = GraphingCpuBackend()
+    reference_times(backend, SPEC, 16, "fp32")
+    first_graphs = len(backend.graphs)
+    reference_times(backend, SPEC, 16, "fp32")
+    assert first_graphs and len(backend.graphs) > first_graphs and len(backend.pools) == 2
+    assert {graph.pool for graph in backend.graphs[:first_graphs]} == {backend.pools[0]}
+    assert {graph.pool for graph in backend.graphs[first_graphs:]} == {backend.pools[1]}
+
+
 def test_the_cpu_backend_runs_eagerly_and_keeps_its_fingerprint():
     backend = get_backend("cpu")
     assert backend.capture_sizes == () and not any("graphs" in part for part in backend.fingerprint_parts())
@@ -133,6 +147,26 @@ def test_triton_kernel_equals_the_token_reference(dtype):
 def test_cuda_backend_replays_steps_as_graphs_unless_eager():
     assert get_backend("cuda").capture_sizes == VLLM_SIZES
     assert get_backend("cuda", enforce_eager=True).capture_sizes == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_executors_one_after_another_capture_graphs_on_one_cuda_backend():
+    """validate's order on one backend: the speed check's executor, gone, then the next one's graphs.
+
+    With one pool handle kept for the backend's life, the second capture went into a pool whose
+    graphs had all been released and the allocator's ``use_count > 0`` assert stopped the run
+    (11 of 27 validate runs on an H200).
+    """
+    import gc
+
+    from kvsim.realexec.speed_check import reference_times
+
+    backend = get_backend("cuda")
+    for _ in range(3):
+        measured, _ = reference_times(backend, load_model("small"), 16, "fp32")
+        gc.collect()
+        assert all(seconds > 0 for seconds in measured)
 
 
 # -- the npu backend: ACLGraph through the torch_npu stand-in (tests/torch_npu_standin.py) -----------------

@@ -152,8 +152,18 @@ class KernelBackend(ABC):
     # PAD_SLOT_ID) and would leave the repeated slot a shared one gets undefined (the npu scatter).
     graph_pad_slot: ClassVar[int | None] = None
 
-    def new_graph(self) -> Any:
-        """An empty ``realexec.graphs.StepGraph`` to capture one step's forward pass in."""
+    def new_graph_pool(self) -> Any:
+        """A new memory pool for one executor's graphs (``realexec.graphs.StepGraphs`` makes one).
+
+        One pool an executor, not one a backend: a pool is counted by the graphs captured into
+        it, and capturing into one whose graphs were all released (an executor gone, as the
+        speed check's is before `kvsim validate`'s run captures) trips the CUDA caching
+        allocator's ``use_count > 0`` assert (11 of 27 validate runs on an H200; vLLM PR 53682).
+        """
+        raise NotImplementedError(f"the {self.name} backend captures no graphs")
+
+    def new_graph(self, pool: Any) -> Any:
+        """An empty ``realexec.graphs.StepGraph`` to capture one step's forward pass in, in ``pool``."""
         raise NotImplementedError(f"the {self.name} backend captures no graphs")
 
     def host_time(self) -> float:

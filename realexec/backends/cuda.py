@@ -40,7 +40,7 @@ CUDA_PROFILES = (("H200", "h200"), ("H100", "h100-sxm"))
 
 
 class CudaStepGraph:
-    """A ``realexec.graphs.StepGraph`` on a CUDA graph; every graph of a backend shares one memory pool."""
+    """A ``realexec.graphs.StepGraph`` on a CUDA graph, in its executor's memory pool."""
 
     WARMUP_RUNS = 2  # on a side stream before capture, as PyTorch's capture recipe asks (lazy init, Triton JIT)
 
@@ -83,15 +83,15 @@ class CudaBackend(TorchBackend):
         self.paged_kernel = "flashinfer" if self._flashinfer is not None else "triton" if self._triton else "torch"
         self._wrapper: Any = None
         self._planned_for: tuple[weakref.ref[AttentionMetadata], tuple] | None = None
-        self._graph_pool: Any = None
 
     def machine_name(self) -> str:
         return torch.cuda.get_device_name(self.device)
 
-    def new_graph(self) -> CudaStepGraph:
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return CudaStepGraph(self._graph_pool)
+    def new_graph_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def new_graph(self, pool: Any) -> CudaStepGraph:
+        return CudaStepGraph(pool)
 
     def default_profile(self) -> str:
         name = self.machine_name()

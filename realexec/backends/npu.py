@@ -145,7 +145,6 @@ class NpuBackend(KernelBackend):
         )
         self._causal_mask: torch.Tensor | None = None
         self._expert_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # MoE layer -> grouped-matmul layout
-        self._graph_pool: Any = None
         self._update_stream: Any = None
         # While a graph is being captured: the attention tasks its FIA calls record (npu_graphs.graph_attention).
         self.recording_tasks: list[AttentionTask] | None = None
@@ -154,14 +153,11 @@ class NpuBackend(KernelBackend):
     def default_profile(self) -> str:
         return "ascend-910b3"
 
-    def new_graph(self) -> NpuStepGraph:
-        return NpuStepGraph(self)
+    def new_graph_pool(self) -> Any:
+        return self.torch_npu.npu.graph_pool_handle()  # vllm-ascend: one pool for all its ACLGraphWrapper entries
 
-    def graph_pool(self) -> Any:
-        """One memory pool for every graph of the backend (vllm-ascend: one pool for all ACLGraphWrapper entries)."""
-        if self._graph_pool is None:
-            self._graph_pool = self.torch_npu.npu.graph_pool_handle()
-        return self._graph_pool
+    def new_graph(self, pool: Any) -> NpuStepGraph:
+        return NpuStepGraph(self, pool)
 
     def update_stream(self) -> Any:
         """The stream captured attention tasks are re-issued on before a replay (vllm-ascend's ``update_stream``)."""

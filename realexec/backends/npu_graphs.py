@@ -135,9 +135,10 @@ def graph_attention(
 
 @dataclass
 class NpuStepGraph:
-    """A ``realexec.graphs.StepGraph`` on an ACL graph (``torch.npu.NPUGraph``); a backend's graphs share one pool."""
+    """A ``realexec.graphs.StepGraph`` on an ACL graph (``torch.npu.NPUGraph``); in its executor's memory pool."""
 
     backend: NpuBackend
+    pool: Any
     graph: Any = None
     tasks: list[AttentionTask] = field(default_factory=list)
 
@@ -154,7 +155,7 @@ class NpuStepGraph:
         self.graph = npu.NPUGraph()
         self.backend.recording_tasks = self.tasks
         try:
-            with npu.graph(self.graph, pool=self.backend.graph_pool()):
+            with npu.graph(self.graph, pool=self.pool):
                 fn()
         finally:
             self.backend.recording_tasks = None
