@@ -16,14 +16,7 @@ OUT=${1:?usage: device_check.sh OUT_DIR [MODEL]}
 MODEL=${2:-llama-3.1-8b}
 BUDGET_S=${BUDGET_S:-560}  # the whole check; the model-sized validation keeps BIG_S of it whatever ran before
 BIG_S=${BIG_S:-250}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 KVSIM_CACHE=/tmp/kvsim-cache
-LOG="$OUT/log.txt"
-SUMMARY="$OUT/summary.txt"
 WORK=/tmp/device-check
-mkdir -p "$WORK"
-start=$SECONDS
-
 . benchmarks/device_env.sh
 
 part 100 "$BIG_S" "GPU tests" python3 -m pytest -m gpu -q -x -p no:cacheprovider tests

@@ -1,8 +1,14 @@
-# Sourced by the device scripts (device_check.sh, device_verdict.sh) once OUT, LOG, SUMMARY,
-# WORK, BUDGET_S and start are set: their logging and time-limited parts, then kvsim installed
-# on a bare lent machine. Python packages the machine lacks (simpy, plotly) come as wheels in
+# Sourced by the device scripts (device_check.sh, device_verdict.sh) once OUT, WORK and BUDGET_S
+# are set: the clock, log.txt and summary.txt under OUT, their logging and time-limited parts,
+# then kvsim installed on a bare lent machine. Python packages the machine lacks (simpy, plotly) come as wheels in
 # .whl/ beside the tree (the device tool's README says how); kvsim installs without build
 # isolation (no index there).
+start=$SECONDS
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 KVSIM_CACHE=/tmp/kvsim-cache
+LOG="$OUT/log.txt"
+SUMMARY="$OUT/summary.txt"
+
 say() { echo "== $* ($((SECONDS - start)) s)" | tee -a "$LOG" "$SUMMARY"; }
 part() {  # part LIMIT_S RESERVE_S NAME COMMAND...: run within LIMIT_S and what the budget leaves past RESERVE_S
     local limit=$1 reserve=$2 name=$3; shift 3

@@ -16,14 +16,7 @@ OUT=${1:?usage: device_verdict.sh OUT_DIR [ROUNDS]}
 ROUNDS=${2:-10}
 BUDGET_S=${BUDGET_S:-540}  # the whole check
 TAIL_S=${TAIL_S:-60}       # kept for the MoE and MLA runs whatever the rounds took
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 KVSIM_CACHE=/tmp/kvsim-cache
-LOG="$OUT/log.txt"
-SUMMARY="$OUT/summary.txt"
 WORK=/tmp/device-verdict
-mkdir -p "$WORK"
-start=$SECONDS
-
 . benchmarks/device_env.sh
 
 part 60 "$TAIL_S" "GPU tests" python3 -m pytest -m gpu -q -x -p no:cacheprovider tests
