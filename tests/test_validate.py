@@ -330,3 +330,17 @@ def test_the_default_workload_exercises_every_step_kind_prefix_hits_and_preempti
     assert summary["requests_completed"] == 41 and summary["requests_rejected"] == 0
     assert summary["preemptions"] >= 1 and summary["prefix_hit_rate"] > 0
     assert set(Counter(run.steps.column("kind"))) == {"prefill", "decode", "mixed"}
+
+
+def test_no_row_count_terms_says_what_it_leaves_out_beside_a_step():
+    """On a GPU the terms are hundredths of a millisecond: the line lets a user see that such a check proves little."""
+    import dataclasses
+
+    from kvsim.cli.validate import removed_terms_line
+    from kvsim.sim.perf.device import load_device
+
+    device = dataclasses.replace(load_device("cpu"), row_count_s={4: -2e-5, 8: 5e-5},
+                                 reference_steps_s={"decode 1 x 128": 3.5e-4, "prefill 256": 2e-3})
+    line = removed_terms_line(device)
+    assert "4 tokens -0.02 ms, 8 tokens +0.05 ms" in line and "14% of the fastest reference step (decode 1 x 128, 0.35 ms)" in line
+    assert "model is unchanged" in removed_terms_line(dataclasses.replace(device, row_count_s={}))
