@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Issue 27's acceptance on a GPU, in one call on a machine with a CUDA device:
 #
-#   bash benchmarks/device_verdict.sh OUT_DIR [ROUNDS]
+#   bash benchmarks/device_verdict.sh OUT_DIR [ROUNDS] [MODEL]
 #
 # In this order, each part under its own time limit:
 #   1. the GPU tests (pytest -m gpu)                                           log.txt
-#   2. ROUNDS (default 10) rounds of kvsim validate --backend cuda, small model, each round the
+#   2. ROUNDS (default 10) rounds of kvsim validate --backend cuda --model MODEL (default small:
+#      about 27 s a round; llama-3.1-8b's steps, 20-40x longer, move less between minutes), each round the
 #      right model, the profile biased by 1.2x and the row-count terms removed, in turn; the
 #      first half of the rounds start with an empty profile cache (benchmarks/validate_runs.py)
 #                                                                              verdict.md
 #   3. kvsim validate --backend cuda --model small-moe, then small-mla, if time is left
 # Every run's validation.json and log go into runs.tgz; summary.txt holds the tables.
 set -u
-OUT=${1:?usage: device_verdict.sh OUT_DIR [ROUNDS]}
+OUT=${1:?usage: device_verdict.sh OUT_DIR [ROUNDS] [MODEL]}
 ROUNDS=${2:-10}
+MODEL=${3:-small}
 BUDGET_S=${BUDGET_S:-540}  # the whole check
 TAIL_S=${TAIL_S:-60}       # kept for the MoE and MLA runs whatever the rounds took
 WORK=/tmp/device-verdict
@@ -26,7 +28,7 @@ left=$((BUDGET_S - (SECONDS - start) - TAIL_S))
 say "verdict rounds: $ROUNDS, no run started past $((left - 25)) s"
 python3 benchmarks/validate_runs.py --runs "$ROUNDS" --fresh-rounds $((ROUNDS / 2)) --out "$WORK/verdict" \
     --label gpu --deadline-s $((left - 25)) --variant right= --variant bias=--perturb-profile=1.2 \
-    --variant norow=--no-row-count-terms -- --backend cuda | tee "$OUT/verdict.md" | tee -a "$SUMMARY"
+    --variant norow=--no-row-count-terms -- --backend cuda --model "$MODEL" | tee "$OUT/verdict.md" | tee -a "$SUMMARY"
 
 for model in small-moe small-mla; do
     part 60 0 "validate $model" kvsim validate --backend cuda --model "$model" --out "$WORK/$model"
