@@ -99,16 +99,16 @@ def test_a_graphing_executor_describes_itself_as_graph_mode_without_dispatch():
 
 def test_each_executor_captures_into_a_memory_pool_of_its_own():
     """validate runs the speed check's executor, then the real run's, on one backend: the second must
-    not capture into the first's pool once its graphs are gone (the CUDA allocator asserts)."""
-    from kvsim.realexec.speed_check import reference_times
+    not capture into the first's pool once its graphs are gone (the CUDA allocator asserts). The
+    profiler's one-off graphs go into their executor's pool, which its own graphs keep in use."""
+    from kvsim.realexec.executor import Executor
+    from kvsim.realexec.profile_bench import OperatorBenches
 
     backend = GraphingCpuBackend()
-    reference_times(backend, SPEC, 16, "fp32")
-    first_graphs = len(backend.graphs)
-    reference_times(backend, SPEC, 16, "fp32")
-    assert first_graphs and len(backend.graphs) > first_graphs and len(backend.pools) == 2
-    assert {graph.pool for graph in backend.graphs[:first_graphs]} == {backend.pools[0]}
-    assert {graph.pool for graph in backend.graphs[first_graphs:]} == {backend.pools[1]}
+    first, second = (Executor(SPEC, backend, num_blocks=16, block_size=16) for _ in range(2))
+    assert backend.pools == [first.graphs.pool, second.graphs.pool] and first.graphs.pool is not second.graphs.pool
+    one_off = OperatorBenches(second, np.random.default_rng(0), 0)._captured(lambda: None)
+    assert one_off.pool is second.graphs.pool
 
 
 def test_the_cpu_backend_runs_eagerly_and_keeps_its_fingerprint():
