@@ -180,7 +180,7 @@ class OperatorBenches:
         return self.backend.elapsed(fn)[1]
 
     def _captured(self, fn: Callable[[], object]) -> StepGraph:
-        graph = self.backend.new_graph(self.ex.graphs.pool)  # kept in use by the executor's own graphs
+        graph = self.backend.new_graph(self.ex.graphs.pool)  # beside its executor's step graphs, as when the backend had one pool
         graph.capture(fn)
         return graph
 
