@@ -1,8 +1,8 @@
 # Sourced by the device scripts (device_check.sh, device_verdict.sh) once OUT, WORK and BUDGET_S
 # are set: the clock, log.txt and summary.txt under OUT, their logging and time-limited parts,
-# then kvsim installed on a bare lent machine. Python packages the machine lacks (simpy, plotly) come as wheels in
-# .whl/ beside the tree (the device tool's README says how); kvsim installs without build
-# isolation (no index there).
+# then kvsim installed on a bare lent machine. Python packages the machine lacks (simpy,
+# plotly) come as wheels in .whl/ beside the tree (the device tool's README says how); kvsim
+# installs without build isolation (no index there).
 start=$SECONDS
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 KVSIM_CACHE=/tmp/kvsim-cache

@@ -100,7 +100,7 @@ def test_a_graphing_executor_describes_itself_as_graph_mode_without_dispatch():
 def test_each_executor_captures_into_a_memory_pool_of_its_own():
     """validate runs the speed check's executor, then the real run's, on one backend: the second must
     not capture into the first's pool once its graphs are gone (the CUDA allocator asserts). The
-    profiler's one-off graphs go into their executor's pool, which its own graphs keep in use."""
+    profiler's one-off graphs go into their executor's pool, beside its step graphs."""
     from kvsim.realexec.executor import Executor
     from kvsim.realexec.profile_bench import OperatorBenches
 
@@ -154,9 +154,10 @@ def test_cuda_backend_replays_steps_as_graphs_unless_eager():
 def test_executors_one_after_another_capture_graphs_on_one_cuda_backend():
     """validate's order on one backend: the speed check's executor, gone, then the next one's graphs.
 
-    With one pool handle kept for the backend's life, the second capture went into a pool whose
-    graphs had all been released and the allocator's ``use_count > 0`` assert stopped the run
-    (11 of 27 validate runs on an H200).
+    With one pool handle kept for the backend's life, validate runs stopped on the allocator's
+    ``use_count > 0`` assert as the next executor captured (11 of 27 runs on an H200); this
+    test repeats that order (it passed there with a first version of the fix; the old code was
+    not run through it).
     """
     import gc
 
