@@ -7,8 +7,8 @@ and the imbalance enters as the busiest rank:
   every member padded to the largest (token and sequence counts rounded up), as vLLM pads
   members to the group's largest batch. (The group is scheduled as one engine with dp x the
   member's limits and pool: vLLM's DP members each schedule their own requests.)
-- **TP**: one all-reduce of the member's hidden states after attention and after each MLP;
-  the LM head's logits are gathered (fp32).
+- **TP**: one all-reduce of the member's hidden states after the embedding (its vocabulary is
+  split), after attention and after each MLP; the LM head's logits are gathered (fp32).
 - **EP**: MoE layers exchange tokens over the EP group as vllm-ascend chooses
   (``moe_comm_method``) instead of an all-reduce; the busiest rank's experts set the compute
   (sim/perf/expert_routing.py).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from kvsim.policies.plan import StepPlan
 from kvsim.sim.parallel.collectives import (
     all_gather_s,
     all_reduce_s,
@@ -33,7 +34,7 @@ from kvsim.sim.parallel.collectives import (
     send_recv_s,
 )
 from kvsim.sim.parallel.layout import ParallelLayout, rank_model
-from kvsim.sim.perf.cost_model import CostModel, StepFeatures
+from kvsim.sim.perf.cost_model import CostModel, StepFeatures, features_from_plan
 from kvsim.sim.perf.device import DeviceProfile
 from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
@@ -122,6 +123,7 @@ class ParallelCostModel:
         seconds = 0.0
         if self._tp_group is not None:
             reduce = all_reduce_s(self._tp_group, hidden)
+            seconds += reduce  # the vocabulary-parallel embedding's rows, summed (vLLM's VocabParallelEmbedding)
             seconds += spec.num_layers * reduce  # after attention
             seconds += spec.num_dense_mlp_layers * reduce  # after a dense MLP
             seconds += all_gather_s(self._tp_group, f.num_sampled * self.model.vocab_size * LOGIT_BYTES)
@@ -139,7 +141,8 @@ class ParallelCostModel:
                 seconds += moe_layers * (all_to_all_s(self._ep_group, dispatch) + all_to_all_s(self._ep_group, combine))
         return seconds, method
 
-    def step_total(self, f: StepFeatures) -> float:
+    def _priced(self, f: StepFeatures) -> tuple[float, float, str]:
+        """(step seconds, exposed collective seconds, MoE method) of the group's step ``f``."""
         member = self.member_features(f)
         compute = self.rank.step_total(member)
         comm, method = self.collective_seconds(member)
@@ -148,8 +151,15 @@ class ParallelCostModel:
         if pp > 1 and member.num_tokens:
             sent = member.num_tokens * self.rank_spec.hidden_size * DTYPE_BYTES[self.rank_spec.activation_dtype]
             handover = send_recv_s(self.device.topology, sent, self._pp_across_nodes)
-        total = pp * (compute + comm) + (pp - 1) * handover
-        exposed = pp * comm + (pp - 1) * handover
+        return pp * (compute + comm) + (pp - 1) * handover, pp * comm + (pp - 1) * handover, method
+
+    def step_time(self, plan: StepPlan) -> float:
+        """Seconds for one plan, as ``CostModel.step_time``; a prediction only (the run's totals stay as they are)."""
+        return self._priced(features_from_plan(plan, self.block_size))[0]
+
+    def step_total(self, f: StepFeatures) -> float:
+        """The step's seconds, counted into the run's totals (the summary's collective share)."""
+        total, exposed, method = self._priced(f)
         self.totals.collective_s += exposed
         self.totals.step_s += total
         self.totals.steps_by_method[method] = self.totals.steps_by_method.get(method, 0) + 1
