@@ -23,6 +23,7 @@ from kvsim.realexec.backends.kv_quant import KVScales
 from kvsim.realexec.graphs import GraphInputs, StepGraphs
 from kvsim.realexec.model import Attend, DecoderModel, calibrate_kv_scales, kv_cache_dtypes
 from kvsim.realexec.prompts import prompt_tokens
+from kvsim.realexec.tensor_parallel import TensorParallelGroup
 from kvsim.sim.perf.model_spec import ModelSpec
 from kvsim.sim.perf.step_timer import StepTiming
 
@@ -98,6 +99,10 @@ class Executor:
     ``capture_sizes`` (None: the backend's) replays every step of at most the largest size as a
     captured graph padded to the next size, as vLLM does (``realexec/graphs.py``); empty, or an
     int8 cache (the graph's attention path takes float caches): every step runs eagerly.
+
+    ``tp``: this process is one rank of a tensor-parallel group (realexec/tp_executor.py starts
+    the group): its model is the rank's shard and its cache holds the rank's KV heads; every rank
+    must be handed the same requests and plans, in the same order, since each pass runs collectives.
     """
 
     plan_detail = PlanDetail.SLOTS  # the StepTimer's: it runs every token at its slot
@@ -116,6 +121,7 @@ class Executor:
         timing_repeats: int | None = None,
         capture_sizes: Sequence[int] | None = None,
         keep_plans: bool = False,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.spec = spec
         self.backend = backend
@@ -133,7 +139,7 @@ class Executor:
         if spec.is_mla and (kv_dtype or spec.kv_dtype) == "int8":
             raise ValueError(f"model {spec.name}: an int8 KV cache under latent attention (MLA) is not implemented "
                              "by realexec (its static scales are per K/V channel); use a float KV cache")
-        self.model = DecoderModel.build(spec, backend.device, seed, weights_path)
+        self.model = DecoderModel.build(spec, backend.device, seed, weights_path, tp)
         # int8 (C8): quantised cache, attention in the model's dtype, static per-channel scales per layer.
         self.kv_dtype, self.attention_dtype = kv_cache_dtypes(
             kv_dtype or spec.kv_dtype, self.model.dtype, backend.attention_dtypes
@@ -143,12 +149,13 @@ class Executor:
         )
         capture_sizes = backend.capture_sizes if capture_sizes is None else capture_sizes
         # MoE routing sizes each expert's GEMMs by the step's data and MLA splits decodes from prefills by
-        # the host lists, so neither replays as a fixed-shape graph: such models run every step eagerly.
+        # the host lists, so neither replays as a fixed-shape graph: such models run every step eagerly, as a
+        # tensor-parallel rank does (its collectives are gloo's, which no graph captures).
         graphs = (bool(capture_sizes) and backend.supports_graphs and self.kv_dtype != torch.int8
-                  and not spec.is_moe and not spec.is_mla)
+                  and not spec.is_moe and not spec.is_mla and tp is None)
         # With graphs, one block past the engine's takes the K/V of a graph's padding rows (vLLM's V1
         # reserves a null block likewise); everything else sees the engine's blocks alone.
-        heads, key_size, value_size = kv_cache_layout(spec)
+        heads, key_size, value_size = kv_cache_layout(self.model.spec)  # a TP rank caches its own heads
         shape = (spec.num_layers, num_blocks + graphs, block_size, heads, key_size, self.kv_dtype, value_size)
         self._all_caches: KVCaches = backend.allocate_kv_cache(*shape)
         self.kv_caches: KVCaches = [(k[:num_blocks], v[:num_blocks]) for k, v in self._all_caches]

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from kvsim.realexec.backends.kv_quant import KVScales
-from kvsim.realexec.weights import load_weights, random_weights, torch_dtype
+from kvsim.realexec.tensor_parallel import TensorParallelGroup, shard_weights
+from kvsim.realexec.weights import iter_random_weights, load_weights, random_weights, torch_dtype
 from kvsim.sim.perf.model_spec import ModelSpec
 
 # attend(layer, q [T, heads, head_dim], k, v) -> attention output [T, heads, v_head_dim]: k and v are what
@@ -126,10 +127,17 @@ def routed_experts(hidden: torch.Tensor, router_logits: torch.Tensor, moe: MoeWe
 
 
 class DecoderModel:
-    """Weights plus the forward pass; no KV state (that belongs to whoever implements ``attend``)."""
+    """Weights plus the forward pass; no KV state (that belongs to whoever implements ``attend``).
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor]) -> None:
+    Under tensor parallelism (``tp``) it is one rank's shard: ``spec`` is the rank's model
+    (``sim.parallel.layout.rank_model``), and the forward pass runs vLLM's collectives
+    (realexec/tensor_parallel.py): an all-reduce after the embedding, after every attention's
+    output projection and every MLP or MoE layer, and an all-gather of the logits.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], tp: TensorParallelGroup | None = None) -> None:
         self.spec = spec
+        self.tp = tp
         self.scale = spec.head_dim**-0.5
         self.embed = weights["model.embed_tokens.weight"]
         self.device = self.embed.device
@@ -141,13 +149,19 @@ class DecoderModel:
 
     @classmethod
     def build(
-        cls, spec: ModelSpec, device: torch.device | str = "cpu", seed: int = 0, weights_path: str | Path | None = None
+        cls, spec: ModelSpec, device: torch.device | str = "cpu", seed: int = 0, weights_path: str | Path | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> DecoderModel:
-        """Seeded random weights, or a safetensors checkpoint, on ``device`` in ``spec.weight_dtype``."""
+        """Seeded random weights, or a safetensors checkpoint, on ``device`` in ``spec.weight_dtype``;
+        with ``tp``, this rank's shard of them (the same seed gives every layout the same model)."""
         dtype = torch_dtype(spec.weight_dtype)
-        if weights_path is None:
-            return cls(spec, random_weights(spec, seed, device, dtype))
-        return cls(spec, load_weights(weights_path, spec, device, dtype))
+        if tp is None or tp.size == 1:
+            if weights_path is None:
+                return cls(spec, random_weights(spec, seed, device, dtype))
+            return cls(spec, load_weights(weights_path, spec, device, dtype))
+        full = (iter_random_weights(spec, seed, device, dtype) if weights_path is None
+                else iter(load_weights(weights_path, spec, device, dtype).items()))
+        return cls(tp.rank_spec(spec), shard_weights(spec, full, tp), tp)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         spec, p = self.spec, f"model.layers.{i}."
@@ -219,7 +233,7 @@ class DecoderModel:
         spec = self.spec
         t = input_ids.shape[0]
         cos, sin = self._rope_cos[positions].unsqueeze(1), self._rope_sin[positions].unsqueeze(1)
-        x = self.embed[input_ids]
+        x = self._embed(input_ids)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
             if layer.mla is not None:
@@ -234,10 +248,23 @@ class DecoderModel:
                     k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
                 q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
                 out = attend(i, q, k, v.contiguous())
-            x = x + out.reshape(t, -1).to(x.dtype) @ layer.o_proj.T
+            x = x + self._reduce(out.reshape(t, -1).to(x.dtype) @ layer.o_proj.T)
             h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
-            x = x + (layer.mlp(h) if layer.moe is None else self._mixture(layer.moe, h, experts))
+            x = x + self._reduce(layer.mlp(h) if layer.moe is None else self._mixture(layer.moe, h, experts))
         return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; a TP rank looks up the ids its vocabulary rows hold, zero elsewhere, and the ranks' rows are summed."""
+        if self.tp is None:
+            return self.embed[input_ids]
+        rows = self.embed.shape[0]
+        local = input_ids - self.tp.rank * rows
+        held = (local >= 0) & (local < rows)
+        return self.tp.all_reduce(self.embed[local.clamp(0, rows - 1)] * held.unsqueeze(1).to(self.dtype))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output: the sum of the ranks' partial outputs (itself on one device)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _latent_attention(
         self, i: int, mla: MlaWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
@@ -261,8 +288,12 @@ class DecoderModel:
         return out if moe.shared is None else out + moe.shared(h)
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, vocab] of the rows that sample; the final norm runs only on those."""
-        return (rms_norm(hidden_rows, self.final_norm, self.spec.rms_norm_eps) @ self.lm_head.T).float()
+        """fp32 logits [N, vocab] of the rows that sample; the final norm runs only on those.
+        A TP rank's vocabulary slices are gathered from every rank (the padding rows dropped)."""
+        local = (rms_norm(hidden_rows, self.final_norm, self.spec.rms_norm_eps) @ self.lm_head.T).float()
+        if self.tp is None:
+            return local
+        return self.tp.all_gather_last(local)[:, : self.spec.sampled_vocab_size]
 
 
 # ---- int8 KV (C8): which dtypes a cache stores and attends in, and its static scales ----------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -168,9 +169,17 @@ def random_weights(
     each tensor is a copy of a window of it made where the tensor lives, so memory peaks at
     the weights plus one tensor's copy of the tile.
     """
+    return dict(iter_random_weights(spec, seed, device, dtype))
+
+
+def iter_random_weights(
+    spec: ModelSpec, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``random_weights`` one (name, tensor) at a time, for a caller that keeps only a part of each (a TP shard)."""
     dtype = dtype or torch_dtype(spec.weight_dtype)
     tile = gaussian_tile(seed, device).to(dtype)
-    return {name: _random_tensor(spec, name, shape, tile, dtype) for name, shape in weight_shapes(spec).items()}
+    for name, shape in weight_shapes(spec).items():
+        yield name, _random_tensor(spec, name, shape, tile, dtype)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

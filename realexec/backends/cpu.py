@@ -83,7 +83,9 @@ class CpuBackend(TorchBackend):
     # CPU SDPA has vectorised fp32 and bf16 kernels but no fast fp16 path.
     compute_dtypes = {torch.float16: torch.float32}
 
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, device: str | None = None, wall_clock: bool = False) -> None:
+        """``wall_clock``: time on ``time.perf_counter``, for a tensor-parallel rank (realexec/tp_executor.py),
+        whose waits on the other ranks inside a collective are part of a step and take no CPU time."""
         if device not in (None, "cpu"):
             raise ValueError(f"the cpu backend runs on 'cpu', not {device!r}")
         self.device = torch.device("cpu")
@@ -91,8 +93,12 @@ class CpuBackend(TorchBackend):
         self.timing_repeats = cpu_timing_repeats()
         self.keeps_freed_memory = keep_freed_memory()
         torch.set_num_threads(self.threads)
-        self._cpu_time = time.thread_time if self.threads == 1 else time.process_time
-        self.clock = "thread CPU time" if self.threads == 1 else f"process CPU time ({self.threads} threads)"
+        if wall_clock:
+            self._cpu_time, self.clock = time.perf_counter, "wall clock (tensor-parallel ranks)"
+        elif self.threads == 1:
+            self._cpu_time, self.clock = time.thread_time, "thread CPU time"
+        else:
+            self._cpu_time, self.clock = time.process_time, f"process CPU time ({self.threads} threads)"
         self._caches: list[weakref.ref[torch.Tensor]] = []
 
     def host_time(self) -> float:

@@ -14,7 +14,9 @@ import click
 from kvsim.cli.errors import UserError, user_errors
 from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable, KernelBackend, get_backend
+from kvsim.realexec.collective_bench import measure_twice
 from kvsim.realexec.executor import Executor
+from kvsim.realexec.tp_executor import TensorParallelExecutor, tensor_parallel_backend
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.runner import run_trace
@@ -54,21 +56,25 @@ REAL_DEFAULTS = RunConfig(
 )
 
 
-def open_backend(name: str, enforce_eager: bool = False) -> KernelBackend:
-    """The backend by name; one that cannot run here is the user's choice to change (exit 2, its reason)."""
+def open_backend(name: str, enforce_eager: bool = False, tensor_parallel_size: int = 1) -> KernelBackend:
+    """The backend by name (a tensor-parallel rank's, on the wall clock, for TP > 1); one that cannot
+    run here is the user's choice to change (exit 2, its reason)."""
     try:
+        if tensor_parallel_size > 1:
+            return tensor_parallel_backend(name)
         return get_backend(name, enforce_eager=enforce_eager)
-    except BackendUnavailable as exc:
+    except (BackendUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
 
 
 def require_executor_setup(config: RunConfig) -> None:
-    """What the real executor runs: one device, vLLM V1's synchronous steps. A parallel layout,
-    async scheduling, the V0 engine, the benchmark client and KV tiers are the simulator's alone for now."""
-    sizes = (config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size)
-    if sizes != (1, 1, 1) or config.enable_expert_parallel:
-        raise UserError("--tensor/pipeline/data-parallel-size, --enable-expert-parallel: the real executor runs one "
-                        "device; parallel layouts are simulated only (kvsim simulate, sweep, capacity, memory)")
+    """What the real executor runs: one device or a tensor-parallel group on the cpu backend, vLLM V1's
+    synchronous steps. Pipeline, data and expert parallelism, async scheduling, the V0 engine, the
+    benchmark client and KV tiers are the simulator's alone for now."""
+    if config.pipeline_parallel_size > 1 or config.data_parallel_size > 1 or config.enable_expert_parallel:
+        raise UserError("--pipeline-parallel-size, --data-parallel-size, --enable-expert-parallel: the real executor runs "
+                        "one device or a tensor-parallel group (--tensor-parallel-size, cpu backend); these layouts are "
+                        "simulated only (kvsim simulate, sweep, capacity, memory)")
     if config.async_scheduling or config.engine_core != "v1":
         raise UserError("--async-scheduling, --engine-core v0: the real executor runs vLLM V1's synchronous steps; "
                         "these are simulated only")
@@ -106,23 +112,19 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
     run alone (``single_run_s``), and holds the run's wall-clock time beside them (``wall_s``,
     per step in ``step_wall_s``, first runs only). ``retime_passes`` times the run's steps again
     that many times once it is over (``Executor.retime``), into ``retimed_s``: one list a pass.
+    A tensor-parallel run also times its group's collectives at a step's sizes once it is over,
+    twice (``collectives``: a fit set and a check set, realexec/collective_bench.py).
     """
     config = for_backend(config, backend)
     resolved = resolve(config)
     trace = load_run_trace(config) if trace is None else trace
     engine_config = resolved.engine_config
-    executor = Executor(
-        resolved.model,
-        backend,
-        num_blocks=engine_config.num_blocks,
-        block_size=engine_config.block_size,
-        num_host_blocks=engine_config.num_host_blocks,
-        seed=config.seed,
-        weights_path=weights,
-        kv_dtype=resolved.memory.kv_dtype,
-        check=check,
-        keep_plans=retime_passes > 0,
-    )
+    sizing = dict(num_blocks=engine_config.num_blocks, block_size=engine_config.block_size,
+                  num_host_blocks=engine_config.num_host_blocks, seed=config.seed, weights_path=weights,
+                  kv_dtype=resolved.memory.kv_dtype, check=check, keep_plans=retime_passes > 0)
+    tp = config.tensor_parallel_size
+    executor = (TensorParallelExecutor(resolved.model, backend, tp, **sizing) if tp > 1
+                else Executor(resolved.model, backend, **sizing))
 
     def measured(run) -> dict:
         memory = [m for m in run.steps.column("memory_bytes") if m is not None]
@@ -139,11 +141,16 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
                 "peak_memory_bytes": max(memory, default=None),
                 "kv_pool_bytes": sum(k.nbytes + v.nbytes for k, v in executor.kv_caches),
                 "retimed_s": retimed(executor, retime_passes, progress),
+                **({"collectives": measure_twice(executor.time_collectives, resolved.model, tp)} if tp > 1 else {}),
             },
         }
 
-    return run_trace(resolved, trace, executor, out_dir, check=check, progress=progress,
-                     label="execute", summary_extras=measured, decisions=decisions)
+    try:
+        return run_trace(resolved, trace, executor, out_dir, check=check, progress=progress,
+                         label="execute", summary_extras=measured, decisions=decisions)
+    finally:
+        if isinstance(executor, TensorParallelExecutor):
+            executor.close()
 
 
 @click.command()
@@ -162,7 +169,7 @@ def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quie
         config = run_config_from(options, base=REAL_DEFAULTS)
         require_executor_setup(config)
         trace = load_run_trace(config)
-        kernels = open_backend(backend, bool(config.enforce_eager))
+        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size)
     try:
         _, summary = execute_run(config, kernels, out_dir, trace=trace, weights=weights, check=check, progress=not quiet,
                                  decisions=decisions)

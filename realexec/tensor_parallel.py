@@ -1,0 +1,121 @@
+"""Tensor parallelism in the real executor: one rank's shard of the weights, and the collectives it runs.
+
+vLLM's Megatron-style split (``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py``),
+which vllm-ascend keeps:
+
+- **column-parallel** (each rank a slice of the output rows): q/k/v by attention head, gate/up by
+  MLP column, every routed and shared expert's gate/up likewise (no expert parallelism), MLA's
+  ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` by head; KV heads are replicated when TP exceeds
+  them (rank r keeps head ``r // (tp / kv_heads)``);
+- **row-parallel** (each rank a slice of the input columns, its partial output summed by an
+  all-reduce): ``o_proj`` and ``down_proj``;
+- **vocabulary-parallel**: the embedding and the LM head split by vocabulary rows (padded to an equal
+  share); a rank embeds the tokens its rows hold and an all-reduce adds the ranks' rows, and each
+  rank's logits are all-gathered, so every rank samples the same greedy token (vLLM V1);
+- **replicated**: norms, the MoE router, MLA's latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``
+  and their norms): the latent cache has no heads to split.
+
+The rank's shapes are those of ``sim.parallel.layout.rank_model``, the model the simulator prices
+one rank by, so the two worlds agree on what a rank holds (``shard_weights`` checks it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvsim.sim.parallel.layout import ParallelLayout, rank_model
+from kvsim.sim.perf.model_spec import ModelSpec
+
+# A collective that waits this long has lost its peer (a worker that died closes its sockets sooner).
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+_COLUMN_PARALLEL = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
+_KV_HEADS = ("k_proj.weight", "v_proj.weight")
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This process's place in a tensor-parallel group joined by ``torch.distributed``."""
+
+    rank: int
+    size: int
+
+    def rank_spec(self, spec: ModelSpec) -> ModelSpec:
+        """What one rank of this group holds of ``spec``: the simulator's ``rank_model``."""
+        return rank_model(spec, ParallelLayout(tensor_parallel_size=self.size))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``x`` (in place, returned for chaining)."""
+        dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` side by side along the last dimension, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def join_group(rank: int, size: int, port: int) -> TensorParallelGroup:
+    """Join the gloo group of ``size`` processes on this host (rank 0 listens on ``port``)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    return TensorParallelGroup(rank, size)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def vocab_rows(spec: ModelSpec, tp: int) -> int:
+    """Vocabulary rows each rank holds (the last rank's share padded with zero rows)."""
+    return math.ceil(spec.vocab_size / tp)
+
+
+def shard(spec: ModelSpec, name: str, full: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+    """Rank ``group.rank``'s part of the full tensor ``name`` (module docstring); a copy, contiguous."""
+    tp, r = group.size, group.rank
+    if tp == 1:
+        return full
+    if name in _VOCAB:
+        rows = vocab_rows(spec, tp)
+        part = full[r * rows : (r + 1) * rows]
+        if part.shape[0] < rows:
+            part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+        return part.contiguous()
+    if name.endswith(_KV_HEADS):
+        kv = spec.num_kv_heads
+        heads = full.view(kv, spec.head_dim, -1)
+        if tp > kv:  # replicated: each rank keeps the one head its query heads read
+            return heads[r // (tp // kv)].clone()
+        return heads.chunk(tp)[r].reshape(-1, full.shape[1]).contiguous()
+    if name.endswith(_COLUMN_PARALLEL):
+        return full.chunk(tp, dim=0)[r].contiguous()
+    if name.endswith(_ROW_PARALLEL):
+        return full.chunk(tp, dim=1)[r].contiguous()
+    return full  # norms, the router, MLA's latent projections: every rank holds all of it
+
+
+def shard_weights(spec: ModelSpec, weights: Iterator[tuple[str, torch.Tensor]], group: TensorParallelGroup) -> dict[str, torch.Tensor]:
+    """The rank's weights by checkpoint name, each sharded as it arrives (the full model is never held
+    at once), checked against the shapes of ``rank_model``: what the simulator prices a rank by."""
+    from kvsim.realexec.weights import weight_shapes
+
+    expected = weight_shapes(group.rank_spec(spec))
+    out: dict[str, torch.Tensor] = {}
+    for name, full in weights:
+        part = shard(spec, name, full, group)
+        if tuple(part.shape) != expected[name]:
+            raise ValueError(f"tensor-parallel shard of {name!r}: shape {tuple(part.shape)}, the rank's model "
+                             f"expects {expected[name]}")
+        out[name] = part
+    return out

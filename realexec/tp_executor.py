@@ -1,0 +1,141 @@
+"""A tensor-parallel group of executors on one host: rank 0 in this process, the others in worker processes.
+
+As vLLM's multiprocessing executor runs a TP group: one engine core (this process schedules),
+every rank holding its shard of the weights and of each KV block (its heads) and running the same
+plan, the ranks joined by ``torch.distributed`` (gloo on the cpu backend) for the all-reduces and
+all-gathers of the forward pass (realexec/tensor_parallel.py). Rank 0 hands each worker the
+requests and plans over a pipe before running them itself, as vLLM broadcasts its scheduler
+output; the step's time is rank 0's, on the wall clock: a rank's CPU time would leave out the time
+it waits on the others inside a collective, which is the collective's cost.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kvsim.policies.plan import StepPlan
+from kvsim.policies.request import Request
+from kvsim.realexec.backends.base import KernelBackend
+from kvsim.realexec.collective_bench import CollectiveTiming, time_collectives
+from kvsim.realexec.executor import Executor
+from kvsim.realexec.tensor_parallel import join_group, leave_group
+from kvsim.sim.perf.model_spec import ModelSpec
+from kvsim.sim.perf.step_timer import StepTiming
+
+BACKENDS = ("cpu",)  # gloo; NCCL (cuda) and HCCL (npu) ranks are not built yet
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every rank builds its executor from (picklable: it crosses to the worker processes)."""
+
+    spec: ModelSpec
+    size: int
+    port: int
+    executor_args: dict[str, Any]
+
+
+def tensor_parallel_backend(name: str) -> KernelBackend:
+    """The backend a tensor-parallel rank times on: the cpu backend on the wall clock (module docstring)."""
+    if name not in BACKENDS:
+        raise ValueError(f"--tensor-parallel-size: the real executor runs tensor parallelism on the "
+                         f"{', '.join(BACKENDS)} backend (gloo) only; the {name} backend runs one device")
+    from kvsim.realexec.backends.cpu import CpuBackend
+
+    return CpuBackend(wall_clock=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank: int, setup: RankSetup, conn: Connection) -> None:
+    """A worker rank: build the rank's executor, then do what rank 0 sends, in its order, until told to stop."""
+    backend = tensor_parallel_backend("cpu")
+    group = join_group(rank, setup.size, setup.port)
+    try:
+        executor = Executor(setup.spec, backend, tp=group, **setup.executor_args)
+        while True:
+            method, args = conn.recv()
+            if method == "stop":
+                return
+            if method == "time_collectives":
+                time_collectives(group, *args)
+            else:
+                getattr(executor, method)(*args)
+    finally:
+        leave_group()
+
+
+class TensorParallelExecutor(Executor):
+    """Rank 0 of a TP group of ``size`` ranks on this host: the step timer the engine drives."""
+
+    def __init__(self, spec: ModelSpec, backend: KernelBackend, size: int, num_blocks: int, block_size: int,
+                 num_host_blocks: int = 0, seed: int = 0, weights_path: str | Path | None = None,
+                 kv_dtype: str | None = None, check: bool = False, timing_repeats: int | None = None,
+                 keep_plans: bool = False) -> None:
+        if size < 2:
+            raise ValueError(f"a tensor-parallel group needs at least 2 ranks, not {size}")
+        if backend.name not in BACKENDS:
+            raise ValueError(f"tensor parallelism runs on the {', '.join(BACKENDS)} backend, not {backend.name}")
+        args = dict(num_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, seed=seed,
+                    weights_path=weights_path, kv_dtype=kv_dtype, check=check, keep_plans=keep_plans,
+                    timing_repeats=backend.timing_repeats if timing_repeats is None else timing_repeats)
+        setup = RankSetup(spec, size, _free_port(), args)
+        context = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or gloo state
+        self._pipes: list[Connection] = []
+        self._workers = []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            worker = context.Process(target=_serve, args=(rank, setup, theirs), daemon=True, name=f"kvsim-tp-rank{rank}")
+            worker.start()
+            self._pipes.append(ours)
+            self._workers.append(worker)
+        try:
+            super().__init__(spec, backend, tp=join_group(0, size, setup.port), **args)
+        except BaseException:
+            self.close()
+            raise
+
+    def _send(self, method: str, *args: Any) -> None:
+        for pipe in self._pipes:
+            pipe.send((method, args))
+
+    def add_request(self, request: Request) -> None:
+        self._send("add_request", request)
+        super().add_request(request)
+
+    def step(self, plan: StepPlan, repeats: int | None = None) -> StepTiming:
+        self._send("step", plan, repeats)
+        return super().step(plan, repeats)
+
+    def retime(self, passes: int, progress: Callable[[], None] | None = None) -> list[list[float]]:
+        self._send("retime", passes)
+        return super().retime(passes, progress)
+
+    def time_collectives(self, sizes: list[tuple[str, int]], repeats: int) -> list[CollectiveTiming]:
+        """The group's collectives at these (kind, bytes), timed on every rank together (realexec/collective_bench.py)."""
+        self._send("time_collectives", sizes, repeats)
+        return time_collectives(self.model.tp, sizes, repeats)
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (idempotent)."""
+        for pipe in self._pipes:
+            try:
+                pipe.send(("stop", ()))
+            except (BrokenPipeError, OSError):
+                pass
+        for worker in self._workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+        self._pipes, self._workers = [], []
+        leave_group()
