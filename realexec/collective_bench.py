@@ -1,14 +1,21 @@
 """The collectives a tensor-parallel group runs, timed on this host and fitted to the simulator's link model.
 
-Every rank runs the same sequence (rank 0 times it): for each size, a barrier and then one
-all-reduce or all-gather, ``repeats`` times, the median kept. The sizes are a step's: the hidden
-states of 1 to 512 tokens (the all-reduces) and the logits of 1 to 32 sampled rows (the all-gather).
+Every rank runs the same sequence (rank 0 times it): for each size, ``repeats`` times a stretch of
+compute (a GEMM of about a millisecond, as a layer's) and then one all-reduce or all-gather, timed
+from the compute's end to the collective's: the median of those. Timed as a step meets them (the
+wait for a peer still computing included), not after a barrier: on the 2-core development VM a
+3 KB gloo all-reduce took 0.7 ms after a barrier and 1.2 ms after compute, the figure the TP2
+steps showed (each rank's main thread and gloo's threads then contend for the cores). The sizes are a step's: the hidden states of
+1 to 512 tokens (the all-reduces) and the logits of 1 to 32 sampled rows (the all-gather).
 
 The fit gives the ``[topology]`` a calibrated profile carries, in sim/parallel/collectives.py's
-terms for a group of ``n`` ranks through one switch (loopback TCP is one: every byte a rank sends
-crosses its one socket path): all-gather ``a + (n-1)/n S / b``, all-reduce ``2 a + (n-1)/n S / b
-(1 + 1/r)``. Three unknowns, ``a``, ``1/b`` and ``1/(b r)``, solved by least squares on relative
-error (a small message's microseconds weigh as much as a large one's milliseconds).
+terms for a group of ``n`` ranks through one switch (every byte a rank sends takes one path: its
+socket, or its slot of the shared buffer): an all-reduce ``2 a + 2 (n-1)/n S / b`` (``r`` = 1: the
+adds are in ``b``), ``a`` and ``b`` by least squares on relative error (a small message's
+microseconds weigh as much as a large one's milliseconds), on the all-reduces alone: a step runs
+one per layer and MLP and one after the embedding, and the logits' all-gather once. The
+all-gather is then priced ``a + (n-1)/n S / b``; through shared memory it is one exchange, as an
+all-reduce is, so its fixed cost comes out about half what it measures (tens of microseconds a step).
 """
 
 from __future__ import annotations
@@ -47,41 +54,42 @@ def step_sizes(spec: ModelSpec, tp: int) -> list[tuple[str, int]]:
 
 
 def time_collectives(group: TensorParallelGroup, sizes: list[tuple[str, int]], repeats: int) -> list[CollectiveTiming]:
-    """Each (kind, bytes) run ``repeats`` times after a barrier; the median seconds (every rank must call this)."""
+    """Each (kind, bytes) after a stretch of compute, ``repeats`` times; the median seconds beyond the
+    compute's own (module docstring). Every rank must call this."""
+    rows, weight = torch.ones(16, 768), torch.ones(768, 1024)
+
+    def compute() -> None:
+        rows @ weight
+
     out = []
     for kind, size in sizes:
         values = size // 4 // (group.size if kind == "all_gather" else 1)
         x = torch.ones(max(1, values), dtype=torch.float32)
-        runs = []
+        collective = group.all_reduce if kind == "all_reduce" else group.all_gather_last
+        dist.barrier()
+        times = []
         for _ in range(repeats):
-            dist.barrier()
+            compute()
             start = time.perf_counter()
-            if kind == "all_reduce":
-                group.all_reduce(x)
-            else:
-                group.all_gather_last(x)
-            runs.append(time.perf_counter() - start)
-        out.append(CollectiveTiming(kind, size, statistics.median(runs)))
+            collective(x)
+            times.append(time.perf_counter() - start)
+        out.append(CollectiveTiming(kind, size, statistics.median(times)))
     return out
 
 
 def fit_topology(timings: list[CollectiveTiming], ranks: int, base: Topology) -> Topology:
-    """``base`` with the loopback group's latency, bandwidth and reduction rate fitted on ``timings`` (module docstring)."""
+    """``base`` with the group's latency and bandwidth fitted on the all-reduces of ``timings`` (module docstring)."""
+    reduces = [t for t in timings if t.kind == "all_reduce"]
+    if len(reduces) < 2:
+        raise ValueError(f"fitting a group's links needs all-reduces of at least 2 sizes, got {len(reduces)}")
     share = (ranks - 1) / ranks
-    rows, targets = [], []
-    for t in timings:
-        s = share * t.size_bytes
-        rows.append([2.0, s, s] if t.kind == "all_reduce" else [1.0, s, 0.0])
-        targets.append(t.median_s)
-    a_matrix, y = np.array(rows), np.array(targets)
-    weights = 1.0 / y
-    solution, *_ = np.linalg.lstsq(a_matrix * weights[:, None], y * weights, rcond=None)
-    latency = max(float(solution[0]), 0.0)
-    per_byte = max(float(solution[1]), 1e-15)
-    reduce_per_byte = max(float(solution[2]), per_byte)  # a reduction is not faster than moving its bytes
+    a_matrix = np.array([[2.0, 2.0 * share * t.size_bytes] for t in reduces])
+    y = np.array([t.median_s for t in reduces])
+    solution, *_ = np.linalg.lstsq(a_matrix / y[:, None], np.ones_like(y), rcond=None)
+    latency, per_byte = max(float(solution[0]), 0.0), max(float(solution[1]), 1e-15)
     return replace(base, devices_per_node=max(base.devices_per_node, ranks), intra_fabric="switch",
                    intra_bandwidth=1.0 / per_byte, intra_latency_s=latency, bandwidth_efficiency=1.0,
-                   reduce_efficiency=per_byte / reduce_per_byte)
+                   reduce_efficiency=1.0)
 
 
 def predicted_s(topology: Topology, ranks: int, timing: CollectiveTiming) -> float:
@@ -90,7 +98,7 @@ def predicted_s(topology: Topology, ranks: int, timing: CollectiveTiming) -> flo
     return (all_reduce_s if timing.kind == "all_reduce" else all_gather_s)(group, timing.size_bytes)
 
 
-COLLECTIVE_REPEATS = 31
+COLLECTIVE_REPEATS = 101
 
 
 def measure_twice(timer, spec: ModelSpec, ranks: int, repeats: int = COLLECTIVE_REPEATS) -> dict[str, list[dict]]:

@@ -17,15 +17,25 @@ which vllm-ascend keeps:
 
 The rank's shapes are those of ``sim.parallel.layout.rank_model``, the model the simulator prices
 one rank by, so the two worlds agree on what a rank holds (``shard_weights`` checks it).
+
+The ranks join a ``torch.distributed`` gloo group. Its collectives run over loopback TCP on gloo's
+own threads; on the 2-core development VM a 3 KB all-reduce then took 0.7-2.5 ms, its median moving
+2x from one set of runs to the next, as the ranks' main threads and gloo's contend for two cores.
+vLLM's CPU backend all-reduces through shared memory instead (``CpuCommunicator``'s shm path on
+x86), and so does :class:`SharedMemoryGroup`, the default: each rank writes its tensor into its
+slot of a shared buffer, raises its sequence number, waits (spinning, yielding the core) for the
+others' and sums the slots in rank order, so every rank ends with the same bits.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,9 +51,22 @@ _COLUMN_PARALLEL = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "gat
 _KV_HEADS = ("k_proj.weight", "v_proj.weight")
 
 
-@dataclass(frozen=True)
+TRANSPORTS = ("shm", "gloo")
+# Values of one rank's slot in the shared buffer (4 MiB of fp32): a larger tensor goes through in pieces.
+SLOT_VALUES = 1 << 20
+
+
+def transport() -> str:
+    """How the ranks' collectives move data (``KVSIM_TP_TRANSPORT``: shm, the default, or gloo)."""
+    name = os.environ.get("KVSIM_TP_TRANSPORT", "shm")
+    if name not in TRANSPORTS:
+        raise ValueError(f"KVSIM_TP_TRANSPORT must be one of {', '.join(TRANSPORTS)}, not {name!r}")
+    return name
+
+
+@dataclass
 class TensorParallelGroup:
-    """This process's place in a tensor-parallel group joined by ``torch.distributed``."""
+    """This process's place in a tensor-parallel group joined by ``torch.distributed``; gloo's collectives."""
 
     rank: int
     size: int
@@ -64,11 +87,73 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=-1)
 
 
-def join_group(rank: int, size: int, port: int) -> TensorParallelGroup:
-    """Join the gloo group of ``size`` processes on this host (rank 0 listens on ``port``)."""
+@dataclass(frozen=True)
+class SharedBuffers:
+    """The shared memory a :class:`SharedMemoryGroup` exchanges through, made by rank 0 before the workers start
+    (torch's shared tensors cross to a spawned process by file descriptor)."""
+
+    slots: torch.Tensor  # [2 alternating rounds, ranks, SLOT_VALUES] fp32
+    sequence: torch.Tensor  # [ranks] int64: the last round each rank has written
+
+    @classmethod
+    def make(cls, size: int, slot_values: int = SLOT_VALUES) -> SharedBuffers:
+        return cls(torch.zeros(2, size, slot_values).share_memory_(), torch.zeros(size, dtype=torch.int64).share_memory_())
+
+
+@dataclass
+class SharedMemoryGroup(TensorParallelGroup):
+    """Collectives through shared memory (module docstring). Two alternating rounds make one wait per
+    collective enough: a rank writes round k + 2's slot only after every rank has announced round k + 1,
+    and a rank announces k + 1 only after it has read round k. x86's store order keeps a slot's values
+    visible before the sequence number that announces them."""
+
+    buffers: SharedBuffers | None = None
+    _round: int = 0
+    _announced: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._announced = self.buffers.sequence.numpy()
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (flattened, at most a slot), [ranks, numel]: a view valid until this rank's next round but one."""
+        self._round += 1
+        round_slots = self.buffers.slots[self._round % 2, :, : x.numel()]
+        round_slots[self.rank].copy_(x.reshape(-1))
+        self._announced[self.rank] = self._round
+        for other in range(self.size):
+            while self._announced[other] < self._round:
+                os.sched_yield()
+        return round_slots
+
+    def _pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
+        flat = x.reshape(-1)
+        step = self.buffers.slots.shape[2]
+        return [flat[i : i + step] for i in range(0, max(flat.numel(), 1), step)]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():  # the slots hold fp32, written from a flat view
+            return x.copy_(self.all_reduce(x.float().contiguous()))
+        for piece in self._pieces(x):
+            piece.copy_(self._exchange(piece).sum(0))
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.all_gather_last(x.float()).to(x.dtype)
+        if x.numel() > self.buffers.slots.shape[2]:
+            return super().all_gather_last(x)  # gloo's: the logits of more rows than a slot holds
+        parts = self._exchange(x.contiguous()).reshape(self.size, *x.shape)
+        return torch.cat(list(parts), dim=-1)
+
+
+def join_group(rank: int, size: int, port: int, buffers: SharedBuffers | None = None) -> TensorParallelGroup:
+    """Join the gloo group of ``size`` processes on this host (rank 0 listens on ``port``); its collectives
+    through ``buffers`` (shared memory) when given, else gloo's."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallelGroup(rank, size)
+    if buffers is None:
+        return TensorParallelGroup(rank, size)
+    return SharedMemoryGroup(rank, size, buffers)
 
 
 def leave_group() -> None:

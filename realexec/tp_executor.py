@@ -11,7 +11,6 @@ it waits on the others inside a collective, which is the collective's cost.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from kvsim.policies.request import Request
 from kvsim.realexec.backends.base import KernelBackend
 from kvsim.realexec.collective_bench import CollectiveTiming, time_collectives
 from kvsim.realexec.executor import Executor
-from kvsim.realexec.tensor_parallel import join_group, leave_group
+from kvsim.realexec.tensor_parallel import SharedBuffers, join_group, leave_group, transport
 from kvsim.sim.perf.model_spec import ModelSpec
 from kvsim.sim.perf.step_timer import StepTiming
 
@@ -39,6 +38,7 @@ class RankSetup:
     size: int
     port: int
     executor_args: dict[str, Any]
+    buffers: SharedBuffers | None  # the shared-memory transport's (None: gloo's collectives)
 
 
 def tensor_parallel_backend(name: str) -> KernelBackend:
@@ -60,7 +60,7 @@ def _free_port() -> int:
 def _serve(rank: int, setup: RankSetup, conn: Connection) -> None:
     """A worker rank: build the rank's executor, then do what rank 0 sends, in its order, until told to stop."""
     backend = tensor_parallel_backend("cpu")
-    group = join_group(rank, setup.size, setup.port)
+    group = join_group(rank, setup.size, setup.port, setup.buffers)
     try:
         executor = Executor(setup.spec, backend, tp=group, **setup.executor_args)
         while True:
@@ -89,8 +89,10 @@ class TensorParallelExecutor(Executor):
         args = dict(num_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, seed=seed,
                     weights_path=weights_path, kv_dtype=kv_dtype, check=check, keep_plans=keep_plans,
                     timing_repeats=backend.timing_repeats if timing_repeats is None else timing_repeats)
-        setup = RankSetup(spec, size, _free_port(), args)
-        context = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or gloo state
+        setup = RankSetup(spec, size, _free_port(), args, SharedBuffers.make(size) if transport() == "shm" else None)
+        import torch.multiprocessing  # its pickler hands shared tensors to the workers by file descriptor
+
+        context = torch.multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads or gloo state
         self._pipes: list[Connection] = []
         self._workers = []
         for rank in range(1, size):
@@ -100,7 +102,7 @@ class TensorParallelExecutor(Executor):
             self._pipes.append(ours)
             self._workers.append(worker)
         try:
-            super().__init__(spec, backend, tp=join_group(0, size, setup.port), **args)
+            super().__init__(spec, backend, tp=join_group(0, size, setup.port, setup.buffers), **args)
         except BaseException:
             self.close()
             raise

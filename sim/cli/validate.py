@@ -70,10 +70,10 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: 
         config = run_config_from(options, base=REAL_DEFAULTS)
         require_executor_setup(config)
         trace = load_run_trace(config)
-        kernels = open_backend(backend, bool(config.enforce_eager))
+        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size)
     try:
         if profile_path is None:
-            profile_path = machine_profile(kernels, config, reprofile, echo, thresholds.step_mape)
+            profile_path = machine_profile(reference_backend(kernels), one_device(config), reprofile, echo, thresholds.step_mape)
         if perturb != 1.0 or no_row_count_terms:  # predict with a profile known to be wrong
             out_dir.mkdir(parents=True, exist_ok=True)
             measured = load_device(profile_path)
@@ -170,9 +170,15 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     real-vs-real spread of every figure): what the verdict weighs a miss against.
     """
     config = for_backend(config, backend)
-    before = speed_check(backend, resolve(config.updated(device=str(profile_path))).cost_model(), seed=config.seed)
+    reference = reference_backend(backend)
+    single_cost = resolve(one_device(config).updated(device=str(profile_path))).cost_model()
+    before = speed_check(reference, single_cost, seed=config.seed)
     real, real_summary = execute_run(config, backend, out_dir / "real", trace=trace, progress=progress, decisions="full",
                                      retime_passes=retime_passes)
+    collectives = None
+    if config.tensor_parallel_size > 1:  # the group's links, fitted on this run's collectives
+        profile_path, collectives = profile_with_links(profile_path, real_summary["measured"]["collectives"],
+                                                       config.tensor_parallel_size, out_dir)
 
     sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))
     cost = sim_resolved.cost_model()
@@ -187,7 +193,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
         replay_log.close()
     decisions = compare_decisions(list(read_decisions(out_dir / "real")), list(read_decisions(out_dir / "replay")))
 
-    speed = speed_check(backend, cost, seed=config.seed)  # right after the real run and its passes: the machine as it ran
+    speed = speed_check(reference, single_cost, seed=config.seed)  # right after the real run and its passes: the machine as it ran
     _, sim_summary = run_trace(sim_resolved, trace, CostModelTimer(cost), out_dir / "sim", progress=progress)
 
     memory = resolve(config).memory  # what the memory model says the real run's device holds
@@ -201,6 +207,8 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
                                                                   replay_timer.batch_sizes)
     validation["timing"]["speed_check"] = speed.to_dict()
     validation["timing"]["speed_check_before"] = before.to_dict()
+    if collectives is not None:
+        validation["timing"]["collectives"] = collectives
     moved = machine_speed(before, speed)
     again = real_vs_real(sim_resolved, trace, timed, replay_timer.predicted, measured["retimed_s"], real_summary)
     explained = errors_at_speeds(sim_resolved, trace, timed, replay_timer.predicted, real_summary, moved.speeds)
@@ -219,6 +227,36 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     )
     (out_dir / "validation.json").write_text(json.dumps(validation, indent=2) + "\n")
     return validation
+
+
+def one_device(config: RunConfig) -> RunConfig:
+    """The run on one device: what a profile is measured and speed-checked on (a TP rank's compute is the
+    profile's operators on the rank's shapes; the links come from the group: ``profile_with_links``)."""
+    return config.updated(tensor_parallel_size=1)
+
+
+def reference_backend(backend: KernelBackend) -> KernelBackend:
+    """The backend on the clock its profile was measured on: ``backend`` itself, except a tensor-parallel
+    rank's wall-clock cpu backend, whose single-device steps the profile timed in thread CPU time."""
+    return backend if backend.name != "cpu" or backend.clock.startswith(("thread", "process")) else open_backend("cpu")
+
+
+def profile_with_links(profile_path: Path, measured: dict, ranks: int, out_dir: Path) -> tuple[Path, dict]:
+    """A copy of the profile whose ``[topology]`` is fitted on the run's collectives (realexec/collective_bench.py),
+    and the fitted model's error on the check set measured after the fit set."""
+    from dataclasses import replace
+
+    from kvsim.realexec.collective_bench import fitted_and_checked
+
+    device = load_device(profile_path)
+    base = device.topology or load_device("cpu").topology
+    topology, checked = fitted_and_checked(measured, ranks, base)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = save_device(replace(device, topology=topology), out_dir / "profile-with-links.toml")
+    errors = {kind: sorted(abs(row["error"]) for row in checked if row["kind"] == kind) for kind in ("all_reduce", "all_gather")}
+    return path, {"ranks": ranks, "latency_s": topology.intra_latency_s, "bandwidth": topology.intra_bandwidth,
+                  "checked": checked, **{f"{kind}_median_abs_error": e[len(e) // 2] for kind, e in errors.items()},
+                  **{f"{kind}_max_abs_error": e[-1] for kind, e in errors.items()}}
 
 
 def clocks(device_clock: str) -> dict[str, str]:
@@ -269,6 +307,13 @@ def format_checks(validation: dict) -> str:
     lines.append(f"the machine's speed (reference steps over their time when profiled): {speed['before']:.2f}x before the run, "
                  f"{speed['after']:.2f}x after; the run's steps timed again in {again['passes']} passes: "
                  + ", ".join(f"{s:.2f}x" for s in again["pass_speed"]) + " their first measurement")
+    links = validation["timing"].get("collectives")
+    if links is not None:
+        lines.append(f"the {links['ranks']} ranks' all-reduces, fitted after the run: {links['latency_s'] * 1e6:.0f} us latency, "
+                     f"{links['bandwidth'] / 1e9:.2f} GB/s; against a second measurement (1-512 tokens' hidden states): median "
+                     f"|error| {links['all_reduce_median_abs_error']:.1%}, at most {links['all_reduce_max_abs_error']:.1%}; the "
+                     f"logits' all-gather (1-32 rows) {links['all_gather_median_abs_error']:.1%}, at most "
+                     f"{links['all_gather_max_abs_error']:.1%}")
     decisions = validation["decision_identity"]
     identity = "identical" if decisions["identical"] else f"DIVERGE at step {decisions['first_divergence']['step']}"
     lines.append(f"decision logs: {identity} over {decisions['steps_compared']} steps")
