@@ -61,7 +61,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "tp not dividing the heads": ([*sim, "--model", "llama-3.1-70b", "-tp", "3", *out], ["--tensor-parallel-size 3", "64"]),
         "ep without experts": ([*sim, "--model", "qwen3-32b", "-tp", "2", "--enable-expert-parallel", *out],
                                ["--enable-expert-parallel", "not an MoE model"]),
-        "parallel on the real executor": (["validate", "-tp", "2", *out], ["real executor runs one device"]),
+        "pipeline parallel on the real executor": (["validate", "-pp", "2", *out], ["--pipeline-parallel-size", "simulated only"]),
+        "tensor parallel on another backend": (["execute", "-tp", "2", "--backend", "cuda", *out], ["cpu backend", "cuda"]),
         "kv tiers on the real executor": (["execute", "--kv-offload-host-gb", "1", *out], ["--kv-offload-host-gb", "simulated only"]),
         "memory model is a directory": (["memory", "--model", str(tmp / "a_dir"), "--device", "ascend-910b3"], ["a_dir"]),
         "block size vs trace hash block size": (

@@ -344,3 +344,23 @@ def test_no_row_count_terms_says_what_it_leaves_out_beside_a_step():
     line = removed_terms_line(device)
     assert "4 tokens -0.02 ms, 8 tokens +0.05 ms" in line and "14% of the fastest reference step (decode 1 x 128, 0.35 ms)" in line
     assert "model is unchanged" in removed_terms_line(dataclasses.replace(device, row_count_s={}))
+
+
+def test_a_tensor_parallel_validation_replays_the_groups_decisions_and_fits_its_links_after_the_run(tmp_path):
+    """Two ranks on the cpu backend (realexec/tp_executor.py): the replay reproduces the group's decisions, the
+    pool is each rank's, and the links the simulation prices come from the group's collectives, checked on a
+    second measurement."""
+    from kvsim.realexec.tp_executor import tensor_parallel_backend
+
+    config = TINY.updated(max_requests=6, tensor_parallel_size=2)
+    validation = cross_validate(config, load_run_trace(config), tensor_parallel_backend("cpu"), BASE_PROFILE, tmp_path,
+                                Thresholds(), retime_passes=1)
+    assert validation["decision_identity"]["identical"]
+    assert validation["clocks"]["step_time"].startswith("wall clock")
+    links = validation["timing"]["collectives"]
+    assert links["ranks"] == 2 and {row["kind"] for row in links["checked"]} == {"all_reduce", "all_gather"}
+    fitted = load_device(tmp_path / "profile-with-links.toml").topology
+    assert fitted.intra_latency_s == pytest.approx(links["latency_s"]) and fitted.intra_bandwidth == pytest.approx(links["bandwidth"])
+    assert validation["profile"] == str(tmp_path / "profile-with-links.toml")
+    kv = next(c for c in validation["checks"] if c["name"] == "kv_pool_bytes_rel_error")
+    assert kv["value"] == 0.0  # one rank's pool: half the KV heads of every block
