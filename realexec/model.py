@@ -59,10 +59,11 @@ def _mlp(w: dict[str, torch.Tensor], p: str) -> Mlp:
 class MoeWeights:
     """One MoE layer: the router, every routed expert's weights stacked, and the shared experts (if any)."""
 
-    router: torch.Tensor  # [E, hidden]: mlp.gate
-    w13: torch.Tensor  # [E, 2 * moe_intermediate, hidden]: each expert's gate rows, then its up rows
-    w2: torch.Tensor  # [E, hidden, moe_intermediate]: each expert's down projection
+    router: torch.Tensor  # [E, hidden]: mlp.gate, over every expert of the model
+    w13: torch.Tensor  # [E_here, 2 * moe_intermediate, hidden]: each expert's gate rows, then its up rows
+    w2: torch.Tensor  # [E_here, hidden, moe_intermediate]: each expert's down projection
     shared: Mlp | None
+    first_expert: int = 0  # the global id of w13[0]: an expert-parallel rank holds E_here = E / ep of them
 
 
 @dataclass
@@ -109,11 +110,17 @@ def routed_experts(hidden: torch.Tensor, router_logits: torch.Tensor, moe: MoeWe
     """The routed experts as vLLM's MoE kernels run them, in portable torch: the step's (token, expert)
     pairs sorted by expert (a permutation, as npu_moe_init_routing's), each touched expert's rows through
     its gate/up GEMM, SiLU-and-mul and down GEMM, then each row scaled by its routing weight and added
-    back to its token (the unpermute). Experts no token picked cost nothing."""
+    back to its token (the unpermute). Experts no token picked cost nothing; an expert-parallel rank
+    runs the pairs of the experts it holds (``moe.first_expert`` on), the rest is other ranks' part."""
     weights, ids = route(router_logits, top_k)
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1) - moe.first_expert
+    here = moe.w13.shape[0]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=moe.w13.shape[0]).tolist()
+    if moe.first_expert or here < router_logits.shape[1]:  # an expert-parallel rank: the pairs of its experts alone
+        order = order[(flat[order] >= 0) & (flat[order] < here)]
+    if not order.numel():
+        return torch.zeros_like(hidden)
+    counts = torch.bincount(flat[order], minlength=here).tolist()
     tokens = order // top_k
     rows = hidden.index_select(0, tokens)
     outputs, start = [], 0
@@ -135,9 +142,11 @@ class DecoderModel:
     output projection and every MLP or MoE layer, and an all-gather of the logits.
     """
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], tp: TensorParallelGroup | None = None,
+                 top_k: int | None = None) -> None:
         self.spec = spec
         self.tp = tp
+        self.top_k = top_k or spec.num_experts_per_tok  # the model's: an expert-parallel rank's spec caps it at its experts
         self.scale = spec.head_dim**-0.5
         self.embed = weights["model.embed_tokens.weight"]
         self.device = self.embed.device
@@ -161,7 +170,7 @@ class DecoderModel:
             return cls(spec, load_weights(weights_path, spec, device, dtype))
         full = (iter_random_weights(spec, seed, device, dtype) if weights_path is None
                 else iter(load_weights(weights_path, spec, device, dtype).items()))
-        return cls(tp.rank_spec(spec), shard_weights(spec, full, tp), tp)
+        return cls(tp.rank_spec(spec), shard_weights(spec, full, tp), tp, spec.num_experts_per_tok)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         spec, p = self.spec, f"model.layers.{i}."
@@ -188,6 +197,7 @@ class DecoderModel:
                              for e in experts]),
             w2=torch.stack([w[f"{p}experts.{e}.down_proj.weight"] for e in experts]),
             shared=_mlp(w, p + "shared_experts.") if self.spec.shared_expert_intermediate_size else None,
+            first_expert=self.tp.rank * self.spec.num_experts if self.tp is not None and self.tp.expert_parallel else 0,
         )
 
     def _mla(self, w: dict[str, torch.Tensor], p: str) -> MlaWeights:
@@ -284,7 +294,7 @@ class DecoderModel:
 
     def _mixture(self, moe: MoeWeights, h: torch.Tensor, experts: Experts) -> torch.Tensor:
         """The router GEMM, the routed experts (``experts``) and the shared experts, added."""
-        out = experts(h, h @ moe.router.T, moe, self.spec.num_experts_per_tok)
+        out = experts(h, h @ moe.router.T, moe, self.top_k)
         return out if moe.shared is None else out + moe.shared(h)
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

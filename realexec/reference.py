@@ -50,9 +50,10 @@ def dense_experts(hidden: torch.Tensor, router_logits: torch.Tensor, moe: MoeWei
     weights, ids = route(router_logits, top_k)
     dense = torch.zeros_like(router_logits, dtype=torch.float32).scatter_(1, ids, weights)
     out = torch.zeros_like(hidden)
-    for expert in range(moe.w13.shape[0]):
+    for expert in range(moe.w13.shape[0]):  # the experts held here: all, or an expert-parallel rank's
         gate, up = (hidden @ moe.w13[expert].T).chunk(2, dim=-1)
-        out += dense[:, expert : expert + 1].to(hidden.dtype) * ((F.silu(gate) * up) @ moe.w2[expert].T)
+        chosen = dense[:, moe.first_expert + expert, None]
+        out += chosen.to(hidden.dtype) * ((F.silu(gate) * up) @ moe.w2[expert].T)
     return out
 
 

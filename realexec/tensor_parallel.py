@@ -13,7 +13,12 @@ which vllm-ascend keeps:
   share); a rank embeds the tokens its rows hold and an all-reduce adds the ranks' rows, and each
   rank's logits are all-gathered, so every rank samples the same greedy token (vLLM V1);
 - **replicated**: norms, the MoE router, MLA's latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``
-  and their norms): the latent cache has no heads to split.
+  and their norms): the latent cache has no heads to split;
+- **expert-parallel** (``--enable-expert-parallel``, EP over the TP ranks as vLLM's ``FusedMoE``
+  with an expert map): rank r holds whole experts ``r E/ep`` to ``(r+1) E/ep - 1``, renumbered
+  from 0, and the whole router; every rank routes every token over all experts, runs the pairs
+  its experts were chosen for, and the layer's all-reduce adds the ranks' parts (with one DP
+  member every rank holds the same tokens, so vLLM needs no all-to-all either).
 
 The rank's shapes are those of ``sim.parallel.layout.rank_model``, the model the simulator prices
 one rank by, so the two worlds agree on what a rank holds (``shard_weights`` checks it).
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -49,6 +55,7 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
 _COLUMN_PARALLEL = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
 _KV_HEADS = ("k_proj.weight", "v_proj.weight")
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..*)")
 
 
 TRANSPORTS = ("shm", "gloo")
@@ -70,10 +77,19 @@ class TensorParallelGroup:
 
     rank: int
     size: int
+    expert_parallel: bool = False
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tensor_parallel_size=self.size, enable_expert_parallel=self.expert_parallel)
 
     def rank_spec(self, spec: ModelSpec) -> ModelSpec:
         """What one rank of this group holds of ``spec``: the simulator's ``rank_model``."""
-        return rank_model(spec, ParallelLayout(tensor_parallel_size=self.size))
+        return rank_model(spec, self.layout)
+
+    def first_expert(self, spec: ModelSpec) -> int:
+        """The global id of this rank's first routed expert (0 without expert parallelism)."""
+        return self.rank * self.rank_spec(spec).num_experts if self.expert_parallel else 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``x`` (in place, returned for chaining)."""
@@ -146,14 +162,15 @@ class SharedMemoryGroup(TensorParallelGroup):
         return torch.cat(list(parts), dim=-1)
 
 
-def join_group(rank: int, size: int, port: int, buffers: SharedBuffers | None = None) -> TensorParallelGroup:
+def join_group(rank: int, size: int, port: int, buffers: SharedBuffers | None = None,
+               expert_parallel: bool = False) -> TensorParallelGroup:
     """Join the gloo group of ``size`` processes on this host (rank 0 listens on ``port``); its collectives
     through ``buffers`` (shared memory) when given, else gloo's."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     if buffers is None:
-        return TensorParallelGroup(rank, size)
-    return SharedMemoryGroup(rank, size, buffers)
+        return TensorParallelGroup(rank, size, expert_parallel)
+    return SharedMemoryGroup(rank, size, expert_parallel, buffers)
 
 
 def leave_group() -> None:
@@ -167,9 +184,10 @@ def vocab_rows(spec: ModelSpec, tp: int) -> int:
 
 
 def shard(spec: ModelSpec, name: str, full: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
-    """Rank ``group.rank``'s part of the full tensor ``name`` (module docstring); a copy, contiguous."""
+    """Rank ``group.rank``'s part of the full tensor ``name`` (module docstring); a copy, contiguous.
+    Under expert parallelism a routed expert's tensors go whole to the rank that holds the expert."""
     tp, r = group.size, group.rank
-    if tp == 1:
+    if tp == 1 or (group.expert_parallel and _EXPERT.fullmatch(name)):
         return full
     if name in _VOCAB:
         rows = vocab_rows(spec, tp)
@@ -197,7 +215,18 @@ def shard_weights(spec: ModelSpec, weights: Iterator[tuple[str, torch.Tensor]], 
 
     expected = weight_shapes(group.rank_spec(spec))
     out: dict[str, torch.Tensor] = {}
+    local = group.rank_spec(spec).num_experts
+    first = group.first_expert(spec)
     for name, full in weights:
+        if group.expert_parallel:
+            expert = _EXPERT.fullmatch(name)
+            if expert and not first <= int(expert[2]) < first + local:
+                continue  # another rank's expert
+            if expert:
+                name = f"{expert[1]}{int(expert[2]) - first}{expert[3]}"
+            elif name.endswith("mlp.gate.weight"):  # the router scores every expert on every rank
+                out[name] = full
+                continue
         part = shard(spec, name, full, group)
         if tuple(part.shape) != expected[name]:
             raise ValueError(f"tensor-parallel shard of {name!r}: shape {tuple(part.shape)}, the rank's model "

@@ -39,6 +39,7 @@ class RankSetup:
     port: int
     executor_args: dict[str, Any]
     buffers: SharedBuffers | None  # the shared-memory transport's (None: gloo's collectives)
+    expert_parallel: bool
 
 
 def tensor_parallel_backend(name: str) -> KernelBackend:
@@ -48,6 +49,7 @@ def tensor_parallel_backend(name: str) -> KernelBackend:
                          f"{', '.join(BACKENDS)} backend (gloo) only; the {name} backend runs one device")
     from kvsim.realexec.backends.cpu import CpuBackend
 
+    transport()  # a bad KVSIM_TP_TRANSPORT is named before any process starts
     return CpuBackend(wall_clock=True)
 
 
@@ -60,7 +62,7 @@ def _free_port() -> int:
 def _serve(rank: int, setup: RankSetup, conn: Connection) -> None:
     """A worker rank: build the rank's executor, then do what rank 0 sends, in its order, until told to stop."""
     backend = tensor_parallel_backend("cpu")
-    group = join_group(rank, setup.size, setup.port, setup.buffers)
+    group = join_group(rank, setup.size, setup.port, setup.buffers, setup.expert_parallel)
     try:
         executor = Executor(setup.spec, backend, tp=group, **setup.executor_args)
         while True:
@@ -76,12 +78,13 @@ def _serve(rank: int, setup: RankSetup, conn: Connection) -> None:
 
 
 class TensorParallelExecutor(Executor):
-    """Rank 0 of a TP group of ``size`` ranks on this host: the step timer the engine drives."""
+    """Rank 0 of a TP group of ``size`` ranks on this host: the step timer the engine drives.
+    ``expert_parallel``: the group's ranks hold whole experts (realexec/tensor_parallel.py)."""
 
     def __init__(self, spec: ModelSpec, backend: KernelBackend, size: int, num_blocks: int, block_size: int,
                  num_host_blocks: int = 0, seed: int = 0, weights_path: str | Path | None = None,
                  kv_dtype: str | None = None, check: bool = False, timing_repeats: int | None = None,
-                 keep_plans: bool = False) -> None:
+                 keep_plans: bool = False, expert_parallel: bool = False) -> None:
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, not {size}")
         if backend.name not in BACKENDS:
@@ -89,7 +92,8 @@ class TensorParallelExecutor(Executor):
         args = dict(num_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, seed=seed,
                     weights_path=weights_path, kv_dtype=kv_dtype, check=check, keep_plans=keep_plans,
                     timing_repeats=backend.timing_repeats if timing_repeats is None else timing_repeats)
-        setup = RankSetup(spec, size, _free_port(), args, SharedBuffers.make(size) if transport() == "shm" else None)
+        setup = RankSetup(spec, size, _free_port(), args, SharedBuffers.make(size) if transport() == "shm" else None,
+                          expert_parallel)
         import torch.multiprocessing  # its pickler hands shared tensors to the workers by file descriptor
 
         context = torch.multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads or gloo state
@@ -102,7 +106,7 @@ class TensorParallelExecutor(Executor):
             self._pipes.append(ours)
             self._workers.append(worker)
         try:
-            super().__init__(spec, backend, tp=join_group(0, size, setup.port, setup.buffers), **args)
+            super().__init__(spec, backend, tp=join_group(0, size, setup.port, setup.buffers, expert_parallel), **args)
         except BaseException:
             self.close()
             raise

@@ -63,6 +63,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
                                ["--enable-expert-parallel", "not an MoE model"]),
         "pipeline parallel on the real executor": (["validate", "-pp", "2", *out], ["--pipeline-parallel-size", "simulated only"]),
         "tensor parallel on another backend": (["execute", "-tp", "2", "--backend", "cuda", *out], ["cpu backend", "cuda"]),
+        "real tp not dividing the columns": (["execute", "-tp", "3", *out], ["--tensor-parallel-size 3", "2048"]),
+        "real ep without tp": (["execute", "--model", "small-moe", "--enable-expert-parallel", *out],
+                               ["--enable-expert-parallel", "--tensor-parallel-size 2"]),
         "kv tiers on the real executor": (["execute", "--kv-offload-host-gb", "1", *out], ["--kv-offload-host-gb", "simulated only"]),
         "memory model is a directory": (["memory", "--model", str(tmp / "a_dir"), "--device", "ascend-910b3"], ["a_dir"]),
         "block size vs trace hash block size": (

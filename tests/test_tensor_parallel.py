@@ -70,7 +70,7 @@ def run_ranks(size: int, work) -> list:
 
     def rank(r: int) -> None:
         try:
-            results[r] = work(ThreadGroup(r, size, meeting))
+            results[r] = work(ThreadGroup(r, size, meeting=meeting))
         except BaseException as exc:  # handed to the test's thread
             results[r] = exc
             meeting.barrier.abort()
@@ -86,15 +86,31 @@ def run_ranks(size: int, work) -> list:
     return results
 
 
-@pytest.mark.parametrize("model, tp", [("tiny", 2), ("tiny", 4), ("small-moe", 2), ("small-mla", 2), ("small-mla", 4)])
-def test_a_tensor_parallel_group_generates_the_tokens_of_the_whole_model(model: str, tp: int) -> None:
+@pytest.mark.parametrize("model, tp, ep", [("tiny", 2, False), ("tiny", 4, False), ("small-moe", 2, False),
+                                           ("small-moe", 2, True), ("small-mla", 2, False),
+                                           ("small-mla", 4, False)])
+def test_a_tensor_parallel_group_generates_the_tokens_of_the_whole_model(model: str, tp: int, ep: bool) -> None:
     """tiny at TP4 has 2 KV heads: each is replicated on two ranks; small-moe splits every expert's
-    columns; small-mla splits heads and keeps the latent whole."""
+    columns, or with EP holds 4 whole experts a rank; small-mla splits heads and keeps the latent whole."""
     spec = load_model(model)
     prompt = [(17 * i + 5) % spec.vocab_size for i in range(23)]
     expected = dense_generate(DecoderModel.build(spec, seed=SEED), prompt, 6)
-    generated = run_ranks(tp, lambda group: dense_generate(DecoderModel.build(spec, seed=SEED, tp=group), prompt, 6))
-    assert generated == [expected] * tp
+
+    def generate(group: ThreadGroup) -> list[int]:
+        group.expert_parallel = ep
+        return dense_generate(DecoderModel.build(spec, seed=SEED, tp=group), prompt, 6)
+
+    assert run_ranks(tp, generate) == [expected] * tp
+
+
+def test_an_expert_parallel_rank_holds_whole_experts_renumbered_and_the_whole_router() -> None:
+    spec = load_model("small-moe")
+    full = random_weights(spec, SEED)
+    ranks = [DecoderModel.build(spec, seed=SEED, tp=TensorParallelGroup(r, 2, expert_parallel=True)) for r in range(2)]
+    moe = [rank.layers[1].moe for rank in ranks]
+    assert [m.first_expert for m in moe] == [0, 4] and all(m.w13.shape[0] == 4 for m in moe)
+    assert torch.equal(moe[1].w2[0], full["model.layers.1.mlp.experts.4.down_proj.weight"])
+    assert torch.equal(moe[0].router, full["model.layers.1.mlp.gate.weight"])
 
 
 def test_shards_partition_the_whole_weights_in_the_rank_models_shapes() -> None:
@@ -145,6 +161,12 @@ def test_the_process_group_runs_plans_with_prefix_sharing_copy_on_write_and_swap
     finally:
         executor.close()
     assert not executor._workers
+
+
+def test_an_unknown_transport_is_named_before_any_process_starts(monkeypatch) -> None:
+    monkeypatch.setenv("KVSIM_TP_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(ValueError, match="KVSIM_TP_TRANSPORT.*carrier-pigeon"):
+        tensor_parallel_backend("cpu")
 
 
 def test_tensor_parallelism_runs_on_the_cpu_backend_only() -> None:

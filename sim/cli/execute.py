@@ -68,13 +68,19 @@ def open_backend(name: str, enforce_eager: bool = False, tensor_parallel_size: i
 
 
 def require_executor_setup(config: RunConfig) -> None:
-    """What the real executor runs: one device or a tensor-parallel group on the cpu backend, vLLM V1's
-    synchronous steps. Pipeline, data and expert parallelism, async scheduling, the V0 engine, the
-    benchmark client and KV tiers are the simulator's alone for now."""
-    if config.pipeline_parallel_size > 1 or config.data_parallel_size > 1 or config.enable_expert_parallel:
-        raise UserError("--pipeline-parallel-size, --data-parallel-size, --enable-expert-parallel: the real executor runs "
-                        "one device or a tensor-parallel group (--tensor-parallel-size, cpu backend); these layouts are "
-                        "simulated only (kvsim simulate, sweep, capacity, memory)")
+    """What the real executor runs: one device or a tensor-parallel group on the cpu backend (its experts
+    split over the TP ranks with --enable-expert-parallel), vLLM V1's synchronous steps. Pipeline and
+    data parallelism, async scheduling, the V0 engine, the benchmark client and KV tiers are the
+    simulator's alone for now."""
+    if config.pipeline_parallel_size > 1 or config.data_parallel_size > 1:
+        raise UserError("--pipeline-parallel-size, --data-parallel-size: the real executor runs one device or a "
+                        "tensor-parallel group (--tensor-parallel-size, cpu backend); these layouts are simulated only "
+                        "(kvsim simulate, sweep, capacity, memory)")
+    if config.enable_expert_parallel and config.tensor_parallel_size < 2:
+        raise UserError("--enable-expert-parallel: the real executor spreads experts over its tensor-parallel ranks; "
+                        "add --tensor-parallel-size 2 or more")
+    if config.tensor_parallel_size > 1:
+        resolve(config)  # vLLM's layout rules (heads, columns, experts over the ranks): the user's to fix, before any process starts
     if config.async_scheduling or config.engine_core != "v1":
         raise UserError("--async-scheduling, --engine-core v0: the real executor runs vLLM V1's synchronous steps; "
                         "these are simulated only")
@@ -123,8 +129,8 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
                   num_host_blocks=engine_config.num_host_blocks, seed=config.seed, weights_path=weights,
                   kv_dtype=resolved.memory.kv_dtype, check=check, keep_plans=retime_passes > 0)
     tp = config.tensor_parallel_size
-    executor = (TensorParallelExecutor(resolved.model, backend, tp, **sizing) if tp > 1
-                else Executor(resolved.model, backend, **sizing))
+    executor = (TensorParallelExecutor(resolved.model, backend, tp, expert_parallel=config.enable_expert_parallel, **sizing)
+                if tp > 1 else Executor(resolved.model, backend, **sizing))
 
     def measured(run) -> dict:
         memory = [m for m in run.steps.column("memory_bytes") if m is not None]
