@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsim.realexec.backends import KernelBackend
-from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.parallel.layout import ParallelLayout, rank_model
+from kvsim.sim.perf.model_spec import load_model, save_model
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
 # by an older profiler are not reused (2: every timed run primed by a run of the same case;
@@ -79,6 +80,20 @@ def calibrated_profile(
                 progress=echo is not None)
     path.with_suffix(".json").write_text(json.dumps(parts) + "\n")
     return Calibrated(path, cached=False)
+
+
+def rank_model_file(model: str, layout: ParallelLayout) -> str:
+    """The model one rank of ``layout`` holds (``sim.parallel.layout.rank_model``) as a model file in the cache, named
+    for the model, the layout and its content: what a tensor-parallel validation profiles on one device, so the
+    profile's coefficients and its whole-step terms are fitted on the shapes a rank runs."""
+    spec = rank_model(load_model(model), layout)
+    digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
+    suffix = f"tp{layout.tensor_parallel_size}{'-ep' if layout.enable_expert_parallel else ''}"
+    path = cache_dir().parent / "models" / f"{Path(model).stem}-{suffix}-{digest}.toml"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_model(spec, path)
+    return str(path)
 
 
 def why_not_cached(folder: Path, stem: str, parts: list[str]) -> str:

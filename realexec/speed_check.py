@@ -15,6 +15,7 @@ reported; the machine's move (``machine_ratio``) is what decides a re-profile an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,16 +63,29 @@ class SpeedCheck:
                 "profiled_s": self.profiled_s, "ratio": self.ratio, "machine_ratio": self.machine_ratio}
 
 
+def reference_blocks(block_size: int) -> int:
+    """KV blocks the reference steps need, with room for spread-out tables."""
+    return 2 * max(footprint(shape, block_size) for _, shape in REFERENCE_SHAPES)
+
+
 def reference_times(
     backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0
 ) -> tuple[list[float], list[Sample]]:
     """The reference steps timed on ``backend`` as the profiler times whole steps (its clock): each one's median seconds, and its sample."""
-    blocks = 2 * max(footprint(shape, block_size) for _, shape in REFERENCE_SHAPES)  # room for spread-out tables
-    executor = Executor(spec, backend, num_blocks=blocks, block_size=block_size, seed=seed, kv_dtype=kv_dtype)
+    executor = Executor(spec, backend, num_blocks=reference_blocks(block_size), block_size=block_size, seed=seed, kv_dtype=kv_dtype)
+    return interleaved_reference_times([executor], seed)[0]
+
+
+def interleaved_reference_times(executors: Sequence[Executor], seed: int = 0) -> list[tuple[list[float], list[Sample]]]:
+    """Each executor's reference steps (its median seconds, its samples), timed in interleaved rounds: every executor's
+    steps meet the machine's same moments, so their ratios hold where the machine drifts. Each executor needs
+    ``reference_blocks`` blocks."""
     rng = np.random.default_rng(seed)
-    benches = OperatorBenches(executor, rng, seed)
-    samples = [benches.step(shape) for _, shape in REFERENCE_SHAPES]
-    return [float(m) for m in measure(samples, REPEATS, rng).median], samples
+    benches = [OperatorBenches(executor, rng, seed) for executor in executors]
+    samples = [[own.step(shape) for _, shape in REFERENCE_SHAPES] for own in benches]
+    medians = measure([s for own in samples for s in own], REPEATS, rng).median
+    n = len(REFERENCE_SHAPES)
+    return [([float(m) for m in medians[i * n : (i + 1) * n]], own) for i, own in enumerate(samples)]
 
 
 def reference_steps(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0) -> dict[str, float]:

@@ -1,7 +1,8 @@
-"""TOML reading with one clear error naming the file (tomllib on 3.11+, tomli before)."""
+"""TOML reading with one clear error naming the file (tomllib on 3.11+, tomli before), and the values kvsim writes."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,3 +21,12 @@ def load_toml(path: str | Path) -> dict:
         raise ValueError(f"{path}: no such file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: invalid TOML: {exc}") from None
+
+
+def toml_value(value: str | bool | int | float) -> str:
+    """One value as a TOML literal (a JSON string literal is a valid TOML basic string)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value) if isinstance(value, int) else repr(float(value))

@@ -191,3 +191,15 @@ def test_the_link_fit_recovers_a_known_topology_and_checks_on_rows_it_did_not_se
     assert [c["error"] for c in checked] == pytest.approx([1 / 1.25 - 1] * len(rows))
     with pytest.raises(ValueError, match="at least 2 sizes"):
         fit_topology([r for r in rows if r.kind == "all_gather"], 2, base)
+
+
+@pytest.mark.parametrize("model, ep", [("small", False), ("small-moe", True), ("deepseek-v3", True)])
+def test_a_ranks_model_file_reads_back_as_the_rank_model(tmp_path, monkeypatch, model: str, ep: bool) -> None:
+    """What a tensor-parallel validation profiles on one device: the rank's model, by a name that says which."""
+    from kvsim.realexec.calibration import rank_model_file
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    layout = ParallelLayout(tensor_parallel_size=2, enable_expert_parallel=ep)
+    path = rank_model_file(model, layout)
+    assert load_model(path) == rank_model(load_model(model), layout)
+    assert f"{model}-tp2{'-ep' if ep else ''}-" in path and rank_model_file(model, layout) == path

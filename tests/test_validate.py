@@ -20,7 +20,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from kvsim.cli.execute import REAL_DEFAULTS  # noqa: E402
 from kvsim.cli.main import main  # noqa: E402
-from kvsim.cli.validate import cross_validate  # noqa: E402
+from kvsim.cli.validate import cross_validate, format_checks  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.validation import Thresholds, compare_decisions, step_errors  # noqa: E402
 from kvsim.sim.perf.device import DEVICES_DIR, load_device, save_device  # noqa: E402
@@ -359,8 +359,11 @@ def test_a_tensor_parallel_validation_replays_the_groups_decisions_and_fits_its_
     assert validation["clocks"]["step_time"].startswith("wall clock")
     links = validation["timing"]["collectives"]
     assert links["ranks"] == 2 and {row["kind"] for row in links["checked"]} == {"all_reduce", "all_gather"}
-    fitted = load_device(tmp_path / "profile-with-links.toml").topology
+    group = load_device(tmp_path / "profile-for-group.toml")
+    fitted = group.topology
     assert fitted.intra_latency_s == pytest.approx(links["latency_s"]) and fitted.intra_bandwidth == pytest.approx(links["bandwidth"])
-    assert validation["profile"] == str(tmp_path / "profile-with-links.toml")
+    assert validation["profile"] == str(tmp_path / "profile-for-group.toml")
+    assert links["compute_factor"] > 0 and f"x{links['compute_factor']:g}" in group.source
     kv = next(c for c in validation["checks"] if c["name"] == "kv_pool_bytes_rel_error")
     assert kv["value"] == 0.0  # one rank's pool: half the KV heads of every block
+    assert "the 2 ranks' all-reduces, fitted after the run" in format_checks(validation)

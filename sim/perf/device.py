@@ -50,7 +50,6 @@ operator's formula does with them.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -58,7 +57,7 @@ from pathlib import Path
 
 from kvsim.sim.perf.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
 from kvsim.sim.perf.topology import Topology, parse_topology, topology_toml_lines
-from kvsim.sim.toml_io import load_toml
+from kvsim.sim.toml_io import load_toml, toml_value
 
 DEVICES_DIR = Path(__file__).parents[1] / "devices"  # sim/devices/, the data beside the rooms
 
@@ -279,9 +278,9 @@ def bundled_devices() -> list[str]:
 def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     """Write ``profile`` as TOML that :func:`load_device` reads back equal to ``profile``."""
     path = Path(path)
-    lines = [f"name = {_toml_str(profile.name)}", f"source = {_toml_str(profile.source)}"]
-    lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _SCALAR_FIELDS]
-    lines += [f"{key} = {_toml_num(getattr(profile, key))}" for key in _TIER_FIELDS if getattr(profile, key)]
+    lines = [f"name = {toml_value(profile.name)}", f"source = {toml_value(profile.source)}"]
+    lines += [f"{key} = {toml_value(getattr(profile, key))}" for key in _SCALAR_FIELDS]
+    lines += [f"{key} = {toml_value(getattr(profile, key))}" for key in _TIER_FIELDS if getattr(profile, key)]
     lines.append(f"padded_attention = {'true' if profile.padded_attention else 'false'}")
     if profile.attention_query_tile:
         lines.append(f"attention_query_tile = {profile.attention_query_tile}")
@@ -289,25 +288,25 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines.append(f"gemv_rows = {profile.gemv_rows}")
     for key in ("step_timing_noise", "held_out_step_mape"):
         if getattr(profile, key) is not None:
-            lines.append(f"{key} = {_toml_num(getattr(profile, key))}")
+            lines.append(f"{key} = {toml_value(getattr(profile, key))}")
     if profile.engine is not None:
         lines += ["", *engine_toml_lines(profile.engine)]
     if profile.topology is not None:
         lines += ["", *topology_toml_lines(profile.topology)]
     if profile.row_count_s:
         lines += ["", "[row_count_s]"]
-        lines += [f'"{rows}" = {_toml_num(seconds)}' for rows, seconds in sorted(profile.row_count_s.items())]
+        lines += [f'"{rows}" = {toml_value(seconds)}' for rows, seconds in sorted(profile.row_count_s.items())]
     if profile.reference_steps_s:
         lines += ["", "[reference_steps_s]"]
-        lines += [f"{_toml_str(label)} = {_toml_num(seconds)}" for label, seconds in profile.reference_steps_s.items()]
+        lines += [f"{toml_value(label)} = {toml_value(seconds)}" for label, seconds in profile.reference_steps_s.items()]
     lines += ["", "[matrix_flops]"]
-    lines += [f"{dt} = {_toml_num(profile.matrix_flops[dt])}" for dt in MATRIX_DTYPES]
+    lines += [f"{dt} = {toml_value(profile.matrix_flops[dt])}" for dt in MATRIX_DTYPES]
     for op, keys in OPERATOR_KEYS.items():
         coeffs = profile.operators[op]
         lines += ["", f"[operators.{op}]"]
         for key in keys:
             value = coeffs.call_s if key in CALL_KEYS else coeffs.shape if key in SHAPE_KEYS else getattr(coeffs, key)
-            lines.append(f"{key} = {_toml_num(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -419,9 +418,3 @@ def _reject_unknown(data: dict, allowed: set[str], path: Path, prefix: str) -> N
         raise ValueError(f"{path}: unknown field(s) {names} (allowed: {', '.join(sorted(allowed))})")
 
 
-def _toml_str(text: str) -> str:
-    return json.dumps(text)  # a JSON string literal is a valid TOML basic string
-
-
-def _toml_num(value: float | int) -> str:
-    return str(value) if isinstance(value, int) else repr(float(value))

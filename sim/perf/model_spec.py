@@ -20,7 +20,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 from kvsim.sim.perf.hf_config import hf_config_fields
-from kvsim.sim.toml_io import load_toml
+from kvsim.sim.toml_io import load_toml, toml_value
 
 MODELS_DIR = Path(__file__).parents[1] / "models"  # sim/models/, the data beside the rooms
 
@@ -330,6 +330,15 @@ def load_model(name_or_path: str | Path, quantization: str | None = None) -> Mod
         except ValueError as exc:
             raise ValueError(f"--quantization: {exc}") from None
     return spec
+
+
+def save_model(spec: ModelSpec, path: str | Path) -> Path:
+    """Write ``spec`` as a kvsim model TOML that :func:`load_model` reads back equal (fields at their default left out)."""
+    path = Path(path)
+    lines = [f"{f.name} = {toml_value(getattr(spec, f.name))}" for f in fields(ModelSpec)
+             if f.default is MISSING or getattr(spec, f.name) != f.default]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _model_path(name_or_path: str | Path) -> Path:
