@@ -246,6 +246,11 @@ def reference_backend(backend: KernelBackend) -> KernelBackend:
     return backend if backend.name != "cpu" or backend.clock.startswith(("thread", "process")) else open_backend("cpu")
 
 
+# Rounds of the group's reference steps and the rank's alone: a ratio of two medians is twice as noisy as one
+# (the speed check's 5 rounds moved the factor 0.91-1.34 between runs on the 2-core VM).
+GROUP_REFERENCE_ROUNDS = 15
+
+
 def profile_for_group(profile_path: Path, collectives: dict, config: RunConfig, backend: KernelBackend,
                       one_device: CostModel, out_dir: Path) -> tuple[Path, dict]:
     """One rank's profile (its model on one device, ``one_device``) made the tensor-parallel group's
@@ -280,7 +285,7 @@ def profile_for_group(profile_path: Path, collectives: dict, config: RunConfig, 
     executor = TensorParallelExecutor(group.model, backend, ranks, expert_parallel=config.enable_expert_parallel, **sizing)
     try:
         (measured, samples), (single, single_samples) = interleaved_reference_times(
-            [executor, Executor(one_device.model, backend, **sizing)], config.seed)  # one rank's model, alone
+            [executor, Executor(one_device.model, backend, **sizing)], config.seed, GROUP_REFERENCE_ROUNDS)  # one rank's model, alone
     finally:
         executor.close()
     comm = [cost.collective_seconds(s.features)[0] for s in samples]
