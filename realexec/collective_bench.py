@@ -5,8 +5,9 @@ compute (a GEMM of about a millisecond, as a layer's) and then one all-reduce or
 from the compute's end to the collective's: the median of those. Timed as a step meets them (the
 wait for a peer still computing included), not after a barrier: on the 2-core development VM a
 3 KB gloo all-reduce took 0.7 ms after a barrier and 1.2 ms after compute, the figure the TP2
-steps showed (each rank's main thread and gloo's threads then contend for the cores). The sizes are a step's: the hidden states of
-1 to 512 tokens (the all-reduces) and the logits of 1 to 32 sampled rows (the all-gather).
+steps showed (each rank's main thread and gloo's threads then contend for the cores). The sizes
+are a step's: the hidden states of 1 to 512 tokens (the all-reduces) and the logits of 1 to 32
+sampled rows (the all-gather).
 
 The fit gives the ``[topology]`` a calibrated profile carries, in sim/parallel/collectives.py's
 terms for a group of ``n`` ranks through one switch (every byte a rank sends takes one path: its
@@ -35,7 +36,7 @@ from kvsim.sim.perf.topology import Topology
 
 TOKEN_COUNTS = (1, 4, 16, 64, 256, 512)  # hidden states of this many tokens: the all-reduces' sizes
 SAMPLED_ROWS = (1, 4, 32)  # logits of this many sampled rows: the all-gather's sizes
-KINDS = ("all_reduce", "all_gather")
+COLLECTIVE_REPEATS = 101  # runs a size's median is taken over (31 left a size's median moving 2x between sets)
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ def step_sizes(spec: ModelSpec, tp: int) -> list[tuple[str, int]]:
 
 
 def time_collectives(group: TensorParallelGroup, sizes: list[tuple[str, int]], repeats: int) -> list[CollectiveTiming]:
-    """Each (kind, bytes) after a stretch of compute, ``repeats`` times; the median seconds beyond the
-    compute's own (module docstring). Every rank must call this."""
+    """Each (kind, bytes) after a stretch of compute, ``repeats`` times; the median seconds from the compute's
+    end to the collective's (module docstring). Every rank must call this."""
     rows, weight = torch.ones(16, 768), torch.ones(768, 1024)
 
     def compute() -> None:
@@ -96,9 +97,6 @@ def predicted_s(topology: Topology, ranks: int, timing: CollectiveTiming) -> flo
     """What the simulator prices this collective at under ``topology``."""
     group = make_group(topology, ranks)
     return (all_reduce_s if timing.kind == "all_reduce" else all_gather_s)(group, timing.size_bytes)
-
-
-COLLECTIVE_REPEATS = 101
 
 
 def measure_twice(timer, spec: ModelSpec, ranks: int, repeats: int = COLLECTIVE_REPEATS) -> dict[str, list[dict]]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -137,8 +138,15 @@ class SharedMemoryGroup(TensorParallelGroup):
         round_slots[self.rank].copy_(x.reshape(-1))
         self._announced[self.rank] = self._round
         for other in range(self.size):
+            spins, deadline = 0, None
             while self._announced[other] < self._round:
                 os.sched_yield()
+                spins += 1
+                if spins % 4096 == 0:  # a peer that stopped (an error, a killed process) never announces
+                    deadline = deadline or time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"tensor-parallel rank {other} did not reach collective {self._round} within "
+                                           f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s (its process stopped?)")
         return round_slots
 
     def _pieces(self, x: torch.Tensor) -> list[torch.Tensor]:

@@ -2,8 +2,8 @@
 
 As vLLM's multiprocessing executor runs a TP group: one engine core (this process schedules),
 every rank holding its shard of the weights and of each KV block (its heads) and running the same
-plan, the ranks joined by ``torch.distributed`` (gloo on the cpu backend) for the all-reduces and
-all-gathers of the forward pass (realexec/tensor_parallel.py). Rank 0 hands each worker the
+plan, the ranks joined by a ``torch.distributed`` gloo group, their forward pass's all-reduces and
+all-gathers through shared memory or gloo's (realexec/tensor_parallel.py). Rank 0 hands each worker the
 requests and plans over a pipe before running them itself, as vLLM broadcasts its scheduler
 output; the step's time is rank 0's, on the wall clock: a rank's CPU time would leave out the time
 it waits on the others inside a collective, which is the collective's cost.
