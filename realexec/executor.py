@@ -150,7 +150,7 @@ class Executor:
         capture_sizes = backend.capture_sizes if capture_sizes is None else capture_sizes
         # MoE routing sizes each expert's GEMMs by the step's data and MLA splits decodes from prefills by
         # the host lists, so neither replays as a fixed-shape graph: such models run every step eagerly, as a
-        # tensor-parallel rank does (its collectives are gloo's, which no graph captures).
+        # tensor-parallel rank does (its collectives wait on other processes, which no graph captures).
         graphs = (bool(capture_sizes) and backend.supports_graphs and self.kv_dtype != torch.int8
                   and not spec.is_moe and not spec.is_mla and tp is None)
         # With graphs, one block past the engine's takes the K/V of a graph's padding rows (vLLM's V1

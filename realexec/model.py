@@ -116,7 +116,7 @@ def routed_experts(hidden: torch.Tensor, router_logits: torch.Tensor, moe: MoeWe
     flat = ids.reshape(-1) - moe.first_expert
     here = moe.w13.shape[0]
     order = torch.argsort(flat, stable=True)
-    if moe.first_expert or here < router_logits.shape[1]:  # an expert-parallel rank: the pairs of its experts alone
+    if here < router_logits.shape[1]:  # an expert-parallel rank: the pairs of its experts alone
         order = order[(flat[order] >= 0) & (flat[order] < here)]
     if not order.numel():
         return torch.zeros_like(hidden)
@@ -197,7 +197,7 @@ class DecoderModel:
                              for e in experts]),
             w2=torch.stack([w[f"{p}experts.{e}.down_proj.weight"] for e in experts]),
             shared=_mlp(w, p + "shared_experts.") if self.spec.shared_expert_intermediate_size else None,
-            first_expert=self.tp.rank * self.spec.num_experts if self.tp is not None and self.tp.expert_parallel else 0,
+            first_expert=0 if self.tp is None else self.tp.first_expert(self.spec.num_experts),
         )
 
     def _mla(self, w: dict[str, torch.Tensor], p: str) -> MlaWeights:

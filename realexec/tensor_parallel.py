@@ -88,9 +88,9 @@ class TensorParallelGroup:
         """What one rank of this group holds of ``spec``: the simulator's ``rank_model``."""
         return rank_model(spec, self.layout)
 
-    def first_expert(self, spec: ModelSpec) -> int:
-        """The global id of this rank's first routed expert (0 without expert parallelism)."""
-        return self.rank * self.rank_spec(spec).num_experts if self.expert_parallel else 0
+    def first_expert(self, experts_here: int) -> int:
+        """The global id of this rank's first routed expert, when each rank holds ``experts_here`` (0 without EP)."""
+        return self.rank * experts_here if self.expert_parallel else 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``x`` (in place, returned for chaining)."""
@@ -224,7 +224,7 @@ def shard_weights(spec: ModelSpec, weights: Iterator[tuple[str, torch.Tensor]], 
     expected = weight_shapes(group.rank_spec(spec))
     out: dict[str, torch.Tensor] = {}
     local = group.rank_spec(spec).num_experts
-    first = group.first_expert(spec)
+    first = group.first_expert(local)
     for name, full in weights:
         if group.expert_parallel:
             expert = _EXPERT.fullmatch(name)

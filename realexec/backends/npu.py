@@ -375,7 +375,7 @@ class NpuBackend(KernelBackend):
           (token_dispatcher.py token_combine, device_op.py). Its documentation takes bfloat16 tokens and
           probabilities only, so an fp16 model's rows are combined in bfloat16.
         """
-        if moe.first_expert or moe.w13.shape[0] != router_logits.shape[1]:
+        if moe.w13.shape[0] != router_logits.shape[1]:
             raise ValueError("the npu backend runs every expert on one device; expert parallelism (an expert map "
                              "over HCCL ranks) is not built for it")
         tnpu, num_tokens = self.torch_npu, hidden.shape[0]

@@ -281,7 +281,7 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     lines = [f"name = {toml_value(profile.name)}", f"source = {toml_value(profile.source)}"]
     lines += [f"{key} = {toml_value(getattr(profile, key))}" for key in _SCALAR_FIELDS]
     lines += [f"{key} = {toml_value(getattr(profile, key))}" for key in _TIER_FIELDS if getattr(profile, key)]
-    lines.append(f"padded_attention = {'true' if profile.padded_attention else 'false'}")
+    lines.append(f"padded_attention = {toml_value(profile.padded_attention)}")
     if profile.attention_query_tile:
         lines.append(f"attention_query_tile = {profile.attention_query_tile}")
     if profile.gemv_rows:
@@ -416,5 +416,3 @@ def _reject_unknown(data: dict, allowed: set[str], path: Path, prefix: str) -> N
     if unknown:
         names = ", ".join(prefix + k for k in unknown)
         raise ValueError(f"{path}: unknown field(s) {names} (allowed: {', '.join(sorted(allowed))})")
-
-

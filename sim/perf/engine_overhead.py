@@ -35,11 +35,12 @@ detokenisation to the front-end process and builds its inputs from a persistent 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from kvsim.sim.toml_io import toml_value
 
 Num = float | np.ndarray
 
@@ -141,13 +142,13 @@ def engine_toml_lines(engine: EngineProfile) -> list[str]:
     """The ``[engine]`` table that :func:`parse_engine` reads back equal to ``engine``."""
     return [
         "[engine]",
-        f"mode = {json.dumps(engine.mode)}",
-        f"dispatch_s = {engine.dispatch_s!r}",
+        f"mode = {toml_value(engine.mode)}",
+        f"dispatch_s = {toml_value(engine.dispatch_s)}",
         f"capture_sizes = [{', '.join(str(s) for s in engine.capture_sizes)}]",
-        f"async_scheduling = {'true' if engine.async_scheduling else 'false'}",
-        f"request_s = {engine.request_s!r}",
-        f"admit_s = {engine.admit_s!r}",
-        f"v0_seq_s = {engine.v0_seq_s!r}",
-        f"stream_s = {engine.stream_s!r}",
-        f"source = {json.dumps(engine.source)}",
+        f"async_scheduling = {toml_value(engine.async_scheduling)}",
+        f"request_s = {toml_value(engine.request_s)}",
+        f"admit_s = {toml_value(engine.admit_s)}",
+        f"v0_seq_s = {toml_value(engine.v0_seq_s)}",
+        f"stream_s = {toml_value(engine.stream_s)}",
+        f"source = {toml_value(engine.source)}",
     ]

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvsim.sim.toml_io import toml_value
+
 FABRICS = ("mesh", "switch")
 
 
@@ -105,5 +107,5 @@ def topology_toml_lines(topology: Topology) -> list[str]:
     lines = ["[topology]"]
     for key in TOPOLOGY_FIELDS:
         value = getattr(topology, key)
-        lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+        lines.append(f"{key} = {toml_value(value)}")
     return lines
