@@ -22,9 +22,9 @@ def add_trace_request(engine: EngineCore, trace: Trace, index: int, arrival_s: f
         int(trace.output_tokens[index]),
         priority=trace.priority_of(index),
         n_samples=trace.n_samples_of(index),
-        trace_hashes=None if hashes is None else tuple(int(h) for h in hashes),
+        trace_hashes=None if hashes is None else tuple(hashes.tolist()),
         hash_block_size=trace.hash_block_size if hashes is not None else None,
-        token_ids=None if tokens is None else tuple(int(t) for t in tokens),
+        token_ids=None if tokens is None else tuple(tokens.tolist()),
         trace_index=index,
     )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import numpy as np
 import simpy
@@ -133,33 +133,54 @@ class _SummedStats:
         self.resume_hit_blocks = sum(s.resume_hit_blocks for s in stats)
 
 
-def instance_states(instances: list[Simulation]) -> tuple[InstanceState, ...]:
-    """A scrape of every instance's queue and KV usage."""
-    return tuple(InstanceState(len(sim.engine.waiting), len(sim.engine.running),
-                               sim.engine.kv_counts()[0] / sim.engine.config.num_blocks) for sim in instances)
+def instance_state(sim: Simulation) -> InstanceState:
+    """A scrape of one instance's queue and KV usage."""
+    engine = sim.engine
+    return InstanceState(len(engine.waiting), len(engine.running), engine.kv_counts()[0] / engine.config.num_blocks)
 
 
-@dataclass
 class Scrape:
     """The instances' states as a metrics scraper last read them: read again once ``staleness_s`` has
-    passed (0: on every look), as real routers see scraped metrics."""
+    passed (0: on every look), as real routers see scraped metrics.
 
-    staleness_s: float
-    states: tuple[InstanceState, ...] = ()
-    at_s: float = -np.inf
+    A read recomputes only the instances whose engine ran since the last read (each instance's
+    ``on_state_change`` marks it): a live view over 64 instances would otherwise cost 64 engine
+    scrapes an arrival, most of them of engines that had not moved."""
 
-    def read(self, instances: list[Simulation], now: float) -> tuple[tuple[InstanceState, ...], float]:
+    def __init__(self, staleness_s: float, instances: list[Simulation]) -> None:
+        self.staleness_s = staleness_s
+        self.instances = instances
+        self.at_s = -np.inf
+        self.changed = set(range(len(instances)))
+        self._states: list[InstanceState] = [InstanceState(0, 0, 0.0)] * len(instances)
+        self._view: tuple[InstanceState, ...] = ()
+        for i, sim in enumerate(instances):
+            sim.on_state_change = partial(self.changed.add, i)
+
+    def read(self, now: float) -> tuple[tuple[InstanceState, ...], float]:
         """(the states, when they were scraped) as of ``now``."""
-        if now - self.at_s >= self.staleness_s or not self.states:
-            self.states, self.at_s = instance_states(instances), now
-        return self.states, self.at_s
+        if now - self.at_s >= self.staleness_s:
+            self.at_s = now
+            if self.changed:
+                for i in self.changed:
+                    self._states[i] = instance_state(self.instances[i])
+                self.changed.clear()
+                self._view = tuple(self._states)
+        return self._view, self.at_s
 
 
 def route_request(trace: Trace, row: int) -> RouteRequest:
     hashes = trace.hashes_of(row)
     return RouteRequest(row, float(trace.arrival_s[row]), int(trace.prompt_tokens[row]),
-                        () if hashes is None else tuple(int(h) for h in hashes),
+                        () if hashes is None else tuple(hashes.tolist()),
                         None if trace.session_id is None else int(trace.session_id[row]))
+
+
+def ended_rows(finished: list[Request], rejected: list[tuple[str, str]]) -> list[int]:
+    """The trace rows a step ended: its finished requests (not their parallel samples) and rejections."""
+    rows = [r.trace_index for r in finished if r.parent is None]
+    rows += [int(rid) for rid, _ in rejected if rid.isdigit()]
+    return rows
 
 
 def checked_choice(router: Router, request: RouteRequest, view: ClusterView) -> int:
@@ -192,7 +213,6 @@ class ClusterSimulation:
                           for timer, opts in zip(timers, options)]
         self.in_flight = [0] * len(timers)
         self.placement = np.full(len(trace), -1, dtype=np.int64)
-        self.scrape = Scrape(staleness_s)
         self.scaling = scaling
         first = len(timers) if initial_instances is None else initial_instances
         if not 1 <= first <= len(timers):
@@ -205,18 +225,17 @@ class ClusterSimulation:
         for i, sim in enumerate(self.instances):
             sim.serve_routed()
             sim.on_ended = self._ended_on(i)
+        self.scrape = Scrape(staleness_s, self.instances)
 
     def _ended_on(self, instance: int):
         def ended(finished: list[Request], rejected: list[tuple[str, str]]) -> None:
-            rows = [r.trace_index for r in finished if r.parent is None]
-            rows += [int(rid) for rid, _ in rejected if rid.isdigit()]
-            for row in rows:
+            for row in ended_rows(finished, rejected):
                 self.in_flight[instance] -= 1
                 self.router.ended(row, instance)
         return ended
 
     def view(self) -> ClusterView:
-        states, scraped_at = self.scrape.read(self.instances, self.env.now)
+        states, scraped_at = self.scrape.read(self.env.now)
         return ClusterView(states, tuple(self.in_flight), scraped_at,
                            () if all(self.serving) else tuple(self.serving))
 

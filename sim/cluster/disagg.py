@@ -177,7 +177,6 @@ class PDClusterSimulation:
         self.decode = [Simulation(trace, setup.decode.new_engine(), t, o, env=self.env)
                        for t, o in zip(decode_timers, decode_options)]
         self.in_flight = ([0] * len(self.prefill), [0] * len(self.decode))
-        self.scrapes = (Scrape(staleness_s), Scrape(staleness_s))  # the prefill pool's, the decode pool's
         self.prefill_of = np.full(len(trace), -1, dtype=np.int64)
         self.decode_of = np.full(len(trace), -1, dtype=np.int64)
         self.transfers: dict[int, Transfer] = {}
@@ -193,10 +192,11 @@ class PDClusterSimulation:
             sim.serve_routed()
             sim.add_row = self._decode_adder(sim.times)
             sim.on_ended = self._decode_ended(i)
+        self.scrapes = (Scrape(staleness_s, self.prefill), Scrape(staleness_s, self.decode))
 
     # --- routing ---------------------------------------------------------------------------
     def _view(self, pool: int) -> ClusterView:
-        states, scraped_at = self.scrapes[pool].read(self.decode if pool else self.prefill, self.env.now)
+        states, scraped_at = self.scrapes[pool].read(self.env.now)
         return ClusterView(states, tuple(self.in_flight[pool]), scraped_at)
 
     def _route_process(self):
@@ -223,7 +223,6 @@ class PDClusterSimulation:
     # --- the prefill side ----------------------------------------------------------------------
     def _prefill_ended(self, instance: int):
         def ended(finished: list[Request], rejected: list[tuple[str, str]]) -> None:
-            engine = self.prefill[instance].engine
             for request in finished:
                 row = request.trace_index
                 self._ended(0, instance, row)
@@ -231,7 +230,7 @@ class PDClusterSimulation:
                 if self.trace.output_tokens[row] > 1:
                     self.env.process(self._transfer(instance, request))
                 else:  # the first token was the last: nothing to decode
-                    engine.release_kv(request.request_id)
+                    self.prefill[instance].release_kv(request.request_id)
                     self._settle(row, delivered=False)
             for rid, _ in rejected:
                 self._ended(0, instance, int(rid))
@@ -250,7 +249,7 @@ class PDClusterSimulation:
             yield hold
             exposed = exposed_s(setup.connector, link, nbytes_rank, ended - started, setup.prefill.model.num_layers)
             yield env.timeout(exposed)
-        self.prefill[instance].engine.release_kv(request.request_id)
+        self.prefill[instance].release_kv(request.request_id)
         self.transfers[row] = Transfer(row, instance, decode, link.kind, setup.total_bytes(tokens), ended,
                                        link.seconds(nbytes_rank), exposed, env.now)
         self.decode[decode].hand(row, at_s=env.now)

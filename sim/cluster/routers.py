@@ -154,39 +154,50 @@ class KVAware(Router):
         self.weights = (prefix_weight, queue_weight, kv_weight)
         self.index_blocks = index_blocks
         self.seen: OrderedDict[tuple[int, int], None] = OrderedDict()  # (instance, chained block hash), LRU
+        self.holders: dict[int, set[int]] = {}  # chained block hash -> the instances in ``seen`` with it
 
     def choose(self, request: RouteRequest, view: ClusterView) -> int:
         prefix_w, queue_w, kv_w = self.weights
         candidates = view.candidates()
         counts = view.in_flight
         lo, hi = min(counts[i] for i in candidates), max(counts[i] for i in candidates)
+        matched = self._matched_blocks(request.prefix_hashes)
+        blocks = len(request.prefix_hashes) or 1
         best, best_score = candidates[0], -1.0
         for i in candidates:
             queue = (hi - counts[i]) / (hi - lo) if hi > lo else 1.0
-            score = prefix_w * self._prefix_share(request, i) + queue_w * queue + kv_w * (1.0 - view.instances[i].kv_usage)
+            score = prefix_w * (matched.get(i, 0) / blocks) + queue_w * queue + kv_w * (1.0 - view.instances[i].kv_usage)
             if score > best_score:
                 best, best_score = i, score
         return best
 
-    def _prefix_share(self, request: RouteRequest, instance: int) -> float:
-        """Leading prompt blocks this router sent to ``instance`` before, over the prompt's blocks."""
-        hashes = request.prefix_hashes
-        if not hashes:
-            return 0.0
-        matched = 0
-        for h in hashes:
-            if (instance, h) not in self.seen:
+    def _matched_blocks(self, hashes: tuple[int, ...]) -> dict[int, int]:
+        """Per instance, the leading prompt blocks this router sent it before (absent: none), in one
+        walk down the prompt: the instances still matching narrow block by block."""
+        matched: dict[int, int] = {}
+        alive = self.holders.get(hashes[0], set()) if hashes else set()
+        for depth, h in enumerate(hashes):
+            if not alive:
                 break
-            matched += 1
-        return matched / len(hashes)
+            still = alive & self.holders.get(h, set())
+            for i in alive - still:
+                matched[i] = depth
+            alive = still
+        for i in alive:
+            matched[i] = len(hashes)
+        return matched
 
     def routed(self, request: RouteRequest, instance: int) -> None:
-        seen = self.seen
+        seen, holders = self.seen, self.holders
         for h in request.prefix_hashes:
             key = (instance, h)
             if key in seen:
                 seen.move_to_end(key)
             else:
                 seen[key] = None
+                holders.setdefault(h, set()).add(instance)
         while len(seen) > self.index_blocks:
-            seen.popitem(last=False)
+            gone, h = seen.popitem(last=False)[0]
+            holders[h].discard(gone)
+            if not holders[h]:
+                del holders[h]

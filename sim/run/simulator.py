@@ -92,6 +92,7 @@ class Simulation:
         self._rows: list[int] | None = None  # the trace rows this engine serves, in arrival order; None: all
         self._fed = True  # no arrival is still to be handed to this engine
         self.on_ended: Callable[[list[Request], list[tuple[str, str]]], None] | None = None  # a step's finished and rejected
+        self.on_state_change: Callable[[], None] | None = None  # the engine may have moved (a cluster's scrape)
         # How a trace row becomes an engine request (a P/D decode instance's carries its delivered KV)
         self.add_row: Callable[[EngineCore, Trace, int], Request] = add_trace_request
         # Plans spell out what their readers need, no more: the timer's and the decision sink's
@@ -120,8 +121,10 @@ class Simulation:
         """
         engine, env, arrivals = self.engine, self.env, self._arrivals
         schedule, timer_step, detail = engine.schedule, self.timer.step, self.plan_detail
-        tiers = engine.kv_tiers
+        tiers, changed = engine.kv_tiers, self.on_state_change
         while True:
+            if changed is not None:
+                changed()
             self._admit_arrivals()
             if not engine.has_unfinished():
                 if self.next_index >= len(arrivals):
@@ -176,6 +179,13 @@ class Simulation:
         self._arrivals.append(float(self.trace.arrival_s[row]) if at_s is None else at_s)
         self._rows.append(row)
         self._wake_up()
+
+    def release_kv(self, request_id: str) -> None:
+        """Free a finished request's held KV (a P/D prefill instance's, once sent), which may be
+        outside this engine's own loop: a scrape must see it."""
+        self.engine.release_kv(request_id)
+        if self.on_state_change is not None:
+            self.on_state_change()
 
     def feeding_over(self) -> None:
         self._fed = True
