@@ -70,6 +70,10 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"help": "Which instance serves each request: round-robin | least-requests | least-kv | session | kv-aware | module:Class."}),
     (("--router-staleness",), "router_staleness_s",
      {"type": float, "help": "Seconds the router's view of the instances may lag (scraped metrics); 0 is live."}),
+    (("--cluster-workers",), "cluster_workers",
+     {"type": int, "help": "Deal the instances out to N worker processes that meet the router every --router-staleness "
+                           "seconds (the router's counters then learn of ended requests at those meetings; 0: one "
+                           "event loop). [default: 0]"}),
     (("--autoscaler",), "autoscaler",
      {"help": "Scale the cluster's instances: kv-utilization | queue | module:Class (bounds and parameters: "
               "[autoscaler_params] in --config). [default: none]"}),

@@ -14,10 +14,10 @@ from kvsim.sim.cluster.autoscaler import DEFAULT_LOAD_BANDWIDTH, make_autoscaler
 from kvsim.sim.cluster.cluster import ClusterRun, ClusterSimulation, Scaling
 from kvsim.sim.cluster.disagg import PD_REQUEST_COLUMNS, PDClusterSimulation, PDSetup
 from kvsim.sim.cluster.kv_transfer import place_pools
+from kvsim.sim.cluster.partitioned import Outputs, PartitionedCluster
 from kvsim.sim.cluster.routers import Router, make_router
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import ResolvedRun, resolve
-from kvsim.sim.run.decisions import DecisionLog
 from kvsim.sim.run.metrics import REQUEST_COLUMNS, STEP_COLUMNS
 from kvsim.sim.run.outputs import REQUESTS, STEPS, atomic_open, write_summary
 from kvsim.sim.run.run_warnings import run_warnings
@@ -67,29 +67,16 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
     setup = pd_setup_of(resolved)
     instances = config.prefill_instances + config.decode_instances if setup else config.instances
     instances = max(instances, scaling.max_instances) if scaling else instances
-    logs = []
-    if out_dir is not None and decisions != "off":
-        for i in range(instances):
-            (out_dir / "instances" / str(i)).mkdir(parents=True, exist_ok=True)
-            logs.append(DecisionLog(decisions, resolved.engine_config.block_size, out_dir / "instances" / str(i)))
-    options = [SimOptions(check=check, decisions=logs[i] if logs else None) for i in range(instances)]
-    try:
-        if setup is None:
-            timers = [CostModelTimer(resolved.cost_model()) for _ in range(instances)]
-            run = ClusterSimulation(trace, resolved, timers, router, config.router_staleness_s, options, scaling,
-                                    initial_instances=config.instances).run()
-        else:
-            p = config.prefill_instances
-            timers = [CostModelTimer(pool.cost_model()) for pool in [setup.prefill] * p + [setup.decode] * config.decode_instances]
-            decode_router = make_router(config.decode_router, config.decode_router_params)
-            run = PDClusterSimulation(trace, setup, timers[:p], timers[p:], router, decode_router, config.router_staleness_s,
-                                      options[:p], options[p:]).run()
-    finally:
-        for log in logs:
-            log.close()
+    outputs = Outputs(check, decisions, out_dir)
+    if config.cluster_workers:
+        run = PartitionedCluster(trace, resolved, router, config.cluster_workers, config.router_staleness_s, outputs).run()
+    else:
+        run = _one_loop(resolved, trace, router, setup, scaling, instances, outputs)
     summary = run.summary()
     summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
     summary["router"] = {"name": config.router, "instances": config.instances, "staleness_s": config.router_staleness_s}
+    if config.cluster_workers:
+        summary["router"]["cluster_workers"] = config.cluster_workers
     if setup is not None:
         summary["router"].update(instances=instances, decode_router=config.decode_router)
         summary["pd"].update(connector=config.kv_connector, kv_link=config.kv_link,
@@ -113,6 +100,28 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
         _write_rows(out_dir / REQUESTS, PD_REQUEST_COLUMNS if setup else (*REQUEST_COLUMNS, "instance"), run.request_tuples())
         _write_rows(out_dir / STEPS, (*STEP_COLUMNS, "instance"), [(*row, i) for row, i in run.steps_by_end])
     return run, summary
+
+
+def _one_loop(resolved: ResolvedRun, trace: Trace, router: Router, setup: PDSetup | None, scaling: Scaling | None,
+              instances: int, outputs: Outputs) -> ClusterRun:
+    """Every instance (or both P/D pools) in one event loop."""
+    config = resolved.config
+    logs = [outputs.decision_log(i, resolved.engine_config.block_size) for i in range(instances)]
+    options = [SimOptions(check=outputs.check, decisions=log) for log in logs]
+    try:
+        if setup is None:
+            timers = [CostModelTimer(resolved.cost_model()) for _ in range(instances)]
+            return ClusterSimulation(trace, resolved, timers, router, config.router_staleness_s, options, scaling,
+                                     initial_instances=config.instances).run()
+        p = config.prefill_instances
+        timers = [CostModelTimer(pool.cost_model()) for pool in [setup.prefill] * p + [setup.decode] * config.decode_instances]
+        decode_router = make_router(config.decode_router, config.decode_router_params)
+        return PDClusterSimulation(trace, setup, timers[:p], timers[p:], router, decode_router, config.router_staleness_s,
+                                   options[:p], options[p:]).run()
+    finally:
+        for log in logs:
+            if log is not None:
+                log.close()
 
 
 def _write_rows(path: Path, header: tuple[str, ...], rows: list[tuple]) -> None:
