@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvsim.cli.main import main
 from kvsim.sim.cluster.cluster import ClusterRun, ClusterSimulation
@@ -71,6 +73,30 @@ def test_the_router_learns_of_ended_requests_at_the_meetings() -> None:
     assert blind.tolist() == [row % 4 for row in range(120)]
     told = _partitioned(config.updated(router_staleness_s=0.1), "least-requests", 2).placement
     assert told.tolist() != blind.tolist()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances=st.integers(1, 4), data=st.data(), num_blocks=st.integers(12, 80),
+       router=st.sampled_from(["round-robin", "least-requests", "least-kv", "session", "kv-aware"]),
+       interval=st.sampled_from([0.05, 0.7, 30.0]), rate=st.sampled_from([1.0, 8.0]))
+def test_random_partitioned_clusters_conserve_requests_and_blocks(instances: int, data, num_blocks: int, router: str,
+                                                                  interval: float, rate: float) -> None:
+    """Small pools (preemptions), any router, any share of instances a worker: every request ends
+    once on the instance it was routed to, every block comes back, and one worker agrees."""
+    workers = data.draw(st.integers(1, instances), label="workers")
+    config = RunConfig(max_requests=25, num_blocks=num_blocks, block_size=16, max_model_len=960, rate_scale=rate,
+                       instances=instances, router_staleness_s=interval)
+    run = _partitioned(config, router, workers, Outputs(check=True))
+    for i, one in enumerate(run.runs):
+        assert all(run.placement[r.trace_index] == i for r in one.requests if r.parent is None)
+        assert one.engine.kv_stats().used == 0
+    rows = sorted(r.trace_index for one in run.runs for r in one.requests if r.parent is None)
+    assert rows == list(range(25))
+    summary = run.summary()
+    assert summary["requests_completed"] + summary["requests_rejected"] == 25
+    if workers > 1:
+        alone = _partitioned(config, router, 1)
+        assert np.array_equal(alone.placement, run.placement) and _served(alone) == _served(run)
 
 
 def test_a_failure_in_a_worker_is_raised_in_the_routers_process(monkeypatch) -> None:

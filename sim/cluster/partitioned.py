@@ -142,16 +142,19 @@ class _LocalWorker:
     def receive(self):
         return self.reply
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
         pass
 
 
 class _ProcessWorker:
     """A group in a forked process, asked over a pipe; a failure there is raised here."""
 
-    def __init__(self, context, trace: Trace, resolved: ResolvedRun, instances: list[int], outputs: Outputs) -> None:
+    def __init__(self, context, trace: Trace, resolved: ResolvedRun, instances: list[int], outputs: Outputs,
+                 siblings: list[_ProcessWorker]) -> None:
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, trace, resolved, instances, outputs), daemon=True)
+        router_ends = [*(w.conn for w in siblings), self.conn]  # a forked worker closes its copies of these
+        self.process = context.Process(target=_serve, args=(child, router_ends, trace, resolved, instances, outputs),
+                                       daemon=True)
         self.process.start()
         child.close()
 
@@ -167,22 +170,32 @@ class _ProcessWorker:
             raise reply
         return reply
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
+        """After the finish the worker has returned; after a failure elsewhere it is stopped, as its
+        share of the run is of no use (it may be in the middle of a stretch, or blocked on a pipe
+        that its forked siblings also hold open)."""
         self.conn.close()
-        self.process.join(timeout=5)
+        if finished:
+            self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
+            self.process.join()
 
 
-def _serve(conn, trace: Trace, resolved: ResolvedRun, instances: list[int], outputs: Outputs) -> None:
-    """A worker process: build the group, then answer the router's meetings until the finish."""
+def _serve(conn, router_ends: list, trace: Trace, resolved: ResolvedRun, instances: list[int], outputs: Outputs) -> None:
+    """A worker process: build the group, then answer the router's meetings until the finish.
+
+    It first closes the router's ends of every pipe it inherited, so that a router's process that
+    dies leaves the worker reading the end of its pipe rather than waiting forever."""
+    for end in router_ends:
+        end.close()
     try:
         with cyclic_gc_paused():
             group = InstanceGroup(trace, resolved, instances, outputs)
             while True:
                 try:
                     kind, routed, until = conn.recv()
-                except EOFError:  # the router's process stopped on an error of its own: nothing to answer
+                except EOFError:  # the router's process is gone: nothing to answer
                     return
                 if kind == "advance":
                     conn.send((True, group.advance(routed, until)))
@@ -227,7 +240,10 @@ class PartitionedCluster:
             return [_LocalWorker(InstanceGroup(self.trace, self.resolved, shares[0], self.outputs))]
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        return [_ProcessWorker(context, self.trace, self.resolved, share, self.outputs) for share in shares]
+        workers: list[_ProcessWorker] = []
+        for share in shares:
+            workers.append(_ProcessWorker(context, self.trace, self.resolved, share, self.outputs, workers))
+        return workers
 
     def run(self) -> ClusterRun:
         started = time.perf_counter()
@@ -235,6 +251,7 @@ class PartitionedCluster:
         arrivals = trace.arrival_s.tolist()
         placement = np.full(len(trace), -1, dtype=np.int64)
         workers = self._start_workers()
+        finished = False
         try:
             with cyclic_gc_paused():
                 self._meet(workers, [[] for _ in workers], 0.0)
@@ -258,9 +275,10 @@ class PartitionedCluster:
                 runs: dict[int, SimRun] = {}
                 for worker in workers:
                     runs.update(worker.receive())
+                finished = True
         finally:
             for worker in workers:
-                worker.close()
+                worker.close(finished)
         wall = time.perf_counter() - started
         ordered = [runs[i] for i in range(self.size)]
         for run in ordered:
