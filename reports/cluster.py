@@ -1,4 +1,5 @@
-"""The page of a cluster run (``kvsim simulate --instances N``): load per instance, instances over time."""
+"""The page of a cluster run (``kvsim simulate --instances N``): load per instance, KV usage and
+instances over time; a P/D run's KV transfers; KV tiers' traffic per instance."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def cluster_page(run_dir: Path) -> Page:
     page.figure(_kv_over_time(steps, instances, names, colors))
     if len(summary["instances_over_time"]) > 1:
         page.figure(_instance_count(summary["instances_over_time"], summary["duration_s"]))
+    if "pd" in summary:
+        _transfers(page, summary["pd"], read_columns(run_dir / "requests.csv", ("arrival_s", "decode_instance", "kv_transfer_s")))
+    tiered = [(name, s["kv_tiers"]) for name, s in zip(names, instances) if "kv_tiers" in s]
+    if tiered:
+        _tier_traffic(page, tiered)
     page.table(["instance", "requests routed", "completed", "prefix hit rate (%)", "KV blocks", "peak used", "p99 TTFT (s)"],
                [[name, str(s["requests_routed"]), str(s["requests_completed"]), f"{100 * s['prefix_hit_rate']:.1f}",
                  str(s["num_kv_blocks"]), str(s["peak_kv_blocks_used"]), f"{s['ttft_s']['p99'] or 0:.3f}"]
@@ -56,3 +62,31 @@ def _instance_count(timeline: list[list[float]], duration_s: float) -> go.Figure
     counts = [n for _, n in timeline] + [timeline[-1][1]]
     fig = go.Figure(go.Scatter(x=times, y=counts, mode="lines", line={"shape": "hv"}, name="serving"))
     return styled(fig, "Instances serving over time (the autoscaler's)", xaxis_title="time (s)", yaxis_title="instances")
+
+
+def _transfers(page: Page, pd: dict, requests: dict[str, np.ndarray]) -> None:
+    """Each prompt's KV on its way to a decode instance: from the prefill's end to its arrival."""
+    delay, exposed = pd["delay_s"], pd["exposed_s"]
+    page.note(f"{pd['transfers']} KV transfers, {pd['transfer_bytes'] / 1e9:.2f} GB ({pd['intra_node_transfers']} inside a node); "
+              f"delay after the prefill p50 {delay['p50'] or 0:.4f} s, p99 {delay['p99'] or 0:.4f} s, "
+              f"of which the connector left exposed p50 {exposed['p50'] or 0:.4f} s.")
+    moved = ~np.isnan(requests["kv_transfer_s"])
+    fig = go.Figure()
+    for decode in np.unique(requests["decode_instance"][moved]).tolist():
+        rows = moved & (requests["decode_instance"] == decode)
+        fig.add_trace(go.Scattergl(x=requests["arrival_s"][rows], y=requests["kv_transfer_s"][rows], mode="markers",
+                                   name=f"to decode instance {int(decode)}", marker={"size": 4}))
+    page.figure(styled(fig, "KV transfers: the wait from the prefill's end to the KV's arrival",
+                       xaxis_title="request arrival (s)", yaxis_title="seconds"))
+
+
+def _tier_traffic(page: Page, tiered: list[tuple[str, dict]]) -> None:
+    """Where each instance's prompt tokens came from, and the bytes its tiers moved."""
+    names = [name for name, _ in tiered]
+    fig = go.Figure([go.Bar(x=names, y=[t["tokens"][source] for _, t in tiered], name=source)
+                     for source in ("hbm", "host", "ssd", "recomputed")])
+    fig.update_layout(barmode="stack")
+    page.figure(styled(fig, "Prompt tokens by where their KV came from (first admissions)", yaxis_title="tokens"))
+    directions = ("hbm_to_host", "host_to_ssd", "host_to_hbm", "ssd_to_hbm")
+    page.table(["instance", *(f"{d.replace('_to_', ' -> ')} (GB)" for d in directions), "transfer exposed (s)"],
+               [[name, *(f"{t['bytes'][d] / 1e9:.3f}" for d in directions), f"{t['transfer_exposed_s']:.3f}"] for name, t in tiered])

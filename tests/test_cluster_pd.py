@@ -189,3 +189,12 @@ def test_the_decode_pool_may_have_its_own_tensor_parallel_size() -> None:
     assert len(prefill_blocks) == len(decode_blocks) == 1 and decode_blocks != prefill_blocks
     assert resolve(MOONCAKE).device.topology.devices_per_node >= 2 + 3 * 2  # 8 NPUs: one node, HCCS
     assert all(t.link == "intra" for t in run.transfers.values())
+
+
+def test_the_cluster_page_draws_the_kv_transfers(tmp_path: Path) -> None:
+    assert _simulate(tmp_path, "--prefill-instances", "1", "--decode-instances", "2").exit_code == 0
+    page = CliRunner().invoke(main, ["report", "cluster", str(tmp_path / "run"), "--out", str(tmp_path / "page.html")])
+    assert page.exit_code == 0, page.output
+    html = (tmp_path / "page.html").read_text()
+    assert "19 KV transfers" in html and "KV transfers: the wait from the prefill" in html
+    assert "to decode instance 0" in html and "to decode instance 1" in html

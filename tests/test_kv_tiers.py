@@ -205,3 +205,18 @@ def test_tier_keys_in_a_run_toml(tmp_path) -> None:
     path.write_text("kv_prefetch_steps = 1.5\n")
     with pytest.raises(ValueError, match="kv_prefetch_steps"):
         load_run_config(path)
+
+
+def test_the_cluster_page_shows_each_instances_tier_traffic(tmp_path) -> None:
+    args = ["simulate", "--trace", "mooncake_500", "--model", "qwen2.5-7b", "--max-model-len", "32768", "--instances", "2",
+            "--kv-offload-host-gb", "8", "--num-blocks", "300", "--max-requests", "120", "--quiet", "--decisions", "off",
+            "--out", str(tmp_path / "run")]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    moved = [s["kv_tiers"]["bytes"]["hbm_to_host"] for s in summary["instances"]]
+    assert all(b > 0 for b in moved)  # small pools: both instances demoted prefix blocks
+    page = CliRunner().invoke(main, ["report", "cluster", str(tmp_path / "run"), "--out", str(tmp_path / "page.html")])
+    assert page.exit_code == 0, page.output
+    html = (tmp_path / "page.html").read_text()
+    assert "Prompt tokens by where their KV came from" in html
+    assert f"{moved[0] / 1e9:.3f}" in html and f"{moved[1] / 1e9:.3f}" in html
