@@ -4,6 +4,7 @@ decisions on any number of workers, the one loop's where the router reads no sta
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,24 @@ def test_a_router_that_raises_beside_workers_is_one_line_exit_2(tmp_path: Path, 
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
     out, err = capfd.readouterr()  # what the worker processes wrote, on the file descriptors they share
     assert "Traceback" not in out + err
+
+
+def test_ray_actors_make_the_same_decisions_as_processes() -> None:
+    pytest.importorskip("ray", reason="the ray backend needs kvsim[dist]")
+    config = MOONCAKE.updated(max_requests=120)
+    resolved, trace = resolve(config), load_run_trace(config)
+    on_ray = PartitionedCluster(trace, resolved, make_router("kv-aware"), 2, 0.5, backend="ray").run()
+    forked = _partitioned(config, "kv-aware", 2)
+    assert np.array_equal(on_ray.placement, forked.placement) and _served(on_ray) == _served(forked)
+
+
+def test_the_ray_backend_without_ray_names_the_extra(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails, as where kvsim[dist] is not installed
+    args = ["simulate", "--instances", "2", "--router-staleness", "1", "--cluster-workers", "2", "--cluster-backend", "ray",
+            "--max-requests", "5", "--out", str(tmp_path / "run")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "pip install 'kvsim[dist]'" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("extra", "named"), [

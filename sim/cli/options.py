@@ -74,6 +74,10 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"type": int, "help": "Deal the instances out to N worker processes that meet the router every --router-staleness "
                            "seconds (the router's counters then learn of ended requests at those meetings; 0: one "
                            "event loop). [default: 0]"}),
+    (("--cluster-backend",), "cluster_backend",
+     {"type": click.Choice(["processes", "ray"]), "help": "Where --cluster-workers run: forked processes, or Ray actors "
+                                                          "(pip install 'kvsim[dist]'; RAY_ADDRESS joins a cluster). "
+                                                          "[default: processes]"}),
     (("--autoscaler",), "autoscaler",
      {"help": "Scale the cluster's instances: kv-utilization | queue | module:Class (bounds and parameters: "
               "[autoscaler_params] in --config). [default: none]"}),

@@ -13,6 +13,7 @@ from kvsim.sim.cluster.runner import pd_setup_of, run_cluster, scaling_of
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.clients import format_bench, run_with_clients
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.distributed import require_ray
 from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.run_dir import check_out_dir, staged_dir
 from kvsim.sim.run.run_warnings import format_warnings
@@ -57,6 +58,8 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
     config = run_config_from(options)
     with user_errors():
         check_out_dir(out_dir, overwrite)
+        if config.cluster_workers and config.cluster_backend == "ray":
+            require_ray()
     resolved, trace, timer = prepare(config)
     with user_errors():
         stage = staged_dir(out_dir, overwrite)

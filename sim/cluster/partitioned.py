@@ -13,12 +13,13 @@ What differs from the one loop, by design: the router's view is the scrape of th
 in-flight counters learn of ended requests at the next meeting rather than at once. A router
 that reads neither (round-robin) routes exactly as in the one loop (a test).
 
-With one worker everything runs in this process; with more, in forked processes joined by pipes
-(Ray is not used: a worker is a plain process).
+Workers are forked processes joined by pipes (one worker: this process), or Ray actors
+(``backend="ray"``, ``pip install 'kvsim[dist]'``), which may sit on other nodes of a Ray cluster.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing
 import time
@@ -35,10 +36,12 @@ from kvsim.sim.cluster.routers import ClusterView, InstanceState, Router
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import ResolvedRun
 from kvsim.sim.run.decisions import DecisionLog
+from kvsim.sim.run.distributed import connected_ray
 from kvsim.sim.run.simulator import SimOptions, SimRun, Simulation, cyclic_gc_paused
 from kvsim.traces.schema import Trace
 
 Routed = list[tuple[int, int]]  # (trace row, instance), in arrival order
+BACKENDS = ("processes", "ray")
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,32 @@ class _ProcessWorker:
             self.process.join()
 
 
+class _GroupActor(InstanceGroup):
+    """An instance group in a Ray actor's process, which it has to itself: the cycle collector off
+    for its life, as in a worker process."""
+
+    def __init__(self, *args) -> None:
+        gc.disable()
+        super().__init__(*args)
+
+
+class _RayWorker:
+    """A group in a Ray actor, asked by remote calls; a failure there is raised here by ``ray.get``."""
+
+    def __init__(self, ray, actor_class, trace: Trace, resolved: ResolvedRun, instances: list[int], outputs: Outputs) -> None:
+        self.ray, self.pending = ray, None
+        self.actor = actor_class.remote(trace, resolved, instances, outputs)
+
+    def send(self, kind: str, routed: Routed, until: float) -> None:
+        self.pending = self.actor.advance.remote(routed, until) if kind == "advance" else self.actor.finish.remote(routed)
+
+    def receive(self):
+        return self.ray.get(self.pending)
+
+    def close(self, finished: bool) -> None:
+        self.ray.kill(self.actor)
+
+
 def _serve(conn, router_ends: list, trace: Trace, resolved: ResolvedRun, instances: list[int], outputs: Outputs) -> None:
     """A worker process: build the group, then answer the router's meetings until the finish.
 
@@ -222,13 +251,15 @@ class PartitionedCluster:
     worker i mod workers) that meet ``router`` every ``interval_s``."""
 
     def __init__(self, trace: Trace, resolved: ResolvedRun, router: Router, workers: int, interval_s: float,
-                 outputs: Outputs | None = None) -> None:
+                 outputs: Outputs | None = None, backend: str = "processes") -> None:
         instances = resolved.config.instances
         if not 1 <= workers <= instances:
             raise ValueError(f"cluster_workers must be in [1, instances = {instances}], got {workers}")
         if not interval_s > 0:
             raise ValueError(f"partitioned instances meet the router every router_staleness_s, which must be > 0 (got {interval_s})")
-        self.trace, self.resolved, self.router = trace, resolved, router
+        if backend not in BACKENDS:
+            raise ValueError(f"cluster_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.trace, self.resolved, self.router, self.backend = trace, resolved, router, backend
         self.workers, self.interval_s, self.size = workers, interval_s, instances
         self.outputs = outputs or Outputs()
         self.in_flight = [0] * instances
@@ -236,6 +267,10 @@ class PartitionedCluster:
 
     def _start_workers(self) -> list:
         shares = [list(range(w, self.size, self.workers)) for w in range(self.workers)]
+        if self.backend == "ray":
+            ray = connected_ray()
+            actor_class = ray.remote(_GroupActor)
+            return [_RayWorker(ray, actor_class, self.trace, self.resolved, share, self.outputs) for share in shares]
         if self.workers == 1:
             return [_LocalWorker(InstanceGroup(self.trace, self.resolved, shares[0], self.outputs))]
         methods = multiprocessing.get_all_start_methods()

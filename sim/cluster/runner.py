@@ -69,14 +69,15 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
     instances = max(instances, scaling.max_instances) if scaling else instances
     outputs = Outputs(check, decisions, out_dir)
     if config.cluster_workers:
-        run = PartitionedCluster(trace, resolved, router, config.cluster_workers, config.router_staleness_s, outputs).run()
+        run = PartitionedCluster(trace, resolved, router, config.cluster_workers, config.router_staleness_s, outputs,
+                                 config.cluster_backend).run()
     else:
         run = _one_loop(resolved, trace, router, setup, scaling, instances, outputs)
     summary = run.summary()
     summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
     summary["router"] = {"name": config.router, "instances": config.instances, "staleness_s": config.router_staleness_s}
     if config.cluster_workers:
-        summary["router"]["cluster_workers"] = config.cluster_workers
+        summary["router"].update(cluster_workers=config.cluster_workers, cluster_backend=config.cluster_backend)
     if setup is not None:
         summary["router"].update(instances=instances, decode_router=config.decode_router)
         summary["pd"].update(connector=config.kv_connector, kv_link=config.kv_link,

@@ -74,6 +74,7 @@ class RunConfig:
     # 0: every instance in one event loop; N: the instances dealt out to N worker processes that meet
     # the router every router_staleness_s (sim/cluster/partitioned.py)
     cluster_workers: int = 0
+    cluster_backend: str = "processes"  # processes (forked) | ray (actors, kvsim[dist])
     autoscaler: str = ""  # "": a fixed number of instances; else a policy (sim/cluster/autoscaler.py)
     autoscaler_params: dict = field(default_factory=dict)  # min/max_instances, interval_s, load_bandwidth, start_s, the policy's
     # Prefill/decode disaggregation (sim/cluster/disagg.py): both > 0 replace ``instances`` with a
@@ -206,6 +207,7 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("kv_link", "must be auto, intra or inter", c.kv_link in ("auto", "intra", "inter")),
         ("router_staleness_s", "must be a finite number >= 0 (seconds)", math.isfinite(c.router_staleness_s) and c.router_staleness_s >= 0),
         ("cluster_workers", "must be >= 0 (0: one event loop)", c.cluster_workers >= 0),
+        ("cluster_backend", "must be processes or ray", c.cluster_backend in ("processes", "ray")),
         ("cluster_workers", f"must be at most instances ({c.instances})", c.cluster_workers <= c.instances),
         ("router_staleness_s", "must be > 0 with cluster_workers: the workers meet the router at that interval",
          c.cluster_workers == 0 or c.router_staleness_s > 0),

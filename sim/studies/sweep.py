@@ -31,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from kvsim.sim.run.config import VLLM_KEYS, RunConfig, config_fields
+from kvsim.sim.run.distributed import connected_ray
 from kvsim.sim.run.run_dir import staged_dir
 from kvsim.sim.toml_io import load_toml
 
@@ -165,12 +166,7 @@ def _run_local(fn: Callable, tasks: list[tuple], jobs: int, on_done) -> dict[int
 
 
 def _run_ray(fn: Callable, tasks: list[tuple], on_done) -> dict[int, object]:
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("the ray backend needs Ray: pip install 'kvsim[dist]'") from None
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    ray = connected_ray()
     remote = ray.remote(fn)
     pending = {remote.remote(*task): i for i, task in enumerate(tasks)}
     results: dict[int, object] = {}
