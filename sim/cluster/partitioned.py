@@ -23,7 +23,7 @@ import gc
 import math
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +114,14 @@ class InstanceGroup:
                 log.close()
         return {i: sim.result(0.0) for i, sim in self.sims.items()}  # the router's process times the run
 
+    def finish_one_by_one(self, routed: Routed) -> Iterator[tuple[int, SimRun]]:
+        """:meth:`finish`, each run let go of here once given out: a worker process sends them one
+        at a time, so neither side holds a whole share's pickle (gigabytes at a million requests)."""
+        runs = self.finish(routed)
+        self.sims.clear()
+        for i in list(runs):
+            yield i, runs.pop(i)
+
     def _feed(self, routed: Routed, last: bool) -> None:
         rows: dict[int, list[int]] = {i: [] for i in self.sims}
         for row, instance in routed:
@@ -145,6 +153,9 @@ class _LocalWorker:
     def receive(self):
         return self.reply
 
+    def runs(self) -> dict[int, SimRun]:
+        return self.reply
+
     def close(self, finished: bool) -> None:
         pass
 
@@ -155,6 +166,7 @@ class _ProcessWorker:
     def __init__(self, context, trace: Trace, resolved: ResolvedRun, instances: list[int], outputs: Outputs,
                  siblings: list[_ProcessWorker]) -> None:
         self.conn, child = context.Pipe()
+        self.instances = instances
         router_ends = [*(w.conn for w in siblings), self.conn]  # a forked worker closes its copies of these
         self.process = context.Process(target=_serve, args=(child, router_ends, trace, resolved, instances, outputs),
                                        daemon=True)
@@ -172,6 +184,10 @@ class _ProcessWorker:
         if not ok:
             raise reply
         return reply
+
+    def runs(self) -> dict[int, SimRun]:
+        """The finish's runs, as the worker sends them: one instance at a time."""
+        return dict(self.receive() for _ in self.instances)
 
     def close(self, finished: bool) -> None:
         """After the finish the worker has returned; after a failure elsewhere it is stopped, as its
@@ -207,6 +223,9 @@ class _RayWorker:
     def receive(self):
         return self.ray.get(self.pending)
 
+    def runs(self) -> dict[int, SimRun]:
+        return self.receive()
+
     def close(self, finished: bool) -> None:
         self.ray.kill(self.actor)
 
@@ -229,7 +248,8 @@ def _serve(conn, router_ends: list, trace: Trace, resolved: ResolvedRun, instanc
                 if kind == "advance":
                     conn.send((True, group.advance(routed, until)))
                 else:
-                    conn.send((True, group.finish(routed)))
+                    for one in group.finish_one_by_one(routed):
+                        conn.send((True, one))
                     return
     except Exception as exc:  # sent to the router's process, which raises it
         _send_failure(conn, exc)
@@ -309,7 +329,7 @@ class PartitionedCluster:
                     worker.send("finish", batch, 0.0)
                 runs: dict[int, SimRun] = {}
                 for worker in workers:
-                    runs.update(worker.receive())
+                    runs.update(worker.runs())
                 finished = True
         finally:
             for worker in workers:

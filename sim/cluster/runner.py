@@ -8,6 +8,7 @@ with an ``instance`` column, ``steps.csv`` with one too (every instance's steps,
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvsim.sim.cluster.autoscaler import DEFAULT_LOAD_BANDWIDTH, make_autoscaler
@@ -99,7 +100,7 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
         out_dir.mkdir(parents=True, exist_ok=True)
         write_summary(out_dir, summary)
         _write_rows(out_dir / REQUESTS, PD_REQUEST_COLUMNS if setup else (*REQUEST_COLUMNS, "instance"), run.request_tuples())
-        _write_rows(out_dir / STEPS, (*STEP_COLUMNS, "instance"), [(*row, i) for row, i in run.steps_by_end])
+        _write_rows(out_dir / STEPS, (*STEP_COLUMNS, "instance"), ((*row, i) for row, i in run.steps_by_end))
     return run, summary
 
 
@@ -125,7 +126,8 @@ def _one_loop(resolved: ResolvedRun, trace: Trace, router: Router, setup: PDSetu
                 log.close()
 
 
-def _write_rows(path: Path, header: tuple[str, ...], rows: list[tuple]) -> None:
+def _write_rows(path: Path, header: tuple[str, ...], rows: Iterable[tuple]) -> None:
+    """A CSV file; ``rows`` may be a generator (a million-request cluster has millions of step rows)."""
     with atomic_open(path) as fh:
         writer = csv.writer(fh)
         writer.writerow(header)
