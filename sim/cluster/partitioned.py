@@ -1,7 +1,7 @@
 """A cluster's instances partitioned over worker processes that meet the router at an interval.
 
 The one event loop (cluster.py) runs every instance's steps on one core. Here the instances are
-dealt out to workers, each running its share in its own SimPy environment, and the router (in
+dealt out to workers, each running its share (an event loop an instance), and the router (in
 the calling process) meets them every ``interval_s``, the router's staleness: at a meeting each
 worker reports its instances' state and the requests that ended since the last one, the router
 routes every arrival up to the next meeting, and the workers run their instances on to it.
