@@ -4,6 +4,7 @@ decisions on any number of workers, the one loop's where the router reads no sta
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsim.cli.main import main
+from kvsim.sim.cluster import partitioned
 from kvsim.sim.cluster.cluster import ClusterRun, ClusterSimulation
 from kvsim.sim.cluster.partitioned import Outputs, PartitionedCluster
 from kvsim.sim.cluster.routers import make_router
@@ -98,6 +100,14 @@ def test_random_partitioned_clusters_conserve_requests_and_blocks(instances: int
     if workers > 1:
         alone = _partitioned(config, router, 1)
         assert np.array_equal(alone.placement, run.placement) and _served(alone) == _served(run)
+
+
+def test_spawned_workers_as_on_platforms_without_fork_make_the_same_decisions(monkeypatch) -> None:
+    config = MOONCAKE.updated(max_requests=120)
+    forked = _partitioned(config, "kv-aware", 2)
+    monkeypatch.setattr(partitioned, "process_context", lambda: multiprocessing.get_context("spawn"))
+    spawned = _partitioned(config, "kv-aware", 2)
+    assert np.array_equal(spawned.placement, forked.placement) and _served(spawned) == _served(forked)
 
 
 def test_a_failure_in_a_worker_is_raised_in_the_routers_process(monkeypatch) -> None:

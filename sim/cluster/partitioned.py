@@ -141,6 +141,12 @@ class InstanceGroup:
             sim.feeding_over()
 
 
+def process_context():
+    """Forked workers where the platform forks (they share the trace and the run without a copy),
+    spawned ones elsewhere (macOS, Windows: the trace and the run pickled over)."""
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
 class _LocalWorker:
     """A group in this process, behind the same calls as a worker process."""
 
@@ -179,7 +185,7 @@ class _ProcessWorker:
     def receive(self):
         try:
             ok, reply = self.conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):
             raise RuntimeError(f"a cluster worker (pid {self.process.pid}) died: exit code {self.process.exitcode}") from None
         if not ok:
             raise reply
@@ -293,8 +299,7 @@ class PartitionedCluster:
             return [_RayWorker(ray, actor_class, self.trace, self.resolved, share, self.outputs) for share in shares]
         if self.workers == 1:
             return [_LocalWorker(InstanceGroup(self.trace, self.resolved, shares[0], self.outputs))]
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        context = process_context()
         workers: list[_ProcessWorker] = []
         for share in shares:
             workers.append(_ProcessWorker(context, self.trace, self.resolved, share, self.outputs, workers))
