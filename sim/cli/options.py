@@ -18,7 +18,7 @@ import click
 from kvsim.cli.aliases import AliasedOption
 from kvsim.cli.errors import user_errors
 from kvsim.sim.perf.model_spec import QUANTIZATIONS
-from kvsim.sim.run.config import KV_DTYPES, RunConfig, load_run_config
+from kvsim.sim.run.config import CLUSTER_BACKENDS, KV_DTYPES, RunConfig, load_run_config
 
 
 def _switch(name: str) -> str:
@@ -75,7 +75,7 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
                            "seconds (the router's counters then learn of ended requests at those meetings; 0: one "
                            "event loop). [default: 0]"}),
     (("--cluster-backend",), "cluster_backend",
-     {"type": click.Choice(["processes", "ray"]), "help": "Where --cluster-workers run: forked processes, or Ray actors "
+     {"type": click.Choice(CLUSTER_BACKENDS), "help": "Where --cluster-workers run: forked processes, or Ray actors "
                                                           "(pip install 'kvsim[dist]'; RAY_ADDRESS joins a cluster). "
                                                           "[default: processes]"}),
     (("--autoscaler",), "autoscaler",

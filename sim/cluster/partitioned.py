@@ -34,14 +34,13 @@ from kvsim.policies.request import Request
 from kvsim.sim.cluster.cluster import ClusterRun, checked_choice, ended_rows, instance_state, route_request
 from kvsim.sim.cluster.routers import ClusterView, InstanceState, Router
 from kvsim.sim.perf.cost_model import CostModelTimer
-from kvsim.sim.run.config import ResolvedRun
+from kvsim.sim.run.config import CLUSTER_BACKENDS, ResolvedRun
 from kvsim.sim.run.decisions import DecisionLog
 from kvsim.sim.run.distributed import connected_ray
 from kvsim.sim.run.simulator import SimOptions, SimRun, Simulation, cyclic_gc_paused
 from kvsim.traces.schema import Trace
 
 Routed = list[tuple[int, int]]  # (trace row, instance), in arrival order
-BACKENDS = ("processes", "ray")
 
 
 @dataclass(frozen=True)
@@ -283,16 +282,19 @@ class PartitionedCluster:
             raise ValueError(f"cluster_workers must be in [1, instances = {instances}], got {workers}")
         if not interval_s > 0:
             raise ValueError(f"partitioned instances meet the router every router_staleness_s, which must be > 0 (got {interval_s})")
-        if backend not in BACKENDS:
-            raise ValueError(f"cluster_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend not in CLUSTER_BACKENDS:
+            raise ValueError(f"cluster_backend must be one of {', '.join(CLUSTER_BACKENDS)}, got {backend!r}")
         self.trace, self.resolved, self.router, self.backend = trace, resolved, router, backend
         self.workers, self.interval_s, self.size = workers, interval_s, instances
         self.outputs = outputs or Outputs()
         self.in_flight = [0] * instances
         self.states: tuple[InstanceState, ...] = ()
 
+    def _worker_of(self, instance: int) -> int:
+        return instance % self.workers
+
     def _start_workers(self) -> list:
-        shares = [list(range(w, self.size, self.workers)) for w in range(self.workers)]
+        shares = [[i for i in range(self.size) if self._worker_of(i) == w] for w in range(self.workers)]
         if self.backend == "ray":
             ray = connected_ray()
             actor_class = ray.remote(_GroupActor)
@@ -323,7 +325,7 @@ class PartitionedCluster:
                     while row < len(arrivals) and arrivals[row] < next_meeting * interval:
                         chosen = self._route(row, scraped_at)
                         placement[row] = chosen
-                        batches[chosen % self.workers].append((row, chosen))
+                        batches[self._worker_of(chosen)].append((row, chosen))
                         row += 1
                     if row >= len(arrivals):
                         break

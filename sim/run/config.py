@@ -157,6 +157,7 @@ class RunConfig:
 
 
 KV_DTYPES = ("fp16", "bf16", "int8", "fp32")
+CLUSTER_BACKENDS = ("processes", "ray")  # where cluster_workers run (sim/cluster/partitioned.py)
 
 # vLLM engine-argument names (as TOML keys) -> RunConfig fields
 VLLM_KEYS = {
@@ -207,7 +208,7 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("kv_link", "must be auto, intra or inter", c.kv_link in ("auto", "intra", "inter")),
         ("router_staleness_s", "must be a finite number >= 0 (seconds)", math.isfinite(c.router_staleness_s) and c.router_staleness_s >= 0),
         ("cluster_workers", "must be >= 0 (0: one event loop)", c.cluster_workers >= 0),
-        ("cluster_backend", "must be processes or ray", c.cluster_backend in ("processes", "ray")),
+        ("cluster_backend", f"must be one of {', '.join(CLUSTER_BACKENDS)}", c.cluster_backend in CLUSTER_BACKENDS),
         ("cluster_workers", f"must be at most instances ({c.instances})", c.cluster_workers <= c.instances),
         ("router_staleness_s", "must be > 0 with cluster_workers: the workers meet the router at that interval",
          c.cluster_workers == 0 or c.router_staleness_s > 0),
