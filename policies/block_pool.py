@@ -18,6 +18,8 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 _COMPACT_AT = 4096  # consumed entries dropped from the list's front once this many and half of it
 
 
@@ -146,17 +148,26 @@ class BlockPool:
         return self.num_blocks - free_total, self.num_cached_free, free_total - self.num_cached_free
 
     def check_invariants(self, holders: list[int]) -> None:
-        """``holders[b]``: how many block tables hold block ``b``."""
+        """``holders[b]``: how many block tables hold block ``b``. Array operations throughout:
+        ``--check`` runs this after every step, over every block of the pool."""
         assert holders == self.ref_cnt, "ref counts differ from the number of tables holding each block"
-        free = self.free_blocks()
-        assert len(free) == len(set(free)) == self.num_free, "free queue holds a block twice or its count is off"
-        assert set(free) == {b for b in range(self.num_blocks) if self.ref_cnt[b] == 0}, (
-            "free queue differs from the unreferenced blocks"
+        queue = np.array(self._queue[self._head:], dtype=np.int64)
+        ref_cnt = np.array(self.ref_cnt, dtype=np.int64)
+        places = np.arange(self._base + self._head, self._base + len(self._queue))
+        free = queue[(ref_cnt[queue] == 0) & (np.frombuffer(self._stamp, dtype=np.int64)[queue] == places)]
+        assert len(free) == self.num_free, "the free queue's count is off"
+        assert np.array_equal(np.sort(free), np.flatnonzero(ref_cnt == 0)), (
+            "free queue holds a block twice or differs from the unreferenced blocks"
         )
-        assert self.num_cached_free == sum(1 for b in free if self.block_hash[b] is not None)
-        for h, block in self.cached.items():
-            assert self.block_hash[block] == h, f"cache index entry for block {block} disagrees with its hash"
-        assert sum(1 for h in self.block_hash if h is not None) == len(self.cached)
+        block_hash = self.block_hash
+        hashes_held = tuple(map(block_hash.__getitem__, self.cached.values()))
+        if hashes_held != tuple(self.cached):
+            block = next(b for h, b in self.cached.items() if block_hash[b] != h)
+            raise AssertionError(f"cache index entry for block {block} disagrees with its hash")
+        assert len(block_hash) - block_hash.count(None) == len(self.cached)
+        hashed = np.zeros(self.num_blocks, dtype=bool)
+        hashed[np.fromiter(self.cached.values(), dtype=np.int64, count=len(self.cached))] = True
+        assert self.num_cached_free == int(hashed[free].sum())
 
 
 class HostPool:

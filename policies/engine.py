@@ -66,6 +66,8 @@ def _first(item: tuple) -> int:
 _run_seq = attrgetter("run_seq")  # the running order's key
 _CHANGES, _TABLES, _SLOTS = PlanDetail.CHANGES, PlanDetail.TABLES, PlanDetail.SLOTS  # read each step
 _num_computed = attrgetter("num_computed_tokens")
+_status = attrgetter("status")
+_num_preemptions = attrgetter("num_preemptions")
 
 
 def _construct(cls: type, kind: str, name: str, params: dict, **given):
@@ -752,8 +754,12 @@ class EngineCore:
         for request in self.running:
             assert request.status is Status.RUNNING
             assert len(self.kv.block_table(request)) * self.kv.block_size >= request.num_computed_tokens
-        for request in self.waiting:
-            assert request.status is Status.WAITING and not self.kv.block_table(request)
+        # C-level passes over the waiting queue, which holds thousands under load, every step.
+        assert set(map(_status, self.waiting)) <= {Status.WAITING}, "a waiting request is not WAITING"
+        # A preempted request gave its device blocks back; one never admitted has none, which the
+        # managers' own checks hold them to (tables only of live requests).
+        for request in filter(_num_preemptions, self.waiting):
+            assert not self.kv.block_table(request), f"waiting request {request.request_id} still holds device blocks"
         assert len(self.running) <= self.config.max_num_seqs
         assert self._running_seats == sum(r.seats for r in self.running), "running seats out of step"
         assert self.kv_counts()[3] == self.kv_stats().internal_waste_slots, "internal waste out of step"

@@ -214,9 +214,15 @@ class StepPlan:
             assert len(table) * block_size >= e.end_position, (
                 f"step {self.step}: {e.request_id}'s {len(table)} blocks cannot hold {e.end_position} tokens"
             )
-            for i, pos in enumerate(range(e.first_position, e.end_position)):
-                expected = slot(table[pos // block_size], pos % block_size, block_size)
-                assert slots[offset + i] == expected, f"step {self.step}: {e.request_id} position {pos} has the wrong slot"
+            # block by block: the positions inside one block have consecutive slots
+            first, end = e.first_position, e.end_position
+            for k in range(first // block_size, cdiv(end, block_size)):
+                lo, hi = max(first, k * block_size), min(end, (k + 1) * block_size)
+                base = slot(table[k], lo - k * block_size, block_size)
+                got = slots[offset + lo - first: offset + hi - first]
+                if got != list(range(base, base + hi - lo)):
+                    pos = lo + next(i for i, s in enumerate(got) if s != base + i)
+                    raise AssertionError(f"step {self.step}: {e.request_id} position {pos} has the wrong slot")
             offset += e.num_tokens
 
     def all_slots(self) -> list[int]:
