@@ -317,3 +317,38 @@ def test_any_workload_drains_with_every_invariant_holding(make_driver, config, r
     assert d.engine.counters.finished + d.engine.counters.rejected == len(d.engine.requests)
     stats = d.engine.kv_stats()
     assert (stats.used, stats.host_blocks_used) == (0, 0)
+
+
+def test_the_pool_check_catches_a_corrupted_free_queue_or_prefix_index():
+    """Each fault the block pool's array check is there for, planted in a pool it passes."""
+    from kvsim.policies.block_pool import BlockPool
+
+    def pool_with_a_cached_free_block() -> tuple[BlockPool, list[int]]:
+        pool = BlockPool(6)
+        held = pool.allocate_many(3)
+        pool.cache(held[0], 111)
+        pool.cache(held[1], 222)
+        pool.release(held[0])  # free, still holding prefix 111
+        holders = [1 if b in held[1:] else 0 for b in range(6)]
+        pool.check_invariants(holders)
+        return pool, holders
+
+    pool, holders = pool_with_a_cached_free_block()
+    pool.ref_cnt[5] = 1  # referenced but still in the free queue
+    holders[5] = 1
+    with pytest.raises(AssertionError, match="free queue's count is off|differs from the unreferenced"):
+        pool.check_invariants(holders)
+    pool, holders = pool_with_a_cached_free_block()
+    pool._queue.append(pool._queue[-1])  # a block queued twice
+    pool._stamp[pool._queue[-1]] = pool._base + len(pool._queue) - 1
+    with pytest.raises(AssertionError, match="free queue"):
+        pool.check_invariants(holders)
+    pool, holders = pool_with_a_cached_free_block()
+    pool.cached[111] = 2  # the index points at a block holding another prefix
+    with pytest.raises(AssertionError, match="cache index entry for block 2 disagrees with its hash"):
+        pool.check_invariants(holders)
+    pool, holders = pool_with_a_cached_free_block()
+    pool.num_cached_free += 1
+    with pytest.raises(AssertionError):
+        pool.check_invariants(holders)
+
