@@ -45,7 +45,7 @@ ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_p
                      "autoscaler_params": {}, "kv_offload_host_gb": 0.0, "kv_offload_ssd_gb": 0.0,
                      "kv_prefetch_steps": 1, "prefill_instances": 0, "decode_instances": 0, "decode_router": "least-requests",
                      "decode_router_params": {}, "decode_tensor_parallel_size": 0, "kv_connector": "after-prefill",
-                     "kv_link": "auto", "cluster_workers": 0, "cluster_backend": "processes"}
+                     "kv_link": "auto", "cluster_workers": 0, "cluster_backend": "processes", "kv_store_gb": 0.0}
 
 
 def workloads() -> dict[str, list[str]]:

@@ -1,5 +1,5 @@
-"""KV tiers below HBM: host DRAM and SSD, as LMCache, vllm-ascend's KV offloading and Mooncake
-Store keep them.
+"""KV tiers below HBM: host DRAM and SSD, as LMCache and vllm-ascend's KV offloading keep them,
+and a KV store shared with other instances, as Mooncake Store keeps it (``policies.kv_store``).
 
 A prefix block the device pool evicts (allocation reuses a free block that still holds a
 cached prefix, ``BlockPool.allocate``) demotes to the host tier instead of vanishing; the host
@@ -9,16 +9,22 @@ but finds the next blocks in a tier promotes them: each gets a fresh device bloc
 transfer (bytes / bandwidth + latency per tier) is charged to the step that runs the request.
 
 Every block lives in exactly one place: a hash is in the device pool's index, the host tier or
-the SSD tier, never two (promotion moves it up, demotion down; :meth:`KVTiers.check`).
+the SSD tier, never two (promotion moves it up, demotion down; :meth:`KVTiers.check`). A
+shared store is a copy store beside them: the prompt blocks a step computes are put there when
+the step runs (those still indexed then: a request preempted before its step wrote nothing), a
+lookup that finds none of the next blocks in HBM or the local tiers goes on into the store, and
+reading a block from the store copies it, the store keeping its own.
 
 Timing. The transfer of a request's promoted blocks is issued ``prefetch_steps`` steps before
 the step that admits it, or at its arrival if that is later: the scheduler knows the queue's
 head that far ahead (vLLM's async KV loading starts a request's load in one step and runs the
 request in a later one; LMCache and vllm-ascend's offloading connectors prefetch the same
-way). Transfers run one after another on the host link. The step waits only for what has not
-arrived by its start (:meth:`KVTiers.exposed_s`); demotions are writes behind the step
-(asynchronous stores, as LMCache's) and cost no step time, only bytes. Device blocks held for
-an in-flight prefetch before admission are not modelled (the block is taken at admission).
+way). Transfers from the host and SSD tiers run one after another on the host link, reads from
+the store one after another on the network card. The step waits only for what has not arrived by
+its start (:meth:`KVTiers.exposed_s`); demotions and puts are writes behind the step
+(asynchronous stores, as LMCache's and the store connectors') and cost no step time, only bytes.
+Device blocks held for an in-flight prefetch before admission are not modelled (the block is
+taken at admission).
 
 Nothing here runs in a run with tiers off: the pool's eviction hook is None and the engine
 has no tiers.
@@ -28,6 +34,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+from kvsim.policies.kv_store import SharedKVStore, StoreSpec
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class TierConfig:
     ssd: TierSpec
     block_bytes: int
     prefetch_steps: int = 1
+    store: StoreSpec | None = None  # a store shared with other instances; None: none
 
     def __post_init__(self) -> None:
         if self.block_bytes <= 0 or self.prefetch_steps < 0:
@@ -70,6 +79,9 @@ class TierStats:
     superseded: int = 0  # dropped from a tier because HBM indexed the same prefix again
     promoted_from_host: int = 0
     promoted_from_ssd: int = 0
+    store_tokens: int = 0  # prompt tokens first admissions read from the shared store
+    read_from_store: int = 0
+    put_to_store: int = 0  # blocks this engine wrote to the store (not held there yet)
     exposed_s: float = 0.0  # step time spent waiting for promotions
     transfer_s: float = 0.0  # total promotion transfer time, hidden or not
 
@@ -79,22 +91,32 @@ class _Promotion:
     arrival_s: float  # the request's: no prefetch before it
     host_blocks: int
     ssd_blocks: int
+    store_blocks: int
 
 
 @dataclass
 class KVTiers:
-    """The host and SSD tiers of one engine: LRU stores of block hashes, and their transfers."""
+    """The host and SSD tiers of one engine (LRU stores of block hashes), its side of a shared
+    store, and their transfers. ``device_index`` is the device pool's prefix index (hash -> block)."""
 
     config: TierConfig
+    device_index: dict[int, int] = field(default_factory=dict)
     host: OrderedDict[int, None] = field(default_factory=OrderedDict)  # LRU first
     ssd: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    store: SharedKVStore | None = None  # made from config.store; a cluster swaps in the shared one
     stats: TierStats = field(default_factory=TierStats)
     _pending: list[_Promotion] = field(default_factory=list)  # promotions decided this step
+    _puts: list[int] = field(default_factory=list)  # prefixes this step computes, for the store
     _starts: deque[float] = field(default_factory=deque)  # the last prefetch_steps step starts
     _link_free_at: float = 0.0
+    _card_free_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.config.store is not None and self.store is None:
+            self.store = SharedKVStore(self.config.store)
 
     def __contains__(self, h: int) -> bool:
-        return h in self.host or h in self.ssd
+        return h in self.host or h in self.ssd or (self.store is not None and h in self.store)
 
     # --- moves -----------------------------------------------------------------------------
     def demote(self, h: int) -> None:
@@ -120,21 +142,33 @@ class KVTiers:
             self.ssd.popitem(last=False)
             self.stats.dropped += 1
 
-    def promote(self, hashes: list[int], arrival_s: float) -> tuple[int, int]:
-        """Take ``hashes`` out of their tiers (they move to device blocks) and queue their transfer
-        for this step; returns how many came from the host tier and from the SSD tier."""
+    def promote(self, hashes: list[int], arrival_s: float) -> tuple[int, int, int]:
+        """Take ``hashes`` out of their local tiers (they move to device blocks) or copy them from
+        the store, and queue their transfer for this step; returns how many came from the host
+        tier, the SSD tier and the store."""
         host_blocks = ssd_blocks = 0
+        from_store = []
         for h in hashes:
             if h in self.host:
                 del self.host[h]
                 host_blocks += 1
-            else:
+            elif h in self.ssd:
                 del self.ssd[h]
                 ssd_blocks += 1
+            else:
+                from_store.append(h)
+        if from_store:
+            self.store.get(from_store)
         self.stats.promoted_from_host += host_blocks
         self.stats.promoted_from_ssd += ssd_blocks
-        self._pending.append(_Promotion(arrival_s, host_blocks, ssd_blocks))
-        return host_blocks, ssd_blocks
+        self.stats.read_from_store += len(from_store)
+        self._pending.append(_Promotion(arrival_s, host_blocks, ssd_blocks, len(from_store)))
+        return host_blocks, ssd_blocks, len(from_store)
+
+    def computed(self, hashes: list[int]) -> None:
+        """Prefixes this step computes: with a store, put there when the step runs."""
+        if self.store is not None:
+            self._puts += hashes
 
     def supersede(self, hashes: list[int], device_index: dict[int, int]) -> None:
         """Prefixes just indexed in HBM again (computed anew by a request admitted before they
@@ -158,20 +192,37 @@ class KVTiers:
             out += c.ssd.latency_s + ssd_blocks * c.block_bytes / c.ssd.bandwidth
         return out
 
+    def store_read_s(self, blocks: int) -> float:
+        """Seconds to read these blocks from the store: each rank its shard over its own card."""
+        spec = self.config.store
+        return spec.latency_s + blocks * spec.rank_block_bytes / spec.bandwidth if blocks else 0.0
+
     def exposed_s(self, start: float) -> float:
         """The step starting at ``start``: seconds it waits for this step's promotions (0 when
-        they arrived in time), the transfers run in order on the link. Called once per step."""
+        they arrived in time), the transfers run in order on each link; and the step's puts to
+        the store. Called once per step."""
         n = self.config.prefetch_steps
         # the start of the step ``n`` before this one; before that many steps, the run's start
         known_from = start if n == 0 else self._starts[0] if len(self._starts) == n else 0.0
         wait = 0.0
         for p in self._pending:
-            took = self.transfer_s(p.host_blocks, p.ssd_blocks)
-            done = max(p.arrival_s, known_from, self._link_free_at) + took
-            self._link_free_at = done
-            self.stats.transfer_s += took
-            wait = max(wait, done - start)
+            if p.host_blocks or p.ssd_blocks:
+                took = self.transfer_s(p.host_blocks, p.ssd_blocks)
+                done = max(p.arrival_s, known_from, self._link_free_at) + took
+                self._link_free_at = done
+                self.stats.transfer_s += took
+                wait = max(wait, done - start)
+            if p.store_blocks:
+                took = self.store_read_s(p.store_blocks)
+                done = max(p.arrival_s, known_from, self._card_free_at) + took
+                self._card_free_at = done
+                self.stats.transfer_s += took
+                wait = max(wait, done - start)
         self._pending.clear()
+        if self._puts:
+            index = self.device_index
+            self.stats.put_to_store += self.store.put([h for h in self._puts if h in index])
+            self._puts.clear()
         self.stats.exposed_s += wait
         if self.config.prefetch_steps:
             self._starts.append(start)
@@ -183,8 +234,14 @@ class KVTiers:
     def summary(self, query_tokens: int, hit_tokens: int) -> dict:
         """``query_tokens`` / ``hit_tokens``: the prefix hit rate's (first admissions), hits in any tier."""
         s, bb = self.stats, self.config.block_bytes
-        tokens = {"hbm": hit_tokens - s.host_tokens - s.ssd_tokens, "host": s.host_tokens, "ssd": s.ssd_tokens,
+        tokens = {"hbm": hit_tokens - s.host_tokens - s.ssd_tokens - s.store_tokens, "host": s.host_tokens,
+                  "ssd": s.ssd_tokens, **({"store": s.store_tokens} if self.store is not None else {}),
                   "recomputed": query_tokens - hit_tokens}
+        moved = {"hbm_to_host": s.demoted_to_host * bb, "host_to_ssd": s.demoted_to_ssd * bb,
+                 "host_to_hbm": s.promoted_from_host * bb, "ssd_to_hbm": s.promoted_from_ssd * bb}
+        if self.store is not None:
+            moved |= {"hbm_to_store": s.put_to_store * self.config.store.block_bytes,
+                      "store_to_hbm": s.read_from_store * self.config.store.block_bytes}
         return {
             "host_capacity_blocks": self.config.host.capacity_blocks,
             "ssd_capacity_blocks": self.config.ssd.capacity_blocks,
@@ -192,8 +249,7 @@ class KVTiers:
             "query_tokens": query_tokens,
             "tokens": tokens,
             "hit_rate": {k: v / query_tokens if query_tokens else 0.0 for k, v in tokens.items()},
-            "bytes": {"hbm_to_host": s.demoted_to_host * bb, "host_to_ssd": s.demoted_to_ssd * bb,
-                      "host_to_hbm": s.promoted_from_host * bb, "ssd_to_hbm": s.promoted_from_ssd * bb},
+            "bytes": moved,
             "blocks_dropped": s.dropped,
             "blocks_superseded": s.superseded,
             "blocks_held": {"host": len(self.host), "ssd": len(self.ssd)},
@@ -208,6 +264,8 @@ class KVTiers:
         assert not self.host.keys() & self.ssd.keys(), "a block is in the host and the SSD tier"
         assert not self.host.keys() & device_hashes, "a block is in HBM and the host tier"
         assert not self.ssd.keys() & device_hashes, "a block is in HBM and the SSD tier"
+        if self.store is not None:
+            self.store.check()
         s = self.stats
         held = len(self.host) + len(self.ssd)
         assert s.received == held + s.promoted_from_host + s.promoted_from_ssd + s.dropped + s.superseded, (

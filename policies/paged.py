@@ -9,7 +9,8 @@ partially filled block copies it first (copy-on-write).
 
 With KV tiers (``kv_tiers``, ``prefix`` only: ``policies.kv_tiers``) an evicted cached block
 demotes to host memory or SSD, and a lookup goes on past HBM's last hit through the blocks the
-tiers hold; admission gives those fresh device blocks (a promotion) instead of recomputing them.
+tiers and a shared KV store hold; admission gives those fresh device blocks (a promotion) instead
+of recomputing them. Computed blocks are also put into the store.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
         if kv_tiers is not None:
             if not self.enable_caching:
                 raise ValueError("KV tiers hold cached prefixes: they need the prefix block manager, not paged")
-            self.tiers = KVTiers(kv_tiers)
+            self.tiers = KVTiers(kv_tiers, device_index=self.pool.cached)
             self.pool.on_evict = self.tiers.demote
         self.tables: dict[str, list[int]] = {}
         self.hashes: dict[str, list[int]] = {}  # each request's block-hash chain so far
@@ -152,10 +153,11 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
         demotions the allocations cause cannot push them further down."""
         hashes = self.hashes[request.request_id]
         missing = [j for j, block in enumerate(hit_blocks) if block is None]
-        from_host, from_ssd = self.tiers.promote([hashes[j] for j in missing], request.arrival_s)
+        from_host, from_ssd, from_store = self.tiers.promote([hashes[j] for j in missing], request.arrival_s)
         if request.num_preemptions == 0:  # as the prefix hit rate: first admissions only
             self.tiers.stats.host_tokens += from_host * self.block_size
             self.tiers.stats.ssd_tokens += from_ssd * self.block_size
+            self.tiers.stats.store_tokens += from_store * self.block_size
         for j in missing:
             block = self.pool.allocate()
             self.pool.cache(block, hashes[j])
@@ -171,6 +173,7 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
             self.pool.cache(table[j], hashes[j])
         if self.tiers is not None:  # a prefix computed again (its request was admitted before it demoted)
             self.tiers.supersede(hashes[start:num_full], self.pool.cached)
+            self.tiers.computed(hashes[start:num_full])
         self.num_registered[seq] = num_full
 
     def _free_device(self, request: Request) -> None:

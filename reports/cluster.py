@@ -34,6 +34,11 @@ def cluster_page(run_dir: Path) -> Page:
     tiered = [(name, s["kv_tiers"]) for name, s in zip(names, instances) if "kv_tiers" in s]
     if tiered:
         _tier_traffic(page, tiered)
+    if "kv_store" in summary:
+        store = summary["kv_store"]
+        page.note(f"Shared KV store: {store['capacity_blocks']} blocks, {store['blocks_held']} held at the end; "
+                  f"{store['blocks_put']} put ({store['bytes_put'] / 1e9:.2f} GB), {store['blocks_read']} read "
+                  f"({store['bytes_read'] / 1e9:.2f} GB), {store['blocks_evicted']} evicted.")
     page.table(["instance", "requests routed", "completed", "prefix hit rate (%)", "KV blocks", "peak used", "p99 TTFT (s)"],
                [[name, str(s["requests_routed"]), str(s["requests_completed"]), f"{100 * s['prefix_hit_rate']:.1f}",
                  str(s["num_kv_blocks"]), str(s["peak_kv_blocks_used"]), f"{s['ttft_s']['p99'] or 0:.3f}"]
@@ -83,10 +88,11 @@ def _transfers(page: Page, pd: dict, requests: dict[str, np.ndarray]) -> None:
 def _tier_traffic(page: Page, tiered: list[tuple[str, dict]]) -> None:
     """Where each instance's prompt tokens came from, and the bytes its tiers moved."""
     names = [name for name, _ in tiered]
-    fig = go.Figure([go.Bar(x=names, y=[t["tokens"][source] for _, t in tiered], name=source)
-                     for source in ("hbm", "host", "ssd", "recomputed")])
+    sources = max((list(t["tokens"]) for _, t in tiered), key=len)  # hbm, host, ssd, (store,) recomputed
+    fig = go.Figure([go.Bar(x=names, y=[t["tokens"].get(source, 0) for _, t in tiered], name=source) for source in sources])
     fig.update_layout(barmode="stack")
     page.figure(styled(fig, "Prompt tokens by where their KV came from (first admissions)", yaxis_title="tokens"))
-    directions = ("hbm_to_host", "host_to_ssd", "host_to_hbm", "ssd_to_hbm")
+    directions = max((list(t["bytes"]) for _, t in tiered), key=len)
     page.table(["instance", *(f"{d.replace('_to_', ' -> ')} (GB)" for d in directions), "transfer exposed (s)"],
-               [[name, *(f"{t['bytes'][d] / 1e9:.3f}" for d in directions), f"{t['transfer_exposed_s']:.3f}"] for name, t in tiered])
+               [[name, *(f"{t['bytes'].get(d, 0) / 1e9:.3f}" for d in directions), f"{t['transfer_exposed_s']:.3f}"]
+                for name, t in tiered])

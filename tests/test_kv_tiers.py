@@ -51,7 +51,7 @@ def test_lru_demotion_host_then_ssd_then_dropped() -> None:
         tiers.demote(h)
     assert list(tiers.host) == [3, 4] and list(tiers.ssd) == [2]  # 1: host -> SSD -> dropped by 2
     assert tiers.stats.dropped == 1 and tiers.stats.demoted_to_ssd == 2
-    assert tiers.promote([4, 2], arrival_s=0.0) == (1, 1)
+    assert tiers.promote([4, 2], arrival_s=0.0) == (1, 1, 0)
     assert 4 not in tiers and 2 not in tiers and 3 in tiers
     tiers.check(set())
 

@@ -87,9 +87,9 @@ def require_executor_setup(config: RunConfig) -> None:
     if config.api_server or config.max_concurrency:
         raise UserError("--api-server, --max-concurrency: the real executor replays the trace's arrivals into the engine; "
                         "the benchmark client and API server are simulated only")
-    if config.kv_offload_host_gb or config.kv_offload_ssd_gb:
-        raise UserError("--kv-offload-host-gb, --kv-offload-ssd-gb: the real executor keeps KV in device memory only; "
-                        "KV tiers are simulated only (kvsim simulate)")
+    if config.kv_offload_host_gb or config.kv_offload_ssd_gb or config.kv_store_gb:
+        raise UserError("--kv-offload-host-gb, --kv-offload-ssd-gb, --kv-store-gb: the real executor keeps KV in device "
+                        "memory only; KV tiers and a shared store are simulated only (kvsim simulate)")
 
 
 def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:

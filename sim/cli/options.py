@@ -123,6 +123,9 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"type": float, "help": "SSD tier below the host tier, GiB per device; 0: none."}),
     (("--kv-prefetch-steps",), "kv_prefetch_steps",
      {"type": int, "help": "Steps ahead of a request's admission that its tier hits start loading (0: at admission)."}),
+    (("--kv-store-gb",), "kv_store_gb",
+     {"type": float, "help": "A KV store the instances share (Mooncake Store), GiB in all: computed prompt blocks are "
+                             "put there and read by any instance over its network card; 0: none."}),
     (("--watermark",), "watermark", {"type": float, "help": "Fraction of blocks admission keeps free."}),
     (("--max-waiting",), "max_waiting", {"type": int, "help": "Waiting-queue cap (0: none); beyond it requests are rejected."}),
     (("--seed",), "seed", {"type": int}),

@@ -22,6 +22,7 @@ from functools import cached_property, partial
 import numpy as np
 import simpy
 
+from kvsim.policies.kv_store import share_store
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import request_id_of
 from kvsim.sim.cluster.autoscaler import Autoscaler
@@ -77,6 +78,7 @@ class ClusterRun:
 
     def summary(self) -> dict:
         per_instance = [run.summary() for run in self.runs]
+        stores = [s.pop("kv_store") for s in per_instance if "kv_store" in s]  # one store, shared
         requests = self.user_requests()
         steps = StepLog([row for row, _ in self.steps_by_end])
         total_blocks = sum(run.engine.config.num_blocks for run in self.runs)
@@ -92,6 +94,8 @@ class ClusterRun:
         out["instance_seconds"] = seconds
         out["completed_per_instance_hour"] = out["requests_completed"] / (seconds / 3600) if seconds > 0 else 0.0
         out["instances_over_time"] = [list(point) for point in self.timeline]
+        if stores:
+            out["kv_store"] = stores[0]
         return out
 
     def _stopped(self, i: int, end: float) -> float:
@@ -211,6 +215,7 @@ class ClusterSimulation:
         options = options or [SimOptions() for _ in timers]
         self.instances = [Simulation(trace, resolved.new_engine(), timer, opts, env=self.env)
                           for timer, opts in zip(timers, options)]
+        share_store([sim.engine.kv_tiers for sim in self.instances])
         self.in_flight = [0] * len(timers)
         self.placement = np.full(len(trace), -1, dtype=np.int64)
         self.scaling = scaling

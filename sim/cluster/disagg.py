@@ -33,6 +33,7 @@ import numpy as np
 import simpy
 
 from kvsim.policies.engine import EngineCore
+from kvsim.policies.kv_store import share_store
 from kvsim.policies.request import Request, Status
 from kvsim.policies.trace_feed import add_trace_request
 from kvsim.sim.cluster.cluster import ClusterRun, Scrape, _SummedStats, checked_choice, route_request
@@ -176,6 +177,7 @@ class PDClusterSimulation:
                         for t, o in zip(prefill_timers, prefill_options)]
         self.decode = [Simulation(trace, setup.decode.new_engine(), t, o, env=self.env)
                        for t, o in zip(decode_timers, decode_options)]
+        share_store([sim.engine.kv_tiers for sim in self.prefill])
         self.in_flight = ([0] * len(self.prefill), [0] * len(self.decode))
         self.prefill_of = np.full(len(trace), -1, dtype=np.int64)
         self.decode_of = np.full(len(trace), -1, dtype=np.int64)

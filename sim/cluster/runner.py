@@ -52,8 +52,11 @@ def pd_setup_of(resolved: ResolvedRun) -> PDSetup | None:
     if config.instances > 1 or config.autoscaler:
         raise ValueError("prefill_instances / decode_instances replace instances and take no autoscaler: "
                          f"give one or the other (instances = {config.instances}, autoscaler = {config.autoscaler!r})")
-    decode_tp = config.decode_tensor_parallel_size
-    decode = resolved if decode_tp in (0, config.tensor_parallel_size) else resolve(config.updated(tensor_parallel_size=decode_tp))
+    decode_tp = config.decode_tensor_parallel_size or config.tensor_parallel_size
+    # The decode pool reads its KV from the prefill side's transfer and puts nothing in a shared store
+    # (vllm-ascend's KV pool: consumer_is_to_put = false).
+    decode = (resolved if decode_tp == config.tensor_parallel_size and not config.kv_store_gb
+              else resolve(config.updated(tensor_parallel_size=decode_tp, kv_store_gb=0.0)))
     placement = place_pools(resolved.device.topology, resolved.device.name, config.prefill_instances,
                             resolved.layout.world_size, config.decode_instances, decode.layout.world_size, config.kv_link)
     return PDSetup(resolved, decode, placement, config.kv_connector)

@@ -23,6 +23,7 @@ from kvsim import traces
 from kvsim.policies.config import EngineConfig
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.hashing import check_block_size_compatible
+from kvsim.policies.kv_store import StoreSpec
 from kvsim.policies.kv_tiers import TierConfig, TierSpec
 from kvsim.sim.parallel.layout import ParallelLayout
 from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
@@ -105,6 +106,9 @@ class RunConfig:
     kv_offload_host_gb: float = 0.0
     kv_offload_ssd_gb: float = 0.0
     kv_prefetch_steps: int = 1
+    # A KV pool the instances share (policies/kv_store.py), GiB in all, as Mooncake Store's segments
+    # add up: prompt blocks are put there, any instance reads them over its network card. 0: none.
+    kv_store_gb: float = 0.0
     watermark: float = 0.0
     max_waiting: int = 0
     long_prefill_token_threshold: int = 0
@@ -117,6 +121,11 @@ class RunConfig:
     def disaggregated(self) -> bool:
         """Prefill and decode pools instead of ``instances`` copies."""
         return self.prefill_instances > 0 or self.decode_instances > 0
+
+    @property
+    def is_cluster(self) -> bool:
+        """Instances behind a router (sim/cluster/runner.py) rather than one engine."""
+        return self.instances > 1 or bool(self.autoscaler) or self.disaggregated
 
     def updated(self, **overrides) -> RunConfig:
         """A copy with every override that is not None applied."""
@@ -192,6 +201,8 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("kv_offload_ssd_gb", "must be a finite number >= 0 (GiB; 0: no SSD tier)",
          math.isfinite(c.kv_offload_ssd_gb) and c.kv_offload_ssd_gb >= 0),
         ("kv_prefetch_steps", "must be >= 0 (0: a promotion starts at the step that needs it)", c.kv_prefetch_steps >= 0),
+        ("kv_store_gb", "must be a finite number >= 0 (GiB; 0: no shared pool)",
+         math.isfinite(c.kv_store_gb) and c.kv_store_gb >= 0),
         ("watermark", "must be in [0, 1)", 0 <= c.watermark < 1),
         ("max_waiting", "must be >= 0 (0: no cap)", c.max_waiting >= 0),
         ("tensor_parallel_size", "must be >= 1", c.tensor_parallel_size >= 1),
@@ -214,6 +225,8 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
          c.cluster_workers == 0 or c.router_staleness_s > 0),
         ("cluster_workers", "partitions a fixed set of instances: not with P/D pools or an autoscaler",
          c.cluster_workers == 0 or not (c.prefill_instances or c.decode_instances or c.autoscaler)),
+        ("cluster_workers", "runs instances apart between the router's meetings: not with a shared KV pool "
+         "(kv_store_gb), which they read and write at every step", c.cluster_workers == 0 or not c.kv_store_gb),
         ("engine_core", f"must be one of {', '.join(ENGINE_CORES)}", c.engine_core in ENGINE_CORES),
         ("quantization", f"must be one of {', '.join(QUANTIZATIONS)}", c.quantization in (None, *QUANTIZATIONS)),
         ("expert_routing_skew", "must be a finite number >= 0 (0: uniform)",
@@ -318,7 +331,8 @@ class ResolvedRun:
             resolved["model"] = facts
         tiers = self.engine_config.kv_tiers
         if tiers is not None:
-            resolved["kv_tier_blocks"] = {"host": tiers.host.capacity_blocks, "ssd": tiers.ssd.capacity_blocks}
+            resolved["kv_tier_blocks"] = {"host": tiers.host.capacity_blocks, "ssd": tiers.ssd.capacity_blocks,
+                                          **({"store": tiers.store.capacity_blocks} if tiers.store else {})}
         if not self.layout.is_single_device:
             resolved["parallel"] = {"layout": self.layout.describe(), "world_size": self.layout.world_size,
                                     "expert_parallel_size": self.layout.expert_parallel_size,
@@ -364,26 +378,28 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         max_waiting=config.max_waiting,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         batch_blocks_within_pool=config.batch_blocks_within_pool,
-        kv_tiers=kv_tiers(config, device, memory.bytes_per_block, dp),
+        kv_tiers=kv_tiers(config, device, memory.bytes_per_block, layout),
     )
     resolved = ResolvedRun(config, model, device, memory, engine_config, layout)
     _check_policies(resolved)
     return resolved
 
 
-def kv_tiers(config: RunConfig, device: DeviceProfile, bytes_per_block: int, dp: int) -> TierConfig | None:
-    """The tiers under the pool from the run's sizes and the device's figures; None with both sizes 0.
+def kv_tiers(config: RunConfig, device: DeviceProfile, bytes_per_block: int, layout: ParallelLayout) -> TierConfig | None:
+    """The tiers under the pool from the run's sizes and the device's figures; None with every size 0.
 
-    Sizes are per device as ``swap_space``; each must fit what the device file states (host
-    DRAM per device) and the device must state the figures its tier reads. An SSD block reaches
-    HBM through host memory: the slower of the SSD and the host link, both latencies.
+    Host and SSD sizes are per device as ``swap_space``; each must fit what the device file states
+    (host DRAM per device) and the device must state the figures its tier reads. An SSD block
+    reaches HBM through host memory: the slower of the SSD and the host link, both latencies. The
+    shared store's size is the whole store's; a read comes over the device's network card
+    (``[topology]`` inter_bandwidth at its achieved fraction).
     """
-    host_gb, ssd_gb = config.kv_offload_host_gb, config.kv_offload_ssd_gb
-    if not host_gb and not ssd_gb:
+    host_gb, ssd_gb, store_gb = config.kv_offload_host_gb, config.kv_offload_ssd_gb, config.kv_store_gb
+    if not host_gb and not ssd_gb and not store_gb:
         return None
     if config.normalized().block_manager != "prefix":
-        raise ValueError(f"kv_offload_host_gb / kv_offload_ssd_gb: KV tiers hold cached prefixes and need "
-                         f"block_manager 'prefix', not {config.normalized().block_manager!r}")
+        raise ValueError(f"{'kv_store_gb' if store_gb else 'kv_offload_host_gb / kv_offload_ssd_gb'}: KV tiers hold "
+                         f"cached prefixes and need block_manager 'prefix', not {config.normalized().block_manager!r}")
     if host_gb and not device.host_memory_bytes:
         raise ValueError(f"kv_offload_host_gb = {host_gb!r}: device {device.name} states no host_memory_bytes")
     if host_gb * GIB > device.host_memory_bytes:
@@ -391,6 +407,7 @@ def kv_tiers(config: RunConfig, device: DeviceProfile, bytes_per_block: int, dp:
                          f"({device.host_memory_bytes / GIB:g} GiB per device)")
     if ssd_gb and not device.ssd_bandwidth:
         raise ValueError(f"kv_offload_ssd_gb = {ssd_gb!r}: device {device.name} states no ssd_bandwidth")
+    dp = layout.data_parallel_size
 
     def blocks(gb: float) -> int:
         return int(gb * GIB) // bytes_per_block * dp
@@ -398,7 +415,22 @@ def kv_tiers(config: RunConfig, device: DeviceProfile, bytes_per_block: int, dp:
     host = TierSpec(blocks(host_gb), device.host_link_bandwidth, device.host_link_latency_s)
     ssd = TierSpec(blocks(ssd_gb), min(device.ssd_bandwidth, device.host_link_bandwidth),
                    device.ssd_latency_s + device.host_link_latency_s)
-    return TierConfig(host, ssd, bytes_per_block, config.kv_prefetch_steps)
+    return TierConfig(host, ssd, bytes_per_block, config.kv_prefetch_steps,
+                      store=kv_store(store_gb, device, bytes_per_block, layout) if store_gb else None)
+
+
+def kv_store(store_gb: float, device: DeviceProfile, rank_block_bytes: int, layout: ParallelLayout) -> StoreSpec:
+    """The shared store: a block is every rank's shard of it (a DP member's TP x PP ranks)."""
+    topology = device.topology
+    if topology is None or not topology.has_network:
+        raise ValueError(f"kv_store_gb = {store_gb!r}: device {device.name} states no network card to reach the store "
+                         f"([topology] inter_bandwidth)")
+    block_bytes = rank_block_bytes * layout.tensor_parallel_size * layout.pipeline_parallel_size
+    capacity = int(store_gb * GIB) // block_bytes
+    if capacity < 1:
+        raise ValueError(f"kv_store_gb = {store_gb!r}: holds no block of {block_bytes} bytes")
+    return StoreSpec(capacity, topology.inter_bandwidth * topology.inter_efficiency, topology.inter_latency_s,
+                     block_bytes, rank_block_bytes)
 
 
 def _check_policies(resolved: ResolvedRun) -> None:

@@ -58,8 +58,11 @@ class SimRun:
     def summary(self) -> dict:
         stats = self.engine.kv_stats()
         out = summarize(self.requests, self.times, self.steps, self.engine.config.num_blocks, stats)
-        if self.engine.kv_tiers is not None:
-            out["kv_tiers"] = self.engine.kv_tiers.summary(stats.prefix_query_tokens, stats.prefix_hit_tokens)
+        tiers = self.engine.kv_tiers
+        if tiers is not None:
+            out["kv_tiers"] = tiers.summary(stats.prefix_query_tokens, stats.prefix_hit_tokens)
+            if tiers.store is not None:
+                out["kv_store"] = tiers.store.summary()
         out["wall_s"] = self.wall_s
         return out
 
