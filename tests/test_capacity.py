@@ -15,7 +15,7 @@ from kvsim.policies.plan import PlanDetail
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.simulator import SimOptions, simulate
-from kvsim.sim.studies.capacity import MAX_RANGE, Slo, SloWatch, evaluate, gallop, probe
+from kvsim.sim.studies.capacity import MAX_RANGE, Slo, SloWatch, evaluate, gallop, probe, search
 
 SMALL = 'trace = "azure_conv_10min"\nmax_requests = 200\n'
 SLO = Slo(ttft_s=1.5, tpot_s=0.2, percentile=95)
@@ -63,7 +63,8 @@ def test_capacity_is_checked_by_direct_simulation(tmp_path):
 def test_stopping_early_never_changes_the_answer(rate):
     config = RunConfig(trace="azure_conv_10min", max_requests=200, block_size=16, request_rate=rate)
     resolved = resolve(config)
-    full = evaluate(simulate(load_run_trace(config), resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions()), SLO)
+    run = simulate(load_run_trace(config), resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions())
+    full = evaluate(run.requests, run.summary()["duration_s"], SLO)
     fast = probe(config, rate, SLO)
     assert fast.met == full.met
     if fast.stopped_early:
@@ -110,3 +111,16 @@ def test_gallop_brackets_the_threshold_within_tolerance(threshold):
     assert gallop(lambda rate: True, 2.0, 0.05) == (2.0 * MAX_RANGE, None)
     assert gallop(lambda rate: False, 2.0, 0.05) == (None, 2.0 / MAX_RANGE)
 
+
+
+def test_a_clusters_capacity_is_searched_on_the_cluster():
+    """Two instances behind a router serve more than one, and the answer is checked on the cluster itself."""
+    slo = Slo(ttft_s=3.0, tpot_s=0.2, percentile=90)
+    one = RunConfig(trace="azure_conv_10min", max_requests=200, block_size=16)
+    two = one.updated(instances=2, router="least-requests")
+    single, pair = search("one", {}, one, slo, tolerance=0.05), search("two", {}, two, slo, tolerance=0.05)
+    assert single.error == pair.error == ""
+    assert pair.capacity_rps > 1.5 * single.capacity_rps
+    met, missed = pair.bracket
+    assert met == pair.capacity_rps and probe(two, met, slo).met and not probe(two, missed, slo).met
+    assert not probe(one, pair.capacity_rps, slo).met  # one instance misses what two serve

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from kvsim.cli.main import main
@@ -98,3 +99,40 @@ def test_a_joint_key_varies_its_fields_together(tmp_path):
     bad.write_text('[grid]\n"tensor_parallel_size,data_parallel_size" = [[8, 2], [16]]\n')
     with pytest.raises(ValueError, match="one per field"):
         load_grid_file(bad)
+
+
+def test_a_cluster_point_runs_as_kvsim_simulate_runs_it(tmp_path):
+    """instances / router in a sweep: each point is the cluster that ``kvsim simulate`` runs, router and all."""
+    common = 'trace = "mooncake_500"\nmodel = "qwen2.5-7b"\nmax_model_len = 131072\nmax_requests = 150\ninstances = 3\n'
+    sweep_file = tmp_path / "sweep.toml"
+    sweep_file.write_text(common + '[grid]\nrouter = ["round-robin", "kv-aware"]\n')
+    result = CliRunner().invoke(main, ["sweep", str(sweep_file), "--out", str(tmp_path / "out"), "--jobs", "1", "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = {r["router"]: r for r in csv.DictReader((tmp_path / "out" / "sweep.csv").open())}
+    for router, row in rows.items():
+        run = tmp_path / router
+        simulated = CliRunner().invoke(main, ["simulate", "--trace", "mooncake_500", "--model", "qwen2.5-7b", "--max-model-len",
+                                              "131072", "--max-requests", "150", "--instances", "3", "--router", router,
+                                              "--quiet", "--decisions", "off", "--out", str(run)])
+        assert simulated.exit_code == 0, simulated.output
+        summary = json.loads((run / "summary.json").read_text())
+        assert float(row["prefix_hit_rate"]) == pytest.approx(summary["prefix_hit_rate"], rel=1e-12)
+        assert float(row["ttft_s_p50"]) == pytest.approx(summary["ttft_s"]["p50"], rel=1e-12)
+        point = json.loads((tmp_path / "out" / row["name"] / "summary.json").read_text())
+        assert point["router"]["name"] == router and len(point["instances"]) == 3
+    assert rows["kv-aware"]["prefix_hit_rate"] != rows["round-robin"]["prefix_hit_rate"]
+
+
+def test_every_bundled_sweep_example_loads_and_resolves():
+    """examples/sweep_*.toml as a user runs them: every grid point is a configuration kvsim resolves."""
+    from pathlib import Path
+
+    from kvsim.sim.run.config import resolve
+    from kvsim.sim.studies.sweep import load_sweep
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("sweep_*.toml"))
+    assert len(examples) >= 3
+    for path in examples:
+        base, grid = load_sweep(path)
+        for _, _, config in expand_grid(base, grid):
+            resolve(config)

@@ -65,7 +65,7 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
         stage = staged_dir(out_dir, overwrite)
     try:
         with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
-            if config.instances > 1 or config.autoscaler or config.disaggregated:
+            if config.is_cluster:
                 router = make_router(config.router, config.router_params)
                 _, summary = run_cluster(resolved, trace, router, tmp, check=check, decisions=decisions)
             elif config.api_server or config.max_concurrency:  # the clients' sends, then the engine's run of them

@@ -28,9 +28,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvsim.policies.request import Request, Status
+from kvsim.sim.cluster.routers import make_router
+from kvsim.sim.cluster.runner import run_cluster
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
-from kvsim.sim.run.simulator import SimRun, simulate
+from kvsim.sim.run.simulator import simulate
 from kvsim.traces.schema import Trace
 
 LOAD_REJECTIONS = frozenset({"queue_full", "unschedulable"})  # a lighter load would have served them
@@ -159,9 +161,10 @@ class SloWatch:
         return timing
 
 
-def evaluate(run: SimRun, slo: Slo) -> Probe:
-    """Latencies at the percentile, whether they meet the SLOs, and goodput, from a finished run."""
-    roots = [r for r in run.requests if r.parent is None]
+def evaluate(requests: list[Request], duration_s: float, slo: Slo) -> Probe:
+    """Latencies at the percentile, whether they meet the SLOs, and goodput, from a finished run's
+    requests (a cluster's as users see them) and its duration."""
+    roots = [r for r in requests if r.parent is None]
     served = [r for r in roots if r.status is not Status.REJECTED or r.reject_reason in LOAD_REJECTIONS]
     inf = math.inf
     families = {r.request_id: [r, *r.children] for r in served}
@@ -194,27 +197,34 @@ def evaluate(run: SimRun, slo: Slo) -> Probe:
         latencies[name] = at if math.isfinite(at) else None
         met = met and at <= objective
         good &= values <= objective
-    summary = run.summary()
-    duration = summary["duration_s"]
     return Probe(
         rate=0.0, met=met, latencies=latencies,
-        goodput_rps=float(good.sum()) / duration if duration > 0 else 0.0,
-        completed=summary["requests_completed"],
+        goodput_rps=float(good.sum()) / duration_s if duration_s > 0 else 0.0,
+        completed=sum(1 for r in roots if r.status is Status.FINISHED and all(c.status is Status.FINISHED for c in r.children)),
         rejected_for_load=sum(1 for r in roots if r.status is Status.REJECTED and r.reject_reason in LOAD_REJECTIONS),
     )
 
 
 def probe(config: RunConfig, rate: float, slo: Slo) -> Probe:
-    """Simulate ``config`` with its trace scaled to ``rate`` req/s and judge it against ``slo``."""
+    """Simulate ``config`` with its trace scaled to ``rate`` req/s and judge it against ``slo``.
+
+    A cluster (instances behind a router, P/D pools) runs as ``kvsim simulate`` runs it, to the
+    end: the early stop watches one engine's steps."""
     at_rate = config.updated(request_rate=rate)
     resolved = resolve(at_rate)
     trace = load_run_trace(at_rate)
+    if config.is_cluster:
+        cluster, summary = run_cluster(resolved, trace, make_router(config.router, config.router_params), None,
+                                       decisions="off")
+        result = evaluate(cluster.user_requests(), summary["duration_s"], slo)
+        result.rate = rate
+        return result
     watch = SloWatch(CostModelTimer(resolved.cost_model()), slo, len(trace))
     try:
         run = simulate(trace, resolved.new_engine(), watch)
     except SloMissed as missed:
         return Probe(rate=rate, met=False, stopped_early=True, latencies={str(missed): None})
-    result = evaluate(run, slo)
+    result = evaluate(run.requests, run.summary()["duration_s"], slo)
     result.rate = rate
     return result
 

@@ -87,6 +87,8 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
     A point that fails (bad combination, plugin error) is recorded with its error; the
     sweep goes on.
     """
+    from kvsim.sim.cluster.routers import make_router
+    from kvsim.sim.cluster.runner import run_cluster
     from kvsim.sim.perf.cost_model import CostModelTimer
     from kvsim.sim.run.clients import run_with_clients
     from kvsim.sim.run.config import load_run_trace, resolve
@@ -95,11 +97,14 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
     row: dict = {"name": name, **settings}
     try:
         resolved = resolve(config)
-        timer = CostModelTimer(resolved.cost_model())
         trace = load_run_trace(config)
         with staged_dir(Path(out_dir) / point_dir_name(name)) as tmp:
-            clients = config.api_server or config.max_concurrency
-            _, summary = (run_with_clients if clients else run_trace)(resolved, trace, timer, tmp)
+            if config.is_cluster:  # as kvsim simulate runs it: instances behind the router
+                _, summary = run_cluster(resolved, trace, make_router(config.router, config.router_params), tmp)
+            else:
+                clients = config.api_server or config.max_concurrency
+                timer = CostModelTimer(resolved.cost_model())
+                _, summary = (run_with_clients if clients else run_trace)(resolved, trace, timer, tmp)
     except Exception as exc:  # recorded in sweep.csv: one bad point must not lose the others
         return {**row, "status": "failed", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
     row.update({"status": "ok", "error": ""})
