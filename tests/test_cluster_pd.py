@@ -91,6 +91,19 @@ def test_one_transfer_takes_latency_plus_bytes_over_the_links_bandwidth(kv_link:
     assert row[PD_REQUEST_COLUMNS.index("max_itl_s")] > transfer.delay_s  # the user waits for the KV between tokens 1 and 2
 
 
+def test_each_instance_sends_and_receives_one_prompts_kv_at_a_time() -> None:
+    """Six prefill instances feeding one decode instance: the transfers into it take turns on its card,
+    as those out of each prefill instance take turns on its link."""
+    run = _pd(MOONCAKE.updated(max_requests=40, prefill_instances=6, decode_instances=1, kv_link="inter"))
+    transfers = list(run.transfers.values())
+    assert len({t.prefill for t in transfers}) == 6 and len(transfers) > 10
+    for side in ("prefill", "decode"):
+        for instance in {getattr(t, side) for t in transfers}:
+            spans = sorted((t.arrived_s - t.exposed_s, t.arrived_s) for t in transfers if getattr(t, side) == instance)
+            assert all(end <= start + 1e-12 for (_, end), (start, _) in zip(spans, spans[1:])), (side, instance)
+    waited = [t for t in transfers if t.delay_s > t.exposed_s + 1e-9]
+    assert waited  # a burst of prompts: some KV waited for a link
+
 def test_layerwise_transfer_exposes_only_what_the_prefill_does_not_hide() -> None:
     config = MOONCAKE.updated(max_requests=1, prefill_instances=1, decode_instances=1, kv_link="inter")
     after = _pd(config)

@@ -11,9 +11,11 @@ stay cached afterwards). The decode instance admits the request once its KV has 
 free blocks for the prompt and the next token (``Request.external_tokens``: delivered, not
 computed); a recompute preemption there starts over from the prompt, locally.
 
-Simplified: transfers out of one prefill instance queue on its link (one send at a time), and the
-layerwise overlap is credited from the request's first scheduled step even where it waited for the
-link; the decode side's receiving link is not modelled; the decode side allocates at admission, after
+Simplified: transfers out of one prefill instance queue on its link (one send at a time), as do
+transfers into one decode instance (one receive at a time: two prefill instances sending to one
+decode instance take turns on its card rather than sharing it, which ends the pair at the same time
+but the first sooner); the layerwise overlap is credited from the request's first scheduled step even
+where it waited for a link; the decode side allocates at admission, after
 the KV arrived, so KV that waits there for blocks is counted in neither pool (vLLM's pull connectors
 allocate first and leave it on the prefill instance meanwhile). The decode router defaults to ``least-requests``, not ``least-kv``:
 it chooses at arrival, when a decode instance's KV usage does not yet show the requests routed to it
@@ -183,7 +185,9 @@ class PDClusterSimulation:
         self.decode_of = np.full(len(trace), -1, dtype=np.int64)
         self.transfers: dict[int, Transfer] = {}
         self.first_token_s: dict[int, float] = {}
-        self.links = [simpy.Resource(self.env, capacity=1) for _ in self.prefill]  # each prefill instance's sends, in turn
+        # Each prefill instance sends, and each decode instance receives, one prompt's KV at a time.
+        self.links = [simpy.Resource(self.env, capacity=1) for _ in self.prefill]
+        self.receiving = [simpy.Resource(self.env, capacity=1) for _ in self.decode]
         self._settled = 0  # rows whose prefill side is over (rejected, ended there, or KV delivered)
         self._routing_done = False
         for i, sim in enumerate(self.prefill):
@@ -247,10 +251,13 @@ class PDClusterSimulation:
         nbytes_rank = setup.bytes_per_token_rank * tokens
         started = self.prefill[instance].times.first_scheduled[request.request_id]
         ended = env.now
-        with self.links[instance].request() as hold:
-            yield hold
-            exposed = exposed_s(setup.connector, link, nbytes_rank, ended - started, setup.prefill.model.num_layers)
-            yield env.timeout(exposed)
+        with self.links[instance].request() as sending:
+            yield sending
+            # asked for once the send link is held, never the other way round: no two transfers wait on each other
+            with self.receiving[decode].request() as receiving:
+                yield receiving
+                exposed = exposed_s(setup.connector, link, nbytes_rank, ended - started, setup.prefill.model.num_layers)
+                yield env.timeout(exposed)
         self.prefill[instance].release_kv(request.request_id)
         self.transfers[row] = Transfer(row, instance, decode, link.kind, setup.total_bytes(tokens), ended,
                                        link.seconds(nbytes_rank), exposed, env.now)
