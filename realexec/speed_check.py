@@ -89,10 +89,16 @@ def interleaved_reference_times(executors: Sequence[Executor], seed: int = 0,
     return [([float(m) for m in medians[i * n : (i + 1) * n]], own) for i, own in enumerate(samples)]
 
 
-def reference_steps(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0) -> dict[str, float]:
-    """Label -> median seconds of each reference step now: what a profile records beside its fit."""
-    measured, _ = reference_times(backend, spec, block_size, kv_dtype, seed)
-    return dict(zip(REFERENCE_LABELS, measured))
+def reference_steps(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str,
+                    seed: int = 0) -> tuple[dict[str, float], list[Sample]]:
+    """Label -> median seconds of each reference step now (what a profile records beside its fit), and their samples."""
+    measured, samples = reference_times(backend, spec, block_size, kv_dtype, seed)
+    return dict(zip(REFERENCE_LABELS, measured)), samples
+
+
+def fit_miss(measured_s: Sequence[float], predicted_s: Sequence[float]) -> float:
+    """Median over the reference steps of |measured / predicted - 1|: a fit's own miss on them."""
+    return float(np.median(np.abs(np.asarray(measured_s) / np.asarray(predicted_s) - 1.0)))
 
 
 def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:

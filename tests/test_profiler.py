@@ -23,7 +23,7 @@ from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_
 from kvsim.realexec.profiler import run_profile  # noqa: E402
 from kvsim.realexec.speed_check import REFERENCE_SHAPES  # noqa: E402
 from kvsim.sim.perf.cost_model import CostModel  # noqa: E402
-from kvsim.sim.perf.device import OperatorCoefficients, load_device, save_device  # noqa: E402
+from kvsim.sim.perf.device import OperatorCoefficients, load_device, save_device, scaled_profile  # noqa: E402
 from kvsim.sim.perf.model_spec import load_model  # noqa: E402
 
 TINY = load_model("tiny")
@@ -211,6 +211,13 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     # the speed check's reference steps, timed as validate times them, for it to tell drift from model error
     assert list(loaded.reference_steps_s) == [label for label, _ in REFERENCE_SHAPES]
     assert all(np.isfinite(s) and s > 0 for s in loaded.reference_steps_s.values())
+    # and the fit's own miss on them, which validate's verdict allows: recomputed from the recorded times
+    from kvsim.realexec.speed_check import fit_miss, reference_times
+
+    _, samples = reference_times(get_backend("cpu"), TINY, BS, "fp32", 3)
+    predicted = [float(CostModel(TINY, loaded, BS).predict(sample.features)) for sample in samples]
+    assert loaded.reference_fit_miss == round(fit_miss(list(loaded.reference_steps_s.values()), predicted), 4)
+    assert any(line.startswith("the fit's own miss on the reference steps") for line in lines)
 
 
 def test_base_device_sweep_and_machine_follow_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,9 +329,12 @@ def test_a_negative_gemv_rows_is_rejected_naming_the_field(tmp_path: Path) -> No
 
 
 def test_reference_steps_round_trip_and_a_bad_one_is_named(tmp_path: Path) -> None:
-    device = dataclasses.replace(load_device("cpu"), reference_steps_s={"decode 1 x 128": 0.0025, "prefill 256": 0.02})
+    device = dataclasses.replace(load_device("cpu"), reference_steps_s={"decode 1 x 128": 0.0025, "prefill 256": 0.02},
+                                 reference_fit_miss=0.1234)
     path = save_device(device, tmp_path / "d.toml")
     assert load_device(path) == device
+    # a copy biased for a check of the checker keeps the measured fit's miss: the bias cannot widen its own allowance
+    assert scaled_profile(device, 1.2).reference_fit_miss == 0.1234
     path.write_text(path.read_text().replace("0.0025", "-1"))
     with pytest.raises(ValueError, match=r"field reference_steps_s.decode 1 x 128 must be > 0, got -1"):
         load_device(path)

@@ -76,3 +76,19 @@ def test_a_stricter_user_threshold_is_the_one_weighed():
             check.update(threshold=0.02, passed=False)
     v = verdict(c, SPREAD | {"ttft_p50_rel_error": 0.01}, {"ttft_p50_rel_error": 0.05}, moved=0.0, thresholds=strict)
     assert v.outcome == "fail" and "over its limit 0.020" in v.reason
+
+
+def test_the_profiles_own_miss_on_its_reference_steps_is_allowed_once_on_top():
+    """The run of 2026-11-27 that failed a right model: TPOT 0.156 off at the machine's speed where a model at the
+    limit could show 0.123, from a profile that had missed its own reference steps by 16 % when it was measured.
+    With that miss allowed it is inconclusive; a model 20 % slower still, on the same profile, still fails."""
+    spread = SPREAD | {"tpot_p50_rel_error": 0.023}
+    right = verdict(checks(tpot_p50_rel_error=0.203), spread, {"tpot_p50_rel_error": 0.156}, moved=0.06, thresholds=T)
+    assert right.outcome == "fail"  # without the profile's miss, as before
+    right = verdict(checks(tpot_p50_rel_error=0.203), spread, {"tpot_p50_rel_error": 0.156}, moved=0.06, thresholds=T,
+                    fit_miss=0.16)
+    assert right.outcome == "inconclusive" and "the profile's fit missed its own reference steps by" in right.reason
+    biased = verdict(checks(tpot_p50_rel_error=0.45), spread, {"tpot_p50_rel_error": 0.40}, moved=0.06, thresholds=T,
+                     fit_miss=0.16)
+    assert biased.outcome == "fail" and "0.283" in biased.reason  # 0.100 + 0.023 + 0.160
+    assert allowance("step_mape", 0.10, 0.05, 0.16) == pytest.approx((0.10**2 + 0.05**2) ** 0.5 + 0.16)
