@@ -166,13 +166,12 @@ class KVTiers:
         return host_blocks, ssd_blocks, len(from_store)
 
     def computed(self, hashes: list[int]) -> None:
-        """Prefixes this step computes: with a store, put there when the step runs."""
+        """Prefixes this step computes, just indexed in HBM. Where one was computed anew (its request
+        was admitted before it demoted) its local tier copy is dropped, so each block stays in one
+        place; with a store, they are put there when the step runs."""
         if self.store is not None:
             self._puts += hashes
-
-    def supersede(self, hashes: list[int], device_index: dict[int, int]) -> None:
-        """Prefixes just indexed in HBM again (computed anew by a request admitted before they
-        demoted): their tier copies are dropped, so each block stays in one place."""
+        device_index = self.device_index
         for h in hashes:
             if h in device_index and (h in self.host or h in self.ssd):
                 if h in self.host:

@@ -171,8 +171,7 @@ class PagedBlockManager(BlockManager, DecodeFastPath):
         hashes = extend_block_hashes(self.hashes.setdefault(seq, []), request, num_full, self.block_size)
         for j in range(start, num_full):
             self.pool.cache(table[j], hashes[j])
-        if self.tiers is not None:  # a prefix computed again (its request was admitted before it demoted)
-            self.tiers.supersede(hashes[start:num_full], self.pool.cached)
+        if self.tiers is not None:
             self.tiers.computed(hashes[start:num_full])
         self.num_registered[seq] = num_full
 

@@ -106,7 +106,7 @@ class RunConfig:
     kv_offload_host_gb: float = 0.0
     kv_offload_ssd_gb: float = 0.0
     kv_prefetch_steps: int = 1
-    # A KV pool the instances share (policies/kv_store.py), GiB in all, as Mooncake Store's segments
+    # A KV store the instances share (policies/kv_store.py), GiB in all, as Mooncake Store's segments
     # add up: prompt blocks are put there, any instance reads them over its network card. 0: none.
     kv_store_gb: float = 0.0
     watermark: float = 0.0
@@ -201,7 +201,7 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("kv_offload_ssd_gb", "must be a finite number >= 0 (GiB; 0: no SSD tier)",
          math.isfinite(c.kv_offload_ssd_gb) and c.kv_offload_ssd_gb >= 0),
         ("kv_prefetch_steps", "must be >= 0 (0: a promotion starts at the step that needs it)", c.kv_prefetch_steps >= 0),
-        ("kv_store_gb", "must be a finite number >= 0 (GiB; 0: no shared pool)",
+        ("kv_store_gb", "must be a finite number >= 0 (GiB; 0: no shared store)",
          math.isfinite(c.kv_store_gb) and c.kv_store_gb >= 0),
         ("watermark", "must be in [0, 1)", 0 <= c.watermark < 1),
         ("max_waiting", "must be >= 0 (0: no cap)", c.max_waiting >= 0),
@@ -225,7 +225,7 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
          c.cluster_workers == 0 or c.router_staleness_s > 0),
         ("cluster_workers", "partitions a fixed set of instances: not with P/D pools or an autoscaler",
          c.cluster_workers == 0 or not (c.prefill_instances or c.decode_instances or c.autoscaler)),
-        ("cluster_workers", "runs instances apart between the router's meetings: not with a shared KV pool "
+        ("cluster_workers", "runs instances apart between the router's meetings: not with a shared KV store "
          "(kv_store_gb), which they read and write at every step", c.cluster_workers == 0 or not c.kv_store_gb),
         ("engine_core", f"must be one of {', '.join(ENGINE_CORES)}", c.engine_core in ENGINE_CORES),
         ("quantization", f"must be one of {', '.join(QUANTIZATIONS)}", c.quantization in (None, *QUANTIZATIONS)),

@@ -161,9 +161,9 @@ class SloWatch:
         return timing
 
 
-def evaluate(requests: list[Request], duration_s: float, slo: Slo) -> Probe:
+def evaluate(requests: list[Request], summary: dict, slo: Slo) -> Probe:
     """Latencies at the percentile, whether they meet the SLOs, and goodput, from a finished run's
-    requests (a cluster's as users see them) and its duration."""
+    requests (a cluster's as users see them) and its summary."""
     roots = [r for r in requests if r.parent is None]
     served = [r for r in roots if r.status is not Status.REJECTED or r.reject_reason in LOAD_REJECTIONS]
     inf = math.inf
@@ -197,10 +197,11 @@ def evaluate(requests: list[Request], duration_s: float, slo: Slo) -> Probe:
         latencies[name] = at if math.isfinite(at) else None
         met = met and at <= objective
         good &= values <= objective
+    duration = summary["duration_s"]
     return Probe(
         rate=0.0, met=met, latencies=latencies,
-        goodput_rps=float(good.sum()) / duration_s if duration_s > 0 else 0.0,
-        completed=sum(1 for r in roots if r.status is Status.FINISHED and all(c.status is Status.FINISHED for c in r.children)),
+        goodput_rps=float(good.sum()) / duration if duration > 0 else 0.0,
+        completed=summary["requests_completed"],
         rejected_for_load=sum(1 for r in roots if r.status is Status.REJECTED and r.reject_reason in LOAD_REJECTIONS),
     )
 
@@ -216,7 +217,7 @@ def probe(config: RunConfig, rate: float, slo: Slo) -> Probe:
     if config.is_cluster:
         cluster, summary = run_cluster(resolved, trace, make_router(config.router, config.router_params), None,
                                        decisions="off")
-        result = evaluate(cluster.user_requests(), summary["duration_s"], slo)
+        result = evaluate(cluster.user_requests(), summary, slo)
         result.rate = rate
         return result
     watch = SloWatch(CostModelTimer(resolved.cost_model()), slo, len(trace))
@@ -224,7 +225,7 @@ def probe(config: RunConfig, rate: float, slo: Slo) -> Probe:
         run = simulate(trace, resolved.new_engine(), watch)
     except SloMissed as missed:
         return Probe(rate=rate, met=False, stopped_early=True, latencies={str(missed): None})
-    result = evaluate(run.requests, run.summary()["duration_s"], slo)
+    result = evaluate(run.requests, run.summary(), slo)
     result.rate = rate
     return result
 
