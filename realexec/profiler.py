@@ -45,7 +45,7 @@ from kvsim.realexec.graphs import engine_of
 from kvsim.realexec.profile_bench import KVPool, OperatorBenches, StepRecords, engine_run, measure, sweep_samples
 from kvsim.realexec.profile_fit import FitError, Measurements, fit_groups, stack
 from kvsim.realexec.profile_shapes import StepShape, Sweep, footprint, sweep_for
-from kvsim.realexec.speed_check import fit_miss, reference_steps
+from kvsim.realexec.speed_check import fit_ratio, reference_steps
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import DeviceProfile, load_device, save_device
 from kvsim.sim.perf.memory import plan_memory
@@ -142,8 +142,8 @@ def profile(
 
     device, errors = fit_groups(spec, replace(base, engine=engine), first, data, kv_dtype)
     cost = CostModel(spec, device, first, kv_dtype)
-    miss = fit_miss(list(references.values()), [float(cost.predict(s.features)) for s in reference_samples])
-    device = replace(device, reference_steps_s=references, reference_fit_miss=round(miss, 4))
+    landed = fit_ratio(list(references.values()), [float(cost.predict(s.features)) for s in reference_samples])
+    device = replace(device, reference_steps_s=references, reference_fit_ratio=round(landed, 4))
     predicted = cost.predict(stack(held_out.features))
     seconds, kinds = np.array(held_out.seconds), np.array(held_out.kinds)
     errors.append(FitError.of("held-out steps", predicted, seconds))
@@ -216,9 +216,9 @@ def report_lines(result: Profile) -> list[str]:
     if result.device.row_count_s:
         terms = ", ".join(f"{rows}: {seconds * 1e3:.2f} ms" for rows, seconds in sorted(result.device.row_count_s.items()))
         lines.append(f"steps of a few tokens, time beyond (-: short of) the operators (row-count terms): {terms}")
-    if result.device.reference_fit_miss is not None:
-        lines.append(f"the fit's own miss on the reference steps timed right after the cases: {result.device.reference_fit_miss:.1%} "
-                     "(median |measured / predicted - 1|)")
+    if result.device.reference_fit_ratio is not None:
+        lines.append(f"the reference steps timed right after the cases took {result.device.reference_fit_ratio:.2f}x the fit's "
+                     "prediction of them (median)")
     lines.append(f"timing noise (mean |run / median - 1|): operators {result.operator_noise:.1%}, steps {result.step_noise:.1%}")
     lines.append(f"profiled in {result.seconds:.0f} s")
     return lines

@@ -96,9 +96,9 @@ def reference_steps(backend: KernelBackend, spec: ModelSpec, block_size: int, kv
     return dict(zip(REFERENCE_LABELS, measured)), samples
 
 
-def fit_miss(measured_s: Sequence[float], predicted_s: Sequence[float]) -> float:
-    """Median over the reference steps of |measured / predicted - 1|: a fit's own miss on them."""
-    return float(np.median(np.abs(np.asarray(measured_s) / np.asarray(predicted_s) - 1.0)))
+def fit_ratio(measured_s: Sequence[float], predicted_s: Sequence[float]) -> float:
+    """Median over the reference steps of measured / predicted: where a fit landed against them."""
+    return float(np.median(np.asarray(measured_s) / np.asarray(predicted_s)))
 
 
 def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:

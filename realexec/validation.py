@@ -200,32 +200,26 @@ class Verdict:
         return {"outcome": self.outcome, "exit_code": self.exit_code, "reason": self.reason, "line": self.line}
 
 
-def allowance(check: str, threshold: float, spread: float, fit_miss: float = 0.0) -> float:
-    """The largest figure a model exactly at ``threshold`` could show against measurements that move by ``spread``,
-    fitted on a machine whose noise left the fit ``fit_miss`` off steps measured beside it.
+def allowance(check: str, threshold: float, spread: float) -> float:
+    """The largest figure a model exactly at ``threshold`` could show against measurements that move by ``spread``.
 
     The per-step MAPE averages hundreds of steps whose model error and measurement error are
     independent: they add in quadrature. Every other figure is one number of one real run, which
-    may lie ``spread`` from its repeat in either direction: the two add. The fit's miss is one
-    bias shared by every step: it adds.
+    may lie ``spread`` from its repeat in either direction: the two add.
     """
-    return (float(np.hypot(threshold, spread)) if check == "step_mape" else threshold + spread) + fit_miss
-
-
-def _fit_part(fit_miss: float | None) -> str:
-    return f", with the {fit_miss:.3f} the profile's fit missed its own reference steps by" if fit_miss else ""
+    return float(np.hypot(threshold, spread)) if check == "step_mape" else threshold + spread
 
 
 def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict[str, float | None], moved: float,
-            thresholds: Thresholds, fit_miss: float | None = None) -> Verdict:
+            thresholds: Thresholds, fit_ratio: float | None = None) -> Verdict:
     """Pass, fail or inconclusive from the checks and what the machine's own measured behaviour explains.
 
     ``spread``: each timing check's real-vs-real spread (realexec/repeatability.py); checks without
     one (decisions, memory) get no allowance: a miss there is the model's. ``explained``: each
     timing check's least error with the model scaled to the speeds the machine ran at while
-    measuring. ``moved``: how far the machine's speed strayed from the profile's (|speed - 1|).
-    ``fit_miss``: the profile's own miss on the reference steps timed right after its cases (a fit
-    that the machine's noise bent; None: not recorded), allowed on top of the spread.
+    measuring, and to those times ``fit_ratio`` (where the profile's quick fit landed against the
+    reference steps timed beside it: a fit the machine's noise bent; None: not recorded).
+    ``moved``: how far the machine's speed strayed from the profile's (|speed - 1|).
 
     - **fail**: a check misses its threshold, and its error, even with the model at the machine's
       speed, is beyond what a model exactly at the threshold could show given the spread
@@ -236,19 +230,21 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
     - **pass**: every check within its threshold, on a machine that held its profiled speed.
     Thresholds are the user's, unchanged; only the reading of a miss depends on the machine.
     """
+    at_speed = "the machine's measured speed" + (f" (or {fit_ratio:.2f}x that, where the profile's fit landed against its "
+                                                 "own reference steps)" if fit_ratio not in (None, 1.0) else "")
     beyond, within = [], []
     for c in (c for c in checks if not c["passed"]):
         s, e = spread.get(c["name"]), explained.get(c["name"])
         best = None if c["value"] is None or e is None else min(c["value"], e)
-        room = None if s is None else allowance(c["name"], c["threshold"], s, fit_miss or 0.0)
+        room = None if s is None else allowance(c["name"], c["threshold"], s)
         (beyond if best is None or room is None or best > room else within).append((c, best, room))
     if beyond:
         c, best, room = beyond[0]
         value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
         why = f"{c['name']} {value} over its limit {c['threshold']:.3f}"
         if best is not None and room is not None:
-            why += (f", and {best:.3f} with the model at the machine's measured speed, beyond the {room:.3f} that a model at "
-                    f"the limit could show on measurements that move as this machine's did{_fit_part(fit_miss)}")
+            why += (f", and {best:.3f} with the model at {at_speed}, beyond the {room:.3f} that a model at "
+                    f"the limit could show on measurements that move as this machine's did")
         more = f" (and {len(beyond) - 1} more)" if len(beyond) > 1 else ""
         return Verdict("fail", FAIL, f"{why}{more}: the model misses by more than the machine's repeatability explains")
     if within:
@@ -256,9 +252,9 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
         more = f" (and {len(within) - 1} more)" if len(within) > 1 else ""
         return Verdict("inconclusive", INCONCLUSIVE,
                        f"{c['name']} {c['value']:.3f} over its limit {c['threshold']:.3f}{more}, but {best:.3f} with the model "
-                       f"at the machine's measured speed (it moved {moved:.0%} from the profile), within the {room:.3f} that "
-                       f"measurements moving as this machine's did allow{_fit_part(fit_miss)}: the machine cannot tell this "
-                       f"model's error from its own; {WHAT_TO_DO}")
+                       f"at {at_speed} (the machine moved {moved:.0%} from the profile), within the {room:.3f} that "
+                       f"measurements moving as this machine's did allow: the machine cannot tell this model's error from its "
+                       f"own; {WHAT_TO_DO}")
     if moved > thresholds.step_mape:
         return Verdict("inconclusive", INCONCLUSIVE,
                        f"every check passed, but the machine's speed moved {moved:.0%} from the profile's while measuring, "

@@ -38,7 +38,7 @@ def test_a_miss_the_machines_measured_speed_explains_is_inconclusive():
     """20 % off on a machine that ran 18 % slower than profiled: at that speed the model is 2 % off."""
     v = verdict(checks(step_mape=0.20), SPREAD, {"step_mape": 0.02}, moved=0.18, thresholds=T)
     assert (v.outcome, v.exit_code) == ("inconclusive", INCONCLUSIVE)
-    assert "it moved 18% from the profile" in v.reason and "quieter machine" in v.reason
+    assert "the machine moved 18% from the profile" in v.reason and "quieter machine" in v.reason
 
 
 def test_a_miss_within_the_real_vs_real_spread_is_inconclusive_and_beyond_it_fails():
@@ -78,17 +78,15 @@ def test_a_stricter_user_threshold_is_the_one_weighed():
     assert v.outcome == "fail" and "over its limit 0.020" in v.reason
 
 
-def test_the_profiles_own_miss_on_its_reference_steps_is_allowed_once_on_top():
-    """The run of 2026-11-27 that failed a right model: TPOT 0.156 off at the machine's speed where a model at the
-    limit could show 0.123, from a profile that had missed its own reference steps by 16 % when it was measured.
-    With that miss allowed it is inconclusive; a model 20 % slower still, on the same profile, still fails."""
+
+def test_a_miss_that_the_profiles_own_fit_ratio_explains_is_inconclusive_and_says_so():
+    """The run of 2026-11-27 that failed a right model: TPOT p50 0.203 off, 0.156 at the machine's speed, from a
+    profile whose reference steps had taken 1.16x its fit's prediction when it was measured. With the model
+    scaled by that too (cross_validate's extra speeds) the miss is 0.04: inconclusive, and the line says why."""
     spread = SPREAD | {"tpot_p50_rel_error": 0.023}
-    right = verdict(checks(tpot_p50_rel_error=0.203), spread, {"tpot_p50_rel_error": 0.156}, moved=0.06, thresholds=T)
-    assert right.outcome == "fail"  # without the profile's miss, as before
-    right = verdict(checks(tpot_p50_rel_error=0.203), spread, {"tpot_p50_rel_error": 0.156}, moved=0.06, thresholds=T,
-                    fit_miss=0.16)
-    assert right.outcome == "inconclusive" and "the profile's fit missed its own reference steps by" in right.reason
-    biased = verdict(checks(tpot_p50_rel_error=0.45), spread, {"tpot_p50_rel_error": 0.40}, moved=0.06, thresholds=T,
-                     fit_miss=0.16)
-    assert biased.outcome == "fail" and "0.283" in biased.reason  # 0.100 + 0.023 + 0.160
-    assert allowance("step_mape", 0.10, 0.05, 0.16) == pytest.approx((0.10**2 + 0.05**2) ** 0.5 + 0.16)
+    v = verdict(checks(tpot_p50_rel_error=0.203), spread, {"tpot_p50_rel_error": 0.04}, moved=0.06, thresholds=T,
+                fit_ratio=1.16)
+    assert v.outcome == "inconclusive"
+    assert "(or 1.16x that, where the profile's fit landed against its own reference steps)" in v.reason
+    plain = verdict(checks(tpot_p50_rel_error=0.203), spread, {"tpot_p50_rel_error": 0.156}, moved=0.06, thresholds=T)
+    assert plain.outcome == "fail" and "landed" not in plain.reason

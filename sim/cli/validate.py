@@ -213,13 +213,13 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
         validation["timing"]["collectives"] = collectives
     moved = machine_speed(before, speed)
     again = real_vs_real(sim_resolved, trace, timed, replay_timer.predicted, measured["retimed_s"], real_summary)
-    explained = errors_at_speeds(sim_resolved, trace, timed, replay_timer.predicted, real_summary, moved.speeds)
-    # the measured profile's own miss on its reference steps (a biased copy keeps the original's)
-    fit_miss = sim_resolved.device.reference_fit_miss
+    # where the measured profile's fit landed against its own reference steps (a biased copy keeps the original's)
+    fit = sim_resolved.device.reference_fit_ratio
+    speeds = moved.speeds if fit in (None, 1.0) else (*moved.speeds, *(s * fit for s in moved.speeds))
+    explained = errors_at_speeds(sim_resolved, trace, timed, replay_timer.predicted, real_summary, speeds)
     validation["repeatability"] = {**again, "machine_speed": moved.to_dict(), "errors_at_machine_speed": explained,
-                                   "profile_fit_miss": fit_miss}
-    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds,
-                                    fit_miss).to_dict()
+                                   "profile_fit_ratio": fit}
+    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit).to_dict()
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(
         backend=backend.name,
@@ -299,9 +299,9 @@ def format_checks(validation: dict) -> str:
     lines.append(f"the machine's speed (reference steps over their time when profiled): {speed['before']:.2f}x before the run, "
                  f"{speed['after']:.2f}x after; the run's steps timed again in {again['passes']} passes: "
                  + ", ".join(f"{s:.2f}x" for s in again["pass_speed"]) + " their first measurement")
-    if again.get("profile_fit_miss") is not None:
-        lines.append(f"the profile's fit missed its own reference steps, timed right after its cases, by {again['profile_fit_miss']:.1%} "
-                     "(median): the verdict allows the timing checks that much more")
+    if again.get("profile_fit_ratio") is not None:
+        lines.append(f"the profile's reference steps, timed right after its cases, took {again['profile_fit_ratio']:.2f}x its fit's "
+                     "prediction of them: the verdict weighs a miss with the model at that too")
     links = validation["timing"].get("collectives")
     if links is not None:
         lines.append(f"the {links['ranks']} ranks' all-reduces, fitted after the run: {links['latency_s'] * 1e6:.0f} us latency, "

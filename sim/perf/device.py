@@ -176,11 +176,11 @@ class DeviceProfile:
     # ``kvsim validate`` measures a profile anew (once) when it is above the step limit: a noisy
     # machine bent the fit. None for profiles not measured.
     held_out_step_mape: float | None = None
-    # Written by ``kvsim profile``: the fitted model's miss on the reference steps timed right after
-    # its cases (median over them of |measured / predicted - 1|). Fits on a noisy machine scatter
-    # around the truth from one profile to the next; this is how far this one landed, measured, and
-    # ``kvsim validate``'s verdict allows a timing check that much more. None for profiles not measured.
-    reference_fit_miss: float | None = None
+    # Written by ``kvsim profile``: the reference steps timed right after its cases over the fitted
+    # model's prediction of them (the median over the three). Quick fits on a noisy machine scatter
+    # around it from one profile to the next; this is where this one landed, measured, and ``kvsim
+    # validate``'s verdict also weighs a miss with the model scaled by it. None for profiles not measured.
+    reference_fit_ratio: float | None = None
     # Written by ``kvsim profile``: the speed check's reference steps (label -> median seconds),
     # timed as ``kvsim validate`` times them, right after the profile's cases. The speed check
     # compares what they take now with these, so a change of the machine's speed is told apart
@@ -291,7 +291,7 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines.append(f"attention_query_tile = {profile.attention_query_tile}")
     if profile.gemv_rows:
         lines.append(f"gemv_rows = {profile.gemv_rows}")
-    for key in ("step_timing_noise", "held_out_step_mape", "reference_fit_miss"):
+    for key in ("step_timing_noise", "held_out_step_mape", "reference_fit_ratio"):
         if getattr(profile, key) is not None:
             lines.append(f"{key} = {toml_value(getattr(profile, key))}")
     if profile.engine is not None:
@@ -342,7 +342,7 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     for key in ("gemv_rows", "attention_query_tile"):
         if key in data:
             values[key] = _number(data, key, int, path, "", allow_zero=True)
-    for key in ("step_timing_noise", "held_out_step_mape", "reference_fit_miss"):
+    for key in ("step_timing_noise", "held_out_step_mape", "reference_fit_ratio"):
         if key in data:
             values[key] = _number(data, key, float, path, "", allow_zero=True)
     matrix = _table(data, "matrix_flops", path)
