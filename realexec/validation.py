@@ -230,8 +230,8 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
     - **pass**: every check within its threshold, on a machine that held its profiled speed.
     Thresholds are the user's, unchanged; only the reading of a miss depends on the machine.
     """
-    at_speed = "the machine's measured speed" + (f" (or {fit_ratio:.2f}x that, where the profile's fit landed against its "
-                                                 "own reference steps)" if fit_ratio not in (None, 1.0) else "")
+    fit_note = (f", or {fit_ratio:.2f}x that where the profile's fit landed against its own reference steps"
+                if fit_ratio not in (None, 1.0) else "")
     beyond, within = [], []
     for c in (c for c in checks if not c["passed"]):
         s, e = spread.get(c["name"]), explained.get(c["name"])
@@ -243,7 +243,7 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
         value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
         why = f"{c['name']} {value} over its limit {c['threshold']:.3f}"
         if best is not None and room is not None:
-            why += (f", and {best:.3f} with the model at {at_speed}, beyond the {room:.3f} that a model at "
+            why += (f", and {best:.3f} with the model at the machine's measured speed{fit_note}, beyond the {room:.3f} that a model at "
                     f"the limit could show on measurements that move as this machine's did")
         more = f" (and {len(beyond) - 1} more)" if len(beyond) > 1 else ""
         return Verdict("fail", FAIL, f"{why}{more}: the model misses by more than the machine's repeatability explains")
@@ -252,7 +252,7 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
         more = f" (and {len(within) - 1} more)" if len(within) > 1 else ""
         return Verdict("inconclusive", INCONCLUSIVE,
                        f"{c['name']} {c['value']:.3f} over its limit {c['threshold']:.3f}{more}, but {best:.3f} with the model "
-                       f"at {at_speed} (the machine moved {moved:.0%} from the profile), within the {room:.3f} that "
+                       f"at the machine's measured speed (it moved {moved:.0%} from the profile){fit_note}, within the {room:.3f} that "
                        f"measurements moving as this machine's did allow: the machine cannot tell this model's error from its "
                        f"own; {WHAT_TO_DO}")
     if moved > thresholds.step_mape:
