@@ -211,3 +211,26 @@ def test_the_cluster_page_draws_the_kv_transfers(tmp_path: Path) -> None:
     html = (tmp_path / "page.html").read_text()
     assert "19 KV transfers" in html and "KV transfers: the wait from the prefill" in html
     assert "to decode instance 0" in html and "to decode instance 1" in html
+
+
+def test_each_pool_scales_on_its_own_after_a_cold_start(tmp_path: Path) -> None:
+    """A burst of long prompts: the prefill pool's queue grows and its autoscaler launches instances, each
+    serving only after its cold start, up to the bound; the decode pool, with nothing waiting, stays at one.
+    Every request is still prefilled once and decoded once (invariants checked every step)."""
+    config = tmp_path / "pd.toml"
+    config.write_text('trace = "mooncake_500"\nmodel = "qwen2.5-7b"\nmax_model_len = 32768\nmax_requests = 120\n'
+                      'prefill_instances = 1\ndecode_instances = 1\nautoscaler = "queue"\n'
+                      '[autoscaler_params]\nmax_instances = 3\ninterval_s = 5.0\nper_instance = 4\n')
+    result = CliRunner().invoke(main, ["simulate", "--config", str(config), "--check", "--quiet", "--decisions", "off",
+                                       "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    pools = [(s["instance"], s["pool"]) for s in summary["instances"]]
+    assert pools == [(0, "prefill"), (1, "prefill"), (2, "prefill"), (3, "decode")]  # spares 4, 5 never launched
+    scaling, timeline = summary["autoscaler"], summary["instances_over_time"]
+    assert scaling["launched"] == 2 and [n for _, n in timeline] == [2, 3, 4]
+    assert all(t >= 5.0 + scaling["cold_start_s"] - 1e-9 for t, _ in timeline[1:])
+    rows = list(csv.DictReader((tmp_path / "run" / "requests.csv").open()))
+    assert len(rows) == 120 and {r["decode_instance"] for r in rows if r["decode_instance"]} == {"0"}  # the pool's own index
+    first_of = {i: min(float(r["arrival_s"]) for r in rows if r["prefill_instance"] == str(i)) for i in (1, 2)}
+    assert all(first_of[i] >= timeline[i][0] - 1e-9 for i in (1, 2))  # routed to only once serving

@@ -28,13 +28,13 @@ def prepare(config: RunConfig):
         trace: Trace = load_run_trace(config)
         timer = CostModelTimer(resolved.cost_model())
         make_router(config.router, config.router_params)  # a router that cannot be built is the input's mistake
-        scaling_of(resolved)  # ... or an autoscaler
-        if pd_setup_of(resolved) is not None:  # ... or P/D pools that the topology cannot link
+        scaling = scaling_of(resolved)  # ... or an autoscaler
+        if pd_setup_of(resolved, scaling) is not None:  # ... or P/D pools that the topology cannot link
             make_router(config.decode_router, config.decode_router_params)
             if trace.has_parallel_samples:
                 raise ValueError(f"prefill_instances: P/D pools serve one sample a request; {config.trace} has n_samples > 1")
     if config.api_server or config.max_concurrency:
-        if config.instances > 1 or config.autoscaler or config.disaggregated:
+        if config.is_cluster:
             raise UserError("--api-server, --max-concurrency: one instance for now (the clients of a cluster are not modelled)")
         if trace.has_parallel_samples:
             raise UserError(f"--api-server, --max-concurrency: trace {config.trace} has requests of n > 1 samples, "

@@ -24,6 +24,8 @@ in-flight counters count them from the start, as proxies count them: vLLM's toy 
 vllm-ascend's ``load_balance_proxy_server_example.py`` (``select_decoder``) takes the decoder with the
 fewest active tokens by its own count, raised at selection.
 A request with one output token ends on its prefill instance (nothing to decode, no transfer).
+With an autoscaler each pool scales on its own (the cluster autoscaler's policy and bounds, per
+pool, with that pool's cold start), as llm-d's and Dynamo's planners size prefill and decode apart.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from kvsim.policies.engine import EngineCore
 from kvsim.policies.kv_store import share_store
 from kvsim.policies.request import Request, Status
 from kvsim.policies.trace_feed import add_trace_request
-from kvsim.sim.cluster.cluster import ClusterRun, Scrape, _SummedStats, checked_choice, route_request
+from kvsim.sim.cluster.cluster import ClusterRun, Scaling, Scrape, _SummedStats, checked_choice, route_request
 from kvsim.sim.cluster.kv_transfer import PoolPlacement, exposed_s
-from kvsim.sim.cluster.routers import ClusterView, Router
+from kvsim.sim.cluster.routers import ClusterView, Router, RouterError
 from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun
 from kvsim.sim.run.metrics import REQUEST_COLUMNS, TokenTimes, distribution
@@ -48,6 +50,7 @@ from kvsim.sim.run.simulator import SimOptions, Simulation, cyclic_gc_paused
 from kvsim.traces.schema import Trace
 
 PD_REQUEST_COLUMNS = (*REQUEST_COLUMNS, "prefill_instance", "decode_instance", "kv_transfer_s")
+POOLS = ("prefill", "decode")
 _COL = {name: i for i, name in enumerate(REQUEST_COLUMNS)}
 
 
@@ -126,7 +129,7 @@ class PDRun(ClusterRun):
     def summary(self) -> dict:
         out = super().summary()
         for entry in out["instances"]:
-            entry["pool"] = "prefill" if entry["instance"] < self.num_prefill else "decode"
+            entry["pool"] = POOLS[entry["instance"] >= self.num_prefill]
         transfers = list(self.transfers.values())
         out["pd"] = {
             "prefill_instances": self.num_prefill,
@@ -164,7 +167,10 @@ class PDClusterSimulation:
 
     def __init__(self, trace: Trace, setup: PDSetup, prefill_timers: list[StepTimer], decode_timers: list[StepTimer],
                  router: Router, decode_router: Router, staleness_s: float = 0.0,
-                 prefill_options: list[SimOptions] | None = None, decode_options: list[SimOptions] | None = None) -> None:
+                 prefill_options: list[SimOptions] | None = None, decode_options: list[SimOptions] | None = None,
+                 scaling: tuple[Scaling, Scaling] | None = None, initial: tuple[int, int] | None = None) -> None:
+        """``*_timers``: one per instance each pool may run (its autoscaler's maximum); ``initial``
+        of them serve from the start (all without ``scaling``, one autoscaler a pool)."""
         if not prefill_timers or not decode_timers:
             raise ValueError("a P/D cluster needs at least one prefill and one decode instance")
         if trace.has_parallel_samples:
@@ -190,6 +196,15 @@ class PDClusterSimulation:
         self.receiving = [simpy.Resource(self.env, capacity=1) for _ in self.decode]
         self._settled = 0  # rows whose prefill side is over (rejected, ended there, or KV delivered)
         self._routing_done = False
+        self.scaling = scaling
+        sizes = (len(self.prefill), len(self.decode))
+        first = sizes if initial is None else initial
+        if not all(1 <= f <= n for f, n in zip(first, sizes)):
+            raise ValueError(f"initial instances {first} must be in [1, {sizes}] per pool")
+        self.serving = tuple([i < f for i in range(n)] for f, n in zip(first, sizes))
+        self.launched_s = tuple([0.0 if i < f else None for i in range(n)] for f, n in zip(first, sizes))
+        self.retired_s = tuple([None] * n for n in sizes)
+        self.timeline: list[tuple[float, int]] = [(0.0, sum(first))]
         for i, sim in enumerate(self.prefill):
             sim.engine.hold_finished_kv = True
             sim.serve_routed()
@@ -203,7 +218,8 @@ class PDClusterSimulation:
     # --- routing ---------------------------------------------------------------------------
     def _view(self, pool: int) -> ClusterView:
         states, scraped_at = self.scrapes[pool].read(self.env.now)
-        return ClusterView(states, tuple(self.in_flight[pool]), scraped_at)
+        serving = self.serving[pool]
+        return ClusterView(states, tuple(self.in_flight[pool]), scraped_at, () if all(serving) else tuple(serving))
 
     def _route_process(self):
         env = self.env
@@ -212,6 +228,11 @@ class PDClusterSimulation:
                 yield env.timeout(arrival - env.now)
             request = route_request(self.trace, row)
             chosen = [checked_choice(router, request, self._view(pool)) for pool, router in enumerate(self.routers)]
+            for pool, instance in enumerate(chosen):
+                if not self.serving[pool][instance]:
+                    raise RouterError(f"router {type(self.routers[pool]).__name__} chose {POOLS[pool]} instance {instance} "
+                                      f"for request {request.request_id}, which takes no new requests "
+                                      "(ClusterView.candidates lists those that do)")
             for pool, (router, instance) in enumerate(zip(self.routers, chosen)):
                 self.in_flight[pool][instance] += 1
                 router.routed(request, instance)
@@ -297,14 +318,47 @@ class PDClusterSimulation:
                 self._ended(1, instance, int(rid))
         return ended
 
+    # --- scaling ----------------------------------------------------------------------------
+    def _scale_process(self, pool: int):
+        """Every interval: ask the pool's autoscaler about the pool's instances in service; launch
+        one (serving after its cold start) or retire the newest, within the pool's bounds."""
+        scaling, env = self.scaling[pool], self.env
+        serving, launched, retired = self.serving[pool], self.launched_s[pool], self.retired_s[pool]
+        while not self._routing_done:
+            yield env.timeout(scaling.interval_s)
+            view = self._view(pool)
+            live = [i for i, on in enumerate(serving) if on]
+            in_service = ClusterView(tuple(view.instances[i] for i in live), tuple(view.in_flight[i] for i in live),
+                                     view.scraped_at_s)
+            change = scaling.autoscaler.decide(in_service)
+            started = sum(1 for i, t in enumerate(launched) if t is not None and retired[i] is None)
+            if change > 0 and started < scaling.max_instances:
+                spare = next((i for i, t in enumerate(launched) if t is None), None)
+                if spare is not None:
+                    launched[spare] = env.now
+                    env.process(self._serve_after(pool, spare, scaling.cold_start_s))
+            elif change < 0 and len(live) > scaling.min_instances:
+                newest = max(live, key=lambda i: launched[i])
+                serving[newest] = False
+                retired[newest] = env.now
+                self.timeline.append((env.now, sum(map(sum, self.serving))))
+
+    def _serve_after(self, pool: int, instance: int, delay_s: float):
+        yield self.env.timeout(delay_s)
+        self.serving[pool][instance] = True
+        self.timeline.append((self.env.now, sum(map(sum, self.serving))))
+
     def run(self) -> PDRun:
         started = time.perf_counter()
         self.env.process(self._route_process())
+        if self.scaling is not None:
+            for pool in range(2):
+                self.env.process(self._scale_process(pool))
         sims = self.prefill + self.decode
         done = [sim.start() for sim in sims]
         with cyclic_gc_paused():
             self.env.run(until=simpy.AllOf(self.env, done))
         wall = time.perf_counter() - started
-        n = len(sims)
-        return PDRun([sim.result(wall) for sim in sims], self.prefill_of, wall, [0.0] * n, [None] * n, [(0.0, n)],
+        return PDRun([sim.result(wall) for sim in sims], self.prefill_of, wall, [*self.launched_s[0], *self.launched_s[1]],
+                     [*self.retired_s[0], *self.retired_s[1]], self.timeline,
                      num_prefill=len(self.prefill), decode_of=self.decode_of, transfers=self.transfers, trace=self.trace)

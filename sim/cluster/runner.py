@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from kvsim.sim.cluster.autoscaler import DEFAULT_LOAD_BANDWIDTH, make_autoscaler
@@ -18,7 +19,7 @@ from kvsim.sim.cluster.kv_transfer import place_pools
 from kvsim.sim.cluster.partitioned import Outputs, PartitionedCluster
 from kvsim.sim.cluster.routers import Router, make_router
 from kvsim.sim.perf.cost_model import CostModelTimer
-from kvsim.sim.run.config import ResolvedRun, resolve
+from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
 from kvsim.sim.run.metrics import REQUEST_COLUMNS, STEP_COLUMNS
 from kvsim.sim.run.outputs import REQUESTS, STEPS, atomic_open, write_summary
 from kvsim.sim.run.run_warnings import run_warnings
@@ -35,31 +36,46 @@ def scaling_of(resolved: ResolvedRun) -> Scaling | None:
         return None
     params = dict(config.autoscaler_params)
     bounds = {key: params.pop(key) for key in SCALING_KEYS if key in params}
-    load_bandwidth = float(bounds.get("load_bandwidth", DEFAULT_LOAD_BANDWIDTH))
+    default_max = 4 * (max(config.prefill_instances, config.decode_instances) if config.disaggregated else config.instances)
+    return Scaling(make_autoscaler(config.autoscaler, params), int(bounds.get("min_instances", 1)),
+                   int(bounds.get("max_instances", default_max)), float(bounds.get("interval_s", 10.0)),
+                   cold_start_s(resolved, config))
+
+
+def cold_start_s(resolved: ResolvedRun, config: RunConfig) -> float:
+    """A new instance's start: its weights (one rank's) read at ``load_bandwidth``, plus ``start_s``."""
+    params = config.autoscaler_params
+    load_bandwidth = float(params.get("load_bandwidth", DEFAULT_LOAD_BANDWIDTH))
     if load_bandwidth <= 0:
         raise ValueError(f"autoscaler_params.load_bandwidth must be > 0, got {load_bandwidth}")
-    cold_start = resolved.memory.weight_bytes / load_bandwidth + float(bounds.get("start_s", 0.0))
-    return Scaling(make_autoscaler(config.autoscaler, params), int(bounds.get("min_instances", 1)),
-                   int(bounds.get("max_instances", 4 * config.instances)), float(bounds.get("interval_s", 10.0)), cold_start)
+    return resolved.memory.weight_bytes / load_bandwidth + float(params.get("start_s", 0.0))
 
 
-def pd_setup_of(resolved: ResolvedRun) -> PDSetup | None:
+def pd_setup_of(resolved: ResolvedRun, scaling: Scaling | None = None) -> PDSetup | None:
     """The P/D pools (the decode pool with its own tensor parallel size), placed on the device's
-    nodes with the links between them checked; None without P/D pools."""
+    nodes with the links between them checked (with an autoscaler, every instance each pool may
+    launch has its devices); None without P/D pools."""
     config = resolved.config
     if not config.disaggregated:
         return None
-    if config.instances > 1 or config.autoscaler:
-        raise ValueError("prefill_instances / decode_instances replace instances and take no autoscaler: "
-                         f"give one or the other (instances = {config.instances}, autoscaler = {config.autoscaler!r})")
+    if config.instances > 1:
+        raise ValueError("prefill_instances / decode_instances replace instances: give one or the other "
+                         f"(instances = {config.instances})")
     decode_tp = config.decode_tensor_parallel_size or config.tensor_parallel_size
     # The decode pool reads its KV from the prefill side's transfer and puts nothing in a shared store
     # (vllm-ascend's KV pool: consumer_is_to_put = false).
     decode = (resolved if decode_tp == config.tensor_parallel_size and not config.kv_store_gb
               else resolve(config.updated(tensor_parallel_size=decode_tp, kv_store_gb=0.0)))
-    placement = place_pools(resolved.device.topology, resolved.device.name, config.prefill_instances,
-                            resolved.layout.world_size, config.decode_instances, decode.layout.world_size, config.kv_link)
+    prefill_n, decode_n = pool_sizes(config, scaling)
+    placement = place_pools(resolved.device.topology, resolved.device.name, prefill_n, resolved.layout.world_size,
+                            decode_n, decode.layout.world_size, config.kv_link)
     return PDSetup(resolved, decode, placement, config.kv_connector)
+
+
+def pool_sizes(config: RunConfig, scaling: Scaling | None) -> tuple[int, int]:
+    """The instances each P/D pool may run: its size, or its autoscaler's maximum if larger."""
+    top = scaling.max_instances if scaling else 0
+    return max(config.prefill_instances, top), max(config.decode_instances, top)
 
 
 def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Path | None,
@@ -68,9 +84,8 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
     ``out_dir``, its files."""
     config = resolved.config
     scaling = scaling_of(resolved)
-    setup = pd_setup_of(resolved)
-    instances = config.prefill_instances + config.decode_instances if setup else config.instances
-    instances = max(instances, scaling.max_instances) if scaling else instances
+    setup = pd_setup_of(resolved, scaling)
+    instances = sum(pool_sizes(config, scaling)) if setup else max(config.instances, scaling.max_instances if scaling else 0)
     outputs = Outputs(check, decisions, out_dir)
     if config.cluster_workers:
         run = PartitionedCluster(trace, resolved, router, config.cluster_workers, config.router_staleness_s, outputs,
@@ -87,10 +102,11 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Pa
         summary["pd"].update(connector=config.kv_connector, kv_link=config.kv_link,
                              prefill_nodes=list(setup.placement.prefill_nodes), decode_nodes=list(setup.placement.decode_nodes))
     if scaling is not None:
+        initial = config.prefill_instances + config.decode_instances if setup else config.instances
         summary["autoscaler"] = {"name": config.autoscaler, "min_instances": scaling.min_instances,
                                  "max_instances": scaling.max_instances, "interval_s": scaling.interval_s,
                                  "cold_start_s": scaling.cold_start_s,
-                                 "launched": sum(t is not None for t in run.launched_s) - config.instances,
+                                 "launched": sum(t is not None for t in run.launched_s) - initial,
                                  "retired": sum(t is not None for t in run.retired_s)}
     summary["config"] = resolved.to_dict()
     summary["memory"] = resolved.memory.to_dict()  # each instance's
@@ -118,11 +134,13 @@ def _one_loop(resolved: ResolvedRun, trace: Trace, router: Router, setup: PDSetu
             timers = [CostModelTimer(resolved.cost_model()) for _ in range(instances)]
             return ClusterSimulation(trace, resolved, timers, router, config.router_staleness_s, options, scaling,
                                      initial_instances=config.instances).run()
-        p = config.prefill_instances
-        timers = [CostModelTimer(pool.cost_model()) for pool in [setup.prefill] * p + [setup.decode] * config.decode_instances]
+        p, d = pool_sizes(config, scaling)
+        timers = [CostModelTimer(pool.cost_model()) for pool in [setup.prefill] * p + [setup.decode] * d]
         decode_router = make_router(config.decode_router, config.decode_router_params)
+        # each pool its own autoscaler's decisions, bounds and cold start (its own weights per rank)
+        pools = None if scaling is None else (scaling, replace(scaling, cold_start_s=cold_start_s(setup.decode, config)))
         return PDClusterSimulation(trace, setup, timers[:p], timers[p:], router, decode_router, config.router_staleness_s,
-                                   options[:p], options[p:]).run()
+                                   options[:p], options[p:], pools, (config.prefill_instances, config.decode_instances)).run()
     finally:
         for log in logs:
             if log is not None:
