@@ -234,3 +234,17 @@ def test_each_pool_scales_on_its_own_after_a_cold_start(tmp_path: Path) -> None:
     assert len(rows) == 120 and {r["decode_instance"] for r in rows if r["decode_instance"]} == {"0"}  # the pool's own index
     first_of = {i: min(float(r["arrival_s"]) for r in rows if r["prefill_instance"] == str(i)) for i in (1, 2)}
     assert all(first_of[i] >= timeline[i][0] - 1e-9 for i in (1, 2))  # routed to only once serving
+
+
+def test_a_decode_router_that_picks_an_idle_spare_is_one_line_exit_2(tmp_path: Path, monkeypatch) -> None:
+    """With an autoscaler a pool has spares that take no requests until launched; a router that ignores
+    ClusterView.candidates and picks one is the router's mistake, named in one line."""
+    (tmp_path / "last_router.py").write_text("class Last:\n    def choose(self, request, view):\n        return view.size - 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["simulate", "--trace", "mooncake_500", "--model", "qwen2.5-7b", "--max-model-len", "32768", "--max-requests", "5",
+            "--prefill-instances", "1", "--decode-instances", "1", "--autoscaler", "queue", "--decode-router",
+            "last_router:Last", "--out", str(tmp_path / "run")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "router Last chose decode instance 3" in result.output and "takes no new requests" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -39,7 +39,7 @@ import simpy
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.kv_store import share_store
 from kvsim.policies.request import Request, Status
-from kvsim.policies.trace_feed import add_trace_request
+from kvsim.policies.trace_feed import add_trace_request, request_id_of
 from kvsim.sim.cluster.cluster import ClusterRun, Scaling, Scrape, _SummedStats, checked_choice, route_request
 from kvsim.sim.cluster.kv_transfer import PoolPlacement, exposed_s
 from kvsim.sim.cluster.routers import ClusterView, Router, RouterError
@@ -231,7 +231,7 @@ class PDClusterSimulation:
             for pool, instance in enumerate(chosen):
                 if not self.serving[pool][instance]:
                     raise RouterError(f"router {type(self.routers[pool]).__name__} chose {POOLS[pool]} instance {instance} "
-                                      f"for request {request.request_id}, which takes no new requests "
+                                      f"for request {request_id_of(row)}, which takes no new requests "
                                       "(ClusterView.candidates lists those that do)")
             for pool, (router, instance) in enumerate(zip(self.routers, chosen)):
                 self.in_flight[pool][instance] += 1
