@@ -53,6 +53,44 @@ class Scaling:
 
 
 @dataclass
+class ScaledPool:
+    """One pool's instances under its autoscaler: which serve, and when each was launched and retired."""
+
+    scaling: Scaling | None  # None: the pool keeps its size
+    serving: list[bool]
+    launched_s: list[float | None]  # None: never launched (a spare)
+    retired_s: list[float | None]  # None: serving to the end
+
+    @classmethod
+    def of(cls, scaling: Scaling | None, size: int, first: int) -> ScaledPool:
+        """``size`` instances the pool may run, the first ``first`` serving from the start."""
+        if not 1 <= first <= size:
+            raise ValueError(f"initial instances {first} must be in [1, {size}]")
+        return cls(scaling, [i < first for i in range(size)], [0.0 if i < first else None for i in range(size)], [None] * size)
+
+    def decide(self, view: ClusterView, now: float) -> tuple[str, int] | None:
+        """Ask the autoscaler about the instances in service: ("launch", a spare that serves once
+        its cold start is over, :meth:`serve`), ("retire", the newest, taking no new request now),
+        or None, within the bounds."""
+        live = [i for i, on in enumerate(self.serving) if on]
+        in_service = ClusterView(tuple(view.instances[i] for i in live), tuple(view.in_flight[i] for i in live),
+                                 view.scraped_at_s)
+        change = self.scaling.autoscaler.decide(in_service)
+        started = sum(1 for i, t in enumerate(self.launched_s) if t is not None and self.retired_s[i] is None)
+        if change > 0 and started < self.scaling.max_instances:
+            spare = next((i for i, t in enumerate(self.launched_s) if t is None), None)
+            if spare is not None:
+                self.launched_s[spare] = now
+                return "launch", spare
+        elif change < 0 and len(live) > self.scaling.min_instances:
+            newest = max(live, key=lambda i: self.launched_s[i])
+            self.serving[newest] = False
+            self.retired_s[newest] = now
+            return "retire", newest
+        return None
+
+
+@dataclass
 class ClusterRun:
     runs: list[SimRun]  # one per instance (every instance an autoscaler could launch)
     placement: np.ndarray  # trace row -> instance
@@ -218,13 +256,8 @@ class ClusterSimulation:
         share_store([sim.engine.kv_tiers for sim in self.instances])
         self.in_flight = [0] * len(timers)
         self.placement = np.full(len(trace), -1, dtype=np.int64)
-        self.scaling = scaling
         first = len(timers) if initial_instances is None else initial_instances
-        if not 1 <= first <= len(timers):
-            raise ValueError(f"initial instances {first} must be in [1, {len(timers)}]")
-        self.serving = [i < first for i in range(len(timers))]
-        self.launched_s: list[float | None] = [0.0 if i < first else None for i in range(len(timers))]
-        self.retired_s: list[float | None] = [None] * len(timers)
+        self.pool = ScaledPool.of(scaling, len(timers), first)
         self.timeline: list[tuple[float, int]] = [(0.0, first)]
         self._routing_done = False
         for i, sim in enumerate(self.instances):
@@ -241,8 +274,8 @@ class ClusterSimulation:
 
     def view(self) -> ClusterView:
         states, scraped_at = self.scrape.read(self.env.now)
-        return ClusterView(states, tuple(self.in_flight), scraped_at,
-                           () if all(self.serving) else tuple(self.serving))
+        serving = self.pool.serving
+        return ClusterView(states, tuple(self.in_flight), scraped_at, () if all(serving) else tuple(serving))
 
     def _route_process(self):
         trace, env = self.trace, self.env
@@ -252,7 +285,7 @@ class ClusterSimulation:
                 yield env.timeout(arrival - env.now)
             request = route_request(trace, row)
             chosen = checked_choice(self.router, request, self.view())
-            if not self.serving[chosen]:
+            if not self.pool.serving[chosen]:
                 raise RouterError(f"router {type(self.router).__name__} chose instance {chosen} for request "
                                   f"{request_id_of(row)}, which takes no new requests (ClusterView.candidates lists those that do)")
             self.placement[row] = chosen
@@ -265,39 +298,28 @@ class ClusterSimulation:
 
     def _scale_process(self):
         """Every interval: ask the autoscaler; launch (serving after the cold start) or retire one."""
-        scaling, env = self.scaling, self.env
+        scaling, env = self.pool.scaling, self.env
         while not self._routing_done:
             yield env.timeout(scaling.interval_s)
-            view = self.view()
-            serving = [i for i in range(len(self.instances)) if self.serving[i]]
-            in_service = ClusterView(tuple(view.instances[i] for i in serving), tuple(view.in_flight[i] for i in serving),
-                                     view.scraped_at_s)
-            change = scaling.autoscaler.decide(in_service)
-            starting = sum(1 for i, t in enumerate(self.launched_s) if t is not None and self.retired_s[i] is None)
-            if change > 0 and starting < scaling.max_instances:
-                spare = next((i for i, t in enumerate(self.launched_s) if t is None), None)
-                if spare is not None:
-                    self.launched_s[spare] = env.now
-                    env.process(self._serve_after(spare, scaling.cold_start_s))
-            elif change < 0 and len(serving) > scaling.min_instances:
-                retired = max(serving, key=lambda i: self.launched_s[i])  # the newest goes first
-                self.serving[retired] = False
-                self.retired_s[retired] = env.now
-                self.timeline.append((env.now, sum(self.serving)))
+            decision = self.pool.decide(self.view(), env.now)
+            if decision is not None and decision[0] == "launch":
+                env.process(self._serve_after(decision[1], scaling.cold_start_s))
+            elif decision is not None:
+                self.timeline.append((env.now, sum(self.pool.serving)))
 
     def _serve_after(self, instance: int, delay_s: float):
         yield self.env.timeout(delay_s)
-        self.serving[instance] = True
-        self.timeline.append((self.env.now, sum(self.serving)))
+        self.pool.serving[instance] = True
+        self.timeline.append((self.env.now, sum(self.pool.serving)))
 
     def run(self) -> ClusterRun:
         started = time.perf_counter()
         self.env.process(self._route_process())
-        if self.scaling is not None:
+        if self.pool.scaling is not None:
             self.env.process(self._scale_process())
         done = [sim.start() for sim in self.instances]
         with cyclic_gc_paused():
             self.env.run(until=simpy.AllOf(self.env, done))
         wall = time.perf_counter() - started
-        return ClusterRun([sim.result(wall) for sim in self.instances], self.placement, wall, self.launched_s,
-                          self.retired_s, self.timeline)
+        return ClusterRun([sim.result(wall) for sim in self.instances], self.placement, wall, self.pool.launched_s,
+                          self.pool.retired_s, self.timeline)

@@ -40,7 +40,15 @@ from kvsim.policies.engine import EngineCore
 from kvsim.policies.kv_store import share_store
 from kvsim.policies.request import Request, Status
 from kvsim.policies.trace_feed import add_trace_request, request_id_of
-from kvsim.sim.cluster.cluster import ClusterRun, Scaling, Scrape, _SummedStats, checked_choice, route_request
+from kvsim.sim.cluster.cluster import (
+    ClusterRun,
+    ScaledPool,
+    Scaling,
+    Scrape,
+    _SummedStats,
+    checked_choice,
+    route_request,
+)
 from kvsim.sim.cluster.kv_transfer import PoolPlacement, exposed_s
 from kvsim.sim.cluster.routers import ClusterView, Router, RouterError
 from kvsim.sim.perf.step_timer import StepTimer
@@ -196,14 +204,10 @@ class PDClusterSimulation:
         self.receiving = [simpy.Resource(self.env, capacity=1) for _ in self.decode]
         self._settled = 0  # rows whose prefill side is over (rejected, ended there, or KV delivered)
         self._routing_done = False
-        self.scaling = scaling
         sizes = (len(self.prefill), len(self.decode))
         first = sizes if initial is None else initial
-        if not all(1 <= f <= n for f, n in zip(first, sizes)):
-            raise ValueError(f"initial instances {first} must be in [1, {sizes}] per pool")
-        self.serving = tuple([i < f for i in range(n)] for f, n in zip(first, sizes))
-        self.launched_s = tuple([0.0 if i < f else None for i in range(n)] for f, n in zip(first, sizes))
-        self.retired_s = tuple([None] * n for n in sizes)
+        self.pools = tuple(ScaledPool.of(None if scaling is None else scaling[pool], sizes[pool], first[pool])
+                           for pool in range(2))
         self.timeline: list[tuple[float, int]] = [(0.0, sum(first))]
         for i, sim in enumerate(self.prefill):
             sim.engine.hold_finished_kv = True
@@ -218,7 +222,7 @@ class PDClusterSimulation:
     # --- routing ---------------------------------------------------------------------------
     def _view(self, pool: int) -> ClusterView:
         states, scraped_at = self.scrapes[pool].read(self.env.now)
-        serving = self.serving[pool]
+        serving = self.pools[pool].serving
         return ClusterView(states, tuple(self.in_flight[pool]), scraped_at, () if all(serving) else tuple(serving))
 
     def _route_process(self):
@@ -229,7 +233,7 @@ class PDClusterSimulation:
             request = route_request(self.trace, row)
             chosen = [checked_choice(router, request, self._view(pool)) for pool, router in enumerate(self.routers)]
             for pool, instance in enumerate(chosen):
-                if not self.serving[pool][instance]:
+                if not self.pools[pool].serving[instance]:
                     raise RouterError(f"router {type(self.routers[pool]).__name__} chose {POOLS[pool]} instance {instance} "
                                       f"for request {request_id_of(row)}, which takes no new requests "
                                       "(ClusterView.candidates lists those that do)")
@@ -320,45 +324,36 @@ class PDClusterSimulation:
 
     # --- scaling ----------------------------------------------------------------------------
     def _scale_process(self, pool: int):
-        """Every interval: ask the pool's autoscaler about the pool's instances in service; launch
-        one (serving after its cold start) or retire the newest, within the pool's bounds."""
-        scaling, env = self.scaling[pool], self.env
-        serving, launched, retired = self.serving[pool], self.launched_s[pool], self.retired_s[pool]
+        """Every interval: the pool's autoscaler on the pool's instances in service (ScaledPool.decide)."""
+        scaled, env = self.pools[pool], self.env
         while not self._routing_done:
-            yield env.timeout(scaling.interval_s)
-            view = self._view(pool)
-            live = [i for i, on in enumerate(serving) if on]
-            in_service = ClusterView(tuple(view.instances[i] for i in live), tuple(view.in_flight[i] for i in live),
-                                     view.scraped_at_s)
-            change = scaling.autoscaler.decide(in_service)
-            started = sum(1 for i, t in enumerate(launched) if t is not None and retired[i] is None)
-            if change > 0 and started < scaling.max_instances:
-                spare = next((i for i, t in enumerate(launched) if t is None), None)
-                if spare is not None:
-                    launched[spare] = env.now
-                    env.process(self._serve_after(pool, spare, scaling.cold_start_s))
-            elif change < 0 and len(live) > scaling.min_instances:
-                newest = max(live, key=lambda i: launched[i])
-                serving[newest] = False
-                retired[newest] = env.now
-                self.timeline.append((env.now, sum(map(sum, self.serving))))
+            yield env.timeout(scaled.scaling.interval_s)
+            decision = scaled.decide(self._view(pool), env.now)
+            if decision is not None and decision[0] == "launch":
+                env.process(self._serve_after(pool, decision[1], scaled.scaling.cold_start_s))
+            elif decision is not None:
+                self.timeline.append((env.now, self._serving()))
 
     def _serve_after(self, pool: int, instance: int, delay_s: float):
         yield self.env.timeout(delay_s)
-        self.serving[pool][instance] = True
-        self.timeline.append((self.env.now, sum(map(sum, self.serving))))
+        self.pools[pool].serving[instance] = True
+        self.timeline.append((self.env.now, self._serving()))
+
+    def _serving(self) -> int:
+        return sum(sum(scaled.serving) for scaled in self.pools)
 
     def run(self) -> PDRun:
         started = time.perf_counter()
         self.env.process(self._route_process())
-        if self.scaling is not None:
-            for pool in range(2):
+        for pool, scaled in enumerate(self.pools):
+            if scaled.scaling is not None:
                 self.env.process(self._scale_process(pool))
         sims = self.prefill + self.decode
         done = [sim.start() for sim in sims]
         with cyclic_gc_paused():
             self.env.run(until=simpy.AllOf(self.env, done))
         wall = time.perf_counter() - started
-        return PDRun([sim.result(wall) for sim in sims], self.prefill_of, wall, [*self.launched_s[0], *self.launched_s[1]],
-                     [*self.retired_s[0], *self.retired_s[1]], self.timeline,
+        prefill, decode = self.pools
+        return PDRun([sim.result(wall) for sim in sims], self.prefill_of, wall, [*prefill.launched_s, *decode.launched_s],
+                     [*prefill.retired_s, *decode.retired_s], self.timeline,
                      num_prefill=len(self.prefill), decode_of=self.decode_of, transfers=self.transfers, trace=self.trace)
