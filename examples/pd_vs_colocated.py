@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 
-from kvsim.sim.cluster.routers import make_router
 from kvsim.sim.cluster.runner import run_cluster
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 
@@ -29,7 +28,7 @@ SPLITS = [("co-located 8", {"instances": 8}),
 
 def measure(config: RunConfig, ttft_slo: float, tpot_slo: float) -> dict:
     resolved, trace = resolve(config), load_run_trace(config)
-    run, summary = run_cluster(resolved, trace, make_router(config.router), None, decisions="off")
+    run, summary = run_cluster(resolved, trace, None, decisions="off")
     good = 0
     for r in run.user_requests():
         if r.finish_s is None or r.first_token_s is None:

@@ -66,8 +66,7 @@ def simulate(out_dir: Path, check: bool, overwrite: bool, quiet: bool, decisions
     try:
         with stage as tmp:  # a failure from here on is kvsim's (or a plugin's), not the input's
             if config.is_cluster:
-                router = make_router(config.router, config.router_params)
-                _, summary = run_cluster(resolved, trace, router, tmp, check=check, decisions=decisions)
+                _, summary = run_cluster(resolved, trace, tmp, check=check, decisions=decisions)
             elif config.api_server or config.max_concurrency:  # the clients' sends, then the engine's run of them
                 _, summary = run_with_clients(resolved, trace, timer, tmp, check=check, progress=not quiet, decisions=decisions)
             else:  # one instance: the router has nothing to choose

@@ -78,11 +78,12 @@ def pool_sizes(config: RunConfig, scaling: Scaling | None) -> tuple[int, int]:
     return max(config.prefill_instances, top), max(config.decode_instances, top)
 
 
-def run_cluster(resolved: ResolvedRun, trace: Trace, router: Router, out_dir: Path | None,
-                *, check: bool = False, decisions: str = "summary") -> tuple[ClusterRun, dict]:
-    """The configured instances behind ``router`` (and its autoscaler), or the P/D pools; with
-    ``out_dir``, its files."""
+def run_cluster(resolved: ResolvedRun, trace: Trace, out_dir: Path | None, *, router: Router | None = None,
+                check: bool = False, decisions: str = "summary") -> tuple[ClusterRun, dict]:
+    """The configured instances behind ``router`` (None: the configured one) and its autoscaler, or
+    the P/D pools; with ``out_dir``, its files."""
     config = resolved.config
+    router = make_router(config.router, config.router_params) if router is None else router
     scaling = scaling_of(resolved)
     setup = pd_setup_of(resolved, scaling)
     instances = sum(pool_sizes(config, scaling)) if setup else max(config.instances, scaling.max_instances if scaling else 0)

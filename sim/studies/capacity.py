@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvsim.policies.request import Request, Status
-from kvsim.sim.cluster.routers import make_router
 from kvsim.sim.cluster.runner import run_cluster
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
@@ -215,17 +214,15 @@ def probe(config: RunConfig, rate: float, slo: Slo) -> Probe:
     resolved = resolve(at_rate)
     trace = load_run_trace(at_rate)
     if config.is_cluster:
-        cluster, summary = run_cluster(resolved, trace, make_router(config.router, config.router_params), None,
-                                       decisions="off")
+        cluster, summary = run_cluster(resolved, trace, None, decisions="off")
         result = evaluate(cluster.user_requests(), summary, slo)
-        result.rate = rate
-        return result
-    watch = SloWatch(CostModelTimer(resolved.cost_model()), slo, len(trace))
-    try:
-        run = simulate(trace, resolved.new_engine(), watch)
-    except SloMissed as missed:
-        return Probe(rate=rate, met=False, stopped_early=True, latencies={str(missed): None})
-    result = evaluate(run.requests, run.summary(), slo)
+    else:
+        watch = SloWatch(CostModelTimer(resolved.cost_model()), slo, len(trace))
+        try:
+            run = simulate(trace, resolved.new_engine(), watch)
+        except SloMissed as missed:
+            return Probe(rate=rate, met=False, stopped_early=True, latencies={str(missed): None})
+        result = evaluate(run.requests, run.summary(), slo)
     result.rate = rate
     return result
 

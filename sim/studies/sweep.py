@@ -87,7 +87,6 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
     A point that fails (bad combination, plugin error) is recorded with its error; the
     sweep goes on.
     """
-    from kvsim.sim.cluster.routers import make_router
     from kvsim.sim.cluster.runner import run_cluster
     from kvsim.sim.perf.cost_model import CostModelTimer
     from kvsim.sim.run.clients import run_with_clients
@@ -100,7 +99,7 @@ def run_one(name: str, settings: dict, config: RunConfig, out_dir: str) -> dict:
         trace = load_run_trace(config)
         with staged_dir(Path(out_dir) / point_dir_name(name)) as tmp:
             if config.is_cluster:  # as kvsim simulate runs it: instances behind the router
-                _, summary = run_cluster(resolved, trace, make_router(config.router, config.router_params), tmp)
+                _, summary = run_cluster(resolved, trace, tmp)
             else:
                 clients = config.api_server or config.max_concurrency
                 timer = CostModelTimer(resolved.cost_model())
