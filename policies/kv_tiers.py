@@ -108,8 +108,7 @@ class KVTiers:
     _pending: list[_Promotion] = field(default_factory=list)  # promotions decided this step
     _puts: list[int] = field(default_factory=list)  # prefixes this step computes, for the store
     _starts: deque[float] = field(default_factory=deque)  # the last prefetch_steps step starts
-    _link_free_at: float = 0.0
-    _card_free_at: float = 0.0
+    _free_at: dict[str, float] = field(default_factory=lambda: {"host link": 0.0, "network card": 0.0})
 
     def __post_init__(self) -> None:
         if self.config.store is not None and self.store is None:
@@ -205,18 +204,12 @@ class KVTiers:
         known_from = start if n == 0 else self._starts[0] if len(self._starts) == n else 0.0
         wait = 0.0
         for p in self._pending:
-            if p.host_blocks or p.ssd_blocks:
-                took = self.transfer_s(p.host_blocks, p.ssd_blocks)
-                done = max(p.arrival_s, known_from, self._link_free_at) + took
-                self._link_free_at = done
-                self.stats.transfer_s += took
-                wait = max(wait, done - start)
-            if p.store_blocks:
-                took = self.store_read_s(p.store_blocks)
-                done = max(p.arrival_s, known_from, self._card_free_at) + took
-                self._card_free_at = done
-                self.stats.transfer_s += took
-                wait = max(wait, done - start)
+            for link, took in (("host link", self.transfer_s(p.host_blocks, p.ssd_blocks)),
+                               ("network card", self.store_read_s(p.store_blocks))):
+                if took:
+                    done = self._free_at[link] = max(p.arrival_s, known_from, self._free_at[link]) + took
+                    self.stats.transfer_s += took
+                    wait = max(wait, done - start)
         self._pending.clear()
         if self._puts:
             index = self.device_index

@@ -45,7 +45,7 @@ from kvsim.realexec.graphs import engine_of
 from kvsim.realexec.profile_bench import KVPool, OperatorBenches, StepRecords, engine_run, measure, sweep_samples
 from kvsim.realexec.profile_fit import FitError, Measurements, fit_groups, stack
 from kvsim.realexec.profile_shapes import StepShape, Sweep, footprint, sweep_for
-from kvsim.realexec.speed_check import fit_ratio, reference_steps
+from kvsim.realexec.speed_check import median_ratio, reference_steps
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import DeviceProfile, load_device, save_device
 from kvsim.sim.perf.memory import plan_memory
@@ -142,7 +142,7 @@ def profile(
 
     device, errors = fit_groups(spec, replace(base, engine=engine), first, data, kv_dtype)
     cost = CostModel(spec, device, first, kv_dtype)
-    landed = fit_ratio(list(references.values()), [float(cost.predict(s.features)) for s in reference_samples])
+    landed = median_ratio(list(references.values()), [float(cost.predict(s.features)) for s in reference_samples])
     device = replace(device, reference_steps_s=references, reference_fit_ratio=round(landed, 4))
     predicted = cost.predict(stack(held_out.features))
     seconds, kinds = np.array(held_out.seconds), np.array(held_out.kinds)

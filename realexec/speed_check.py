@@ -48,7 +48,7 @@ class SpeedCheck:
     @property
     def ratio(self) -> float:
         """Median of measured / predicted: 1.3 means the steps took 30 % longer than the profile predicts."""
-        return float(np.median(np.array(self.measured_s) / np.array(self.predicted_s)))
+        return median_ratio(self.measured_s, self.predicted_s)
 
     @property
     def machine_ratio(self) -> float:
@@ -56,7 +56,7 @@ class SpeedCheck:
         over the prediction (``ratio``) where the profile recorded no reference steps."""
         if not self.profiled_s:
             return self.ratio
-        return float(np.median(np.array(self.measured_s) / np.array(self.profiled_s)))
+        return median_ratio(self.measured_s, self.profiled_s)
 
     def to_dict(self) -> dict:
         return {"labels": self.labels, "measured_s": self.measured_s, "predicted_s": self.predicted_s,
@@ -96,9 +96,10 @@ def reference_steps(backend: KernelBackend, spec: ModelSpec, block_size: int, kv
     return dict(zip(REFERENCE_LABELS, measured)), samples
 
 
-def fit_ratio(measured_s: Sequence[float], predicted_s: Sequence[float]) -> float:
-    """Median over the reference steps of measured / predicted: where a fit landed against them."""
-    return float(np.median(np.asarray(measured_s) / np.asarray(predicted_s)))
+def median_ratio(seconds: Sequence[float], against: Sequence[float]) -> float:
+    """Median over the reference steps of ``seconds / against`` (now over predicted, now over when
+    profiled, or, in ``kvsim profile``, when profiled over the fit's prediction)."""
+    return float(np.median(np.asarray(seconds) / np.asarray(against)))
 
 
 def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:

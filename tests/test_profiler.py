@@ -212,11 +212,11 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     assert list(loaded.reference_steps_s) == [label for label, _ in REFERENCE_SHAPES]
     assert all(np.isfinite(s) and s > 0 for s in loaded.reference_steps_s.values())
     # and where the fit landed against them, which validate's verdict weighs: recomputed from the recorded times
-    from kvsim.realexec.speed_check import fit_ratio, reference_times
+    from kvsim.realexec.speed_check import median_ratio, reference_times
 
     _, samples = reference_times(get_backend("cpu"), TINY, BS, "fp32", 3)
     predicted = [float(CostModel(TINY, loaded, BS).predict(sample.features)) for sample in samples]
-    assert loaded.reference_fit_ratio == round(fit_ratio(list(loaded.reference_steps_s.values()), predicted), 4) > 0
+    assert loaded.reference_fit_ratio == round(median_ratio(list(loaded.reference_steps_s.values()), predicted), 4) > 0
     assert any(line.startswith("the reference steps timed right after the cases took") for line in lines)
 
 
