@@ -276,8 +276,8 @@ class EngineCore:
                 self._admit_swapped(step, limit)
             if not self.swapped:  # a swapped request that cannot come back yet holds the line
                 self._admit_waiting(step, limit)
-        if not step.scheduled and not self.running and not self.swapped and self.waiting:
-            self._reject_unschedulable(step.plan)
+        if not step.scheduled and not self.running and not self.swapped and self.waiting and not self.held:
+            self._reject_unschedulable(step.plan)  # (blocks held for a connector come back once sent)
 
         self._fill_plan(step, detail)
         self._in_flight = step
@@ -504,8 +504,14 @@ class EngineCore:
             self._loose.remove(request)
         self._running_seats -= request.seats
 
+    def waits_for_held_kv(self, plan: StepPlan) -> bool:
+        """Nothing ran and nothing could be admitted, with blocks held for a connector: the engine can only
+        wait for a held prompt's KV to leave (:meth:`release_kv`)."""
+        return bool(self.held) and plan.is_empty and not self.running and not self.swapped
+
     def _reject_unschedulable(self, plan: StepPlan) -> None:
-        """Nothing runs and nothing can be admitted: the head of the policy's queue can never run."""
+        """Nothing runs and nothing can be admitted, and no held block will come back: the head of the
+        policy's queue can never run."""
         request = next(iter(self.policy.waiting_order(self.view.waiting, self.view)))
         self._leave_waiting(request)
         request.status = Status.REJECTED

@@ -83,8 +83,8 @@ def test_one_transfer_takes_latency_plus_bytes_over_the_links_bandwidth(kv_link:
                                       if kv_link == "intra" else
                                       (topology.inter_bandwidth, topology.inter_efficiency, topology.inter_latency_s))
     prompt = int(load_run_trace(config).prompt_tokens[0])
-    nbytes = resolved.memory.bytes_per_block / config.block_size * prompt
-    assert transfer.link == kv_link and transfer.nbytes == pytest.approx(nbytes)
+    nbytes = resolved.memory.bytes_per_block * -(-prompt // config.block_size)  # whole blocks, the last one partly filled
+    assert prompt % config.block_size and transfer.link == kv_link and transfer.nbytes == nbytes
     assert transfer.delay_s == pytest.approx(latency + nbytes / (bandwidth * efficiency), rel=1e-9)
     (row,) = run.request_tuples()
     assert row[PD_REQUEST_COLUMNS.index("kv_transfer_s")] == pytest.approx(transfer.delay_s)
@@ -248,3 +248,21 @@ def test_a_decode_router_that_picks_an_idle_spare_is_one_line_exit_2(tmp_path: P
     assert result.exit_code == 2, result.output
     assert "router Last chose decode instance 3" in result.output and "takes no new requests" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_prefill_instance_whose_blocks_wait_to_be_sent_waits_for_them_rather_than_rejecting():
+    """The real executor's default workload as a pair: 64 blocks, prompts of up to 38, each prompt's blocks held
+    until its KV has left. Before the fix 6 of 41 requests were rejected as unschedulable on the prefill side."""
+    from kvsim.cli.execute import REAL_DEFAULTS
+
+    config = REAL_DEFAULTS.updated(prefill_instances=1, decode_instances=1)
+    run = _pd(config, check=True)
+    _check_conservation(run, 41)
+    assert run.summary()["requests_rejected"] == 0
+    prefill = run.runs[0]
+    waited = [r for r in prefill.requests if r.admitted_step > 0 and prefill.steps.rows[r.admitted_step - 1][2] == 0.0]
+    assert waited, "no prefill step found the pool full of held KV: the case is not exercised"
+    # a prompt the pool can never hold is still refused, and the others served
+    tight = _pd(config.updated(num_blocks=30, max_requests=6), check=True)
+    _check_conservation(tight, 6)
+    assert list(tight.summary()["rejection_reasons"]) == ["exceeds_kv_pool"]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import simpy
 
+from kvsim.policies.blocks import cdiv
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.kv_store import share_store
 from kvsim.policies.request import Request, Status
@@ -49,7 +50,7 @@ from kvsim.sim.cluster.cluster import (
     checked_choice,
     route_request,
 )
-from kvsim.sim.cluster.kv_transfer import PoolPlacement, exposed_s
+from kvsim.sim.cluster.kv_transfer import KVMover, PoolPlacement, PricedMover
 from kvsim.sim.cluster.routers import ClusterView, Router, RouterError
 from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun
@@ -91,18 +92,17 @@ class PDSetup:
     connector: str
 
     @property
-    def bytes_per_token_rank(self) -> float:
-        """The larger of the two layouts' per-rank KV bytes a token (kv_transfer module docstring)."""
-        return max(map(_kv_bytes_per_token_rank, (self.prefill, self.decode)))
+    def block_bytes_rank(self) -> int:
+        """The larger of the two layouts' per-rank bytes of a KV block (kv_transfer module docstring)."""
+        return max(self.prefill.memory.bytes_per_block, self.decode.memory.bytes_per_block)
+
+    def blocks(self, tokens: int) -> int:
+        """The blocks a prompt of ``tokens`` fills: a connector moves whole blocks."""
+        return cdiv(tokens, self.prefill.config.block_size)
 
     def total_bytes(self, tokens: int) -> int:
         layout = self.prefill.layout
-        return int(_kv_bytes_per_token_rank(self.prefill) * tokens * layout.tensor_parallel_size * layout.pipeline_parallel_size)
-
-
-def _kv_bytes_per_token_rank(run: ResolvedRun) -> float:
-    """One rank's KV bytes a token in ``run``'s layout (the memory model's block over its tokens)."""
-    return run.memory.bytes_per_block / run.config.block_size
+        return self.prefill.memory.bytes_per_block * self.blocks(tokens) * layout.tensor_parallel_size * layout.pipeline_parallel_size
 
 
 @dataclass
@@ -176,14 +176,17 @@ class PDClusterSimulation:
     def __init__(self, trace: Trace, setup: PDSetup, prefill_timers: list[StepTimer], decode_timers: list[StepTimer],
                  router: Router, decode_router: Router, staleness_s: float = 0.0,
                  prefill_options: list[SimOptions] | None = None, decode_options: list[SimOptions] | None = None,
-                 scaling: tuple[Scaling, Scaling] | None = None, initial: tuple[int, int] | None = None) -> None:
+                 scaling: tuple[Scaling, Scaling] | None = None, initial: tuple[int, int] | None = None,
+                 mover: KVMover | None = None) -> None:
         """``*_timers``: one per instance each pool may run (its autoscaler's maximum); ``initial``
-        of them serve from the start (all without ``scaling``, one autoscaler a pool)."""
+        of them serve from the start (all without ``scaling``, one autoscaler a pool). ``mover``: what
+        moves a prompt's KV and how long it takes (None: the link model's price, ``PricedMover``)."""
         if not prefill_timers or not decode_timers:
             raise ValueError("a P/D cluster needs at least one prefill and one decode instance")
         if trace.has_parallel_samples:
             raise ValueError(f"{trace.source}: P/D disaggregation serves one sample a request (the trace has n_samples > 1)")
         self.trace, self.setup = trace, setup
+        self.mover = mover or PricedMover(setup.connector, setup.prefill.model.num_layers)
         self.routers = (router, decode_router)
         self.env = simpy.Environment()
         prefill_trace = replace(trace, output_tokens=np.ones(len(trace), dtype=np.int64))  # the proxy's max_tokens = 1
@@ -273,7 +276,7 @@ class PDClusterSimulation:
         decode = int(self.decode_of[row])
         link = setup.placement.link(instance, decode)
         tokens = request.prompt_tokens
-        nbytes_rank = setup.bytes_per_token_rank * tokens
+        nbytes_rank = setup.block_bytes_rank * setup.blocks(tokens)
         started = self.prefill[instance].times.first_scheduled[request.request_id]
         ended = env.now
         with self.links[instance].request() as sending:
@@ -281,11 +284,11 @@ class PDClusterSimulation:
             # asked for once the send link is held, never the other way round: no two transfers wait on each other
             with self.receiving[decode].request() as receiving:
                 yield receiving
-                exposed = exposed_s(setup.connector, link, nbytes_rank, ended - started, setup.prefill.model.num_layers)
+                wire, exposed = self.mover.move(request, instance, decode, link, nbytes_rank, ended - started)
                 yield env.timeout(exposed)
         self.prefill[instance].release_kv(request.request_id)
         self.transfers[row] = Transfer(row, instance, decode, link.kind, setup.total_bytes(tokens), ended,
-                                       link.seconds(nbytes_rank), exposed, env.now)
+                                       wire, exposed, env.now)
         self.decode[decode].hand(row, at_s=env.now)
         self._settle(row, delivered=True)
 

@@ -1,10 +1,11 @@
 """What moving a prompt's KV from a prefill instance to a decode instance costs (P/D disaggregation).
 
-The bytes: the memory model's KV bytes per token of one rank (``bytes_per_block / block_size``:
-the layout's share of the heads and layers, the KV dtype, MLA's latent where the model has it)
-times the prompt's tokens. Every rank sends its own shard over its own device's link at once, so
-the time is that of one rank's shard; where the two pools' layouts differ, the side whose ranks
-hold more per token sets it. The reported bytes are every rank's.
+The bytes: the memory model's KV block of one rank (``bytes_per_block``: the layout's share of the
+heads and layers, the KV dtype, MLA's latent where the model has it) times the blocks the prompt
+fills, the last one partly: connectors move whole blocks (vLLM's NixlConnector reads the block ids
+the scheduler hands it; vllm-ascend's Mooncake connector registers and sends blocks). Every rank
+sends its own shard over its own device's link at once, so the time is that of one rank's shard;
+where the two pools' layouts differ, the side whose ranks hold more per block sets it. The reported bytes are every rank's.
 
 The link (sim/perf/topology.py): pools are laid out on the device's nodes in order, the prefill
 instances' devices first, then the decode instances'; two instances whose first devices share a
@@ -29,7 +30,9 @@ Two connector behaviours:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+from kvsim.policies.request import Request
 from kvsim.sim.perf.topology import Topology
 
 CONNECTORS = ("after-prefill", "layerwise")
@@ -57,6 +60,39 @@ def exposed_s(connector: str, link: KVLink, nbytes: float, prefill_s: float, num
         return link.latency_s + wire
     layers = max(num_layers, 1)
     return link.latency_s + max(wire / layers, wire - prefill_s * (layers - 1) / layers)
+
+
+class KVMover(Protocol):
+    """Moves one prompt's KV between a P/D pair's instances: ``move`` gives (the whole transfer's seconds,
+    the seconds it stays exposed after the prefill's end). The simulator prices it (:class:`PricedMover`);
+    a real pair sends the KV and measures it (realexec/pd_pair.py)."""
+
+    def move(self, request: Request, prefill: int, decode: int, link: KVLink, nbytes_rank: float,
+             prefill_s: float) -> tuple[float, float]: ...
+
+
+@dataclass(frozen=True)
+class PricedMover:
+    """The link model's transfer: ``link.seconds`` for the whole KV, the connector's exposed share (module docstring)."""
+
+    connector: str
+    num_layers: int
+
+    def move(self, request: Request, prefill: int, decode: int, link: KVLink, nbytes_rank: float,
+             prefill_s: float) -> tuple[float, float]:
+        return link.seconds(nbytes_rank), exposed_s(self.connector, link, nbytes_rank, prefill_s, self.num_layers)
+
+
+@dataclass(frozen=True)
+class RecordedMover:
+    """A real pair's measured transfers, by trace row, handed back to a replay of its run (both figures the measured one)."""
+
+    seconds: dict[int, float]
+
+    def move(self, request: Request, prefill: int, decode: int, link: KVLink, nbytes_rank: float,
+             prefill_s: float) -> tuple[float, float]:
+        measured = self.seconds[request.trace_index]
+        return measured, measured
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,18 @@ with an ``instance`` column, ``steps.csv`` with one too (every instance's steps,
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
 from kvsim.sim.cluster.autoscaler import DEFAULT_LOAD_BANDWIDTH, make_autoscaler
 from kvsim.sim.cluster.cluster import ClusterRun, ClusterSimulation, Scaling
 from kvsim.sim.cluster.disagg import PD_REQUEST_COLUMNS, PDClusterSimulation, PDSetup
-from kvsim.sim.cluster.kv_transfer import place_pools
+from kvsim.sim.cluster.kv_transfer import KVMover, place_pools
 from kvsim.sim.cluster.partitioned import Outputs, PartitionedCluster
 from kvsim.sim.cluster.routers import Router, make_router
 from kvsim.sim.perf.cost_model import CostModelTimer
+from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
 from kvsim.sim.run.metrics import REQUEST_COLUMNS, STEP_COLUMNS
 from kvsim.sim.run.outputs import REQUESTS, STEPS, atomic_open, write_summary
@@ -79,9 +80,14 @@ def pool_sizes(config: RunConfig, scaling: Scaling | None) -> tuple[int, int]:
 
 
 def run_cluster(resolved: ResolvedRun, trace: Trace, out_dir: Path | None, *, router: Router | None = None,
-                check: bool = False, decisions: str = "summary") -> tuple[ClusterRun, dict]:
+                check: bool = False, decisions: str = "summary", timers: list[StepTimer] | None = None,
+                mover: KVMover | None = None, summary_extras: Callable[[ClusterRun], dict] | None = None,
+                ) -> tuple[ClusterRun, dict]:
     """The configured instances behind ``router`` (None: the configured one) and its autoscaler, or
-    the P/D pools; with ``out_dir``, its files."""
+    the P/D pools; with ``out_dir``, its files. ``timers`` (one an instance, the prefill pool's first)
+    and ``mover`` replace the cost model's step times and the link model's transfers: a real P/D pair's
+    executors and KV channel (realexec/pd_pair.py), or a replay of what they measured.
+    ``summary_extras`` adds what only the caller knows to the summary."""
     config = resolved.config
     router = make_router(config.router, config.router_params) if router is None else router
     scaling = scaling_of(resolved)
@@ -92,8 +98,10 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, out_dir: Path | None, *, ro
         run = PartitionedCluster(trace, resolved, router, config.cluster_workers, config.router_staleness_s, outputs,
                                  config.cluster_backend).run()
     else:
-        run = _one_loop(resolved, trace, router, setup, scaling, instances, outputs)
+        run = _one_loop(resolved, trace, router, setup, scaling, instances, outputs, timers, mover)
     summary = run.summary()
+    if summary_extras is not None:
+        summary.update(summary_extras(run))
     summary["trace"] = {"source": trace.source, "rows": len(trace), "notes": list(trace.notes)}
     summary["router"] = {"name": config.router, "instances": config.instances, "staleness_s": config.router_staleness_s}
     if config.cluster_workers:
@@ -125,23 +133,27 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, out_dir: Path | None, *, ro
 
 
 def _one_loop(resolved: ResolvedRun, trace: Trace, router: Router, setup: PDSetup | None, scaling: Scaling | None,
-              instances: int, outputs: Outputs) -> ClusterRun:
-    """Every instance (or both P/D pools) in one event loop."""
+              instances: int, outputs: Outputs, timers: list[StepTimer] | None = None,
+              mover: KVMover | None = None) -> ClusterRun:
+    """Every instance (or both P/D pools) in one event loop; ``timers``: the run_cluster's."""
     config = resolved.config
     logs = [outputs.decision_log(i, resolved.engine_config.block_size) for i in range(instances)]
     options = [SimOptions(check=outputs.check, decisions=log) for log in logs]
     try:
+        if timers is not None and len(timers) != instances:
+            raise ValueError(f"{len(timers)} step timers for {instances} instances")
         if setup is None:
-            timers = [CostModelTimer(resolved.cost_model()) for _ in range(instances)]
+            timers = timers or [CostModelTimer(resolved.cost_model()) for _ in range(instances)]
             return ClusterSimulation(trace, resolved, timers, router, config.router_staleness_s, options, scaling,
                                      initial_instances=config.instances).run()
         p, d = pool_sizes(config, scaling)
-        timers = [CostModelTimer(pool.cost_model()) for pool in [setup.prefill] * p + [setup.decode] * d]
+        timers = timers or [CostModelTimer(pool.cost_model()) for pool in [setup.prefill] * p + [setup.decode] * d]
         decode_router = make_router(config.decode_router, config.decode_router_params)
         # each pool its own autoscaler's decisions, bounds and cold start (its own weights per rank)
         pools = None if scaling is None else (scaling, replace(scaling, cold_start_s=cold_start_s(setup.decode, config)))
         return PDClusterSimulation(trace, setup, timers[:p], timers[p:], router, decode_router, config.router_staleness_s,
-                                   options[:p], options[p:], pools, (config.prefill_instances, config.decode_instances)).run()
+                                   options[:p], options[p:], pools, (config.prefill_instances, config.decode_instances),
+                                   mover).run()
     finally:
         for log in logs:
             if log is not None:

@@ -162,6 +162,11 @@ class Simulation:
             if now > env.now:
                 yield env.timeout(now - env.now)
             self._commit(plan, start, duration, timing)
+            if engine.held and engine.waits_for_held_kv(plan):  # a P/D prefill instance, full of KV on its way out
+                self._wake = env.event()  # release_kv wakes it
+                yield self._wake
+                self._wake = None
+                self.clock = max(self.clock, env.now)
 
     # --- pieces of the loop ----------------------------------------------------------------
     def _admit_arrivals(self) -> None:
@@ -189,6 +194,7 @@ class Simulation:
         self.engine.release_kv(request_id)
         if self.on_state_change is not None:
             self.on_state_change()
+        self._wake_up()
 
     def feeding_over(self) -> None:
         self._fed = True
