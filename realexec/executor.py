@@ -259,6 +259,11 @@ class Executor:
 
     # ---- queries ---------------------------------------------------------------------
 
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the engine's KV blocks on the device (every layer's key and value caches)."""
+        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+
     def tokens(self, request_id: str) -> list[int]:
         """Tokens generated so far for ``request_id`` (a forked child's include the parent's)."""
         return self._tokens[request_id][self._prompt_lens[request_id] :]

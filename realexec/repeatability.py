@@ -31,7 +31,7 @@ from kvsim.realexec.speed_check import SpeedCheck
 from kvsim.realexec.validation import rel_error
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.device import scaled_profile
-from kvsim.sim.perf.step_timer import StepTiming
+from kvsim.sim.perf.step_timer import StepTimer, StepTiming
 from kvsim.sim.run.config import ResolvedRun
 from kvsim.sim.run.simulator import SimOptions, simulate
 from kvsim.traces.schema import Trace
@@ -100,34 +100,67 @@ class DriftTimer:
         return StepTiming(duration_s=float(predicted * self.model_ratio[i] * self.drift[i]))
 
 
-def real_vs_real(resolved: ResolvedRun, trace: Trace, measured: list[float], predicted: list[float], passes: list[list[float]],
-                 real_summary: dict) -> dict:
+@dataclass(frozen=True)
+class TimedSteps:
+    """One engine's timed steps in a real run (a P/D pair has two engines): each step's measured time,
+    the model's prediction of it, and the model, which times plans unlike the run's."""
+
+    measured: list[float]
+    predicted: list[float]
+    predict: Callable[[StepPlan], float]
+
+
+Replay = Callable[[list[StepTimer]], dict]  # the run's trace again with these step timers (one an engine): its summary
+AtSpeed = Callable[[float], dict]  # the run's trace simulated with every operator this many times as slow: its summary
+
+
+def one_engine(resolved: ResolvedRun, trace: Trace) -> tuple[Replay, AtSpeed]:
+    """:data:`Replay` and :data:`AtSpeed` for a run of one engine."""
+    def replay(timers: list[StepTimer]) -> dict:
+        (timer,) = timers
+        return simulate(trace, resolved.new_engine(), timer, SimOptions()).summary()
+
+    def at_speed(speed: float) -> dict:
+        scaled = at_machine_speed(resolved, speed)
+        return simulate(trace, scaled.new_engine(), CostModelTimer(scaled.cost_model()), SimOptions()).summary()
+
+    return replay, at_speed
+
+
+def at_machine_speed(resolved: ResolvedRun, speed: float) -> ResolvedRun:
+    """``resolved`` with every operator time scaled by ``speed``."""
+    return replace(resolved, device=scaled_profile(resolved.device, speed, why="at the machine's measured speed"))
+
+
+def real_vs_real(engines: list[TimedSteps], passes: list[list[list[float]]], real_summary: dict, replay: Replay) -> dict:
     """Every timing check's real-vs-real spread, from the run's steps timed again (module docstring).
 
-    A figure's spread is its largest move over the passes, each the run's steps times its
-    :func:`drift` replayed through the engine (:class:`DriftTimer`). ``predicted``: the model's
-    time for each of the run's steps, to tell its plans from others.
+    ``passes[e]``: engine ``e``'s steps timed again, one list a pass. A figure's spread is its
+    largest move over the passes, each the run's steps times its :func:`drift` replayed through
+    the engines (:class:`DriftTimer`, one an engine).
     """
-    steps, model = np.asarray(measured), np.asarray(predicted)
-    drifts = [drift(again, measured) for again in passes] if steps.size else []
-    spread: dict[str, float | None] = {"step_mape": max((float(np.mean(np.abs(d - 1.0))) for d in drifts), default=None)}
+    steps = [np.asarray(e.measured) for e in engines]
+    per_pass = list(zip(*[[drift(again, e.measured) for again in engine_passes] for e, engine_passes in zip(engines, passes)]))
+    if not sum(s.size for s in steps):
+        per_pass = []
+    spread: dict[str, float | None] = {"step_mape": max((float(np.mean(np.abs(np.concatenate(d) - 1.0))) for d in per_pass),
+                                                        default=None)}
     figures: dict[str, list[float | None]] = {check: [] for check in SUMMARY_CHECKS}
     unlike = []
-    predict = resolved.cost_model().step_time
-    for d in drifts:
-        timer = DriftTimer(steps, model, d, predict)
-        summary = simulate(trace, resolved.new_engine(), timer, SimOptions()).summary()
-        unlike.append(timer.unlike)
+    for drifts in per_pass:
+        timers = [DriftTimer(m, np.asarray(e.predicted), d, e.predict) for m, e, d in zip(steps, engines, drifts)]
+        summary = replay(timers)
+        unlike.append(sum(t.unlike for t in timers))
         for check in SUMMARY_CHECKS:
             figures[check].append(metric(summary, check))
     for check in SUMMARY_CHECKS:
         moves = [rel_error(value, metric(real_summary, check)) for value in figures[check]]
         spread[check] = None if None in moves else max(moves)
     return {
-        "passes": len(passes),
+        "passes": len(per_pass),
         "spread": spread,
         "figures": figures,
-        "pass_speed": [float(np.median(d)) for d in drifts],  # each pass's steps over the run's
+        "pass_speed": [float(np.median(np.concatenate(d))) for d in per_pass],  # each pass's steps over the run's
         "steps_unlike_the_run": unlike,  # per pass: planned otherwise than the run, so timed by the model
     }
 
@@ -164,14 +197,15 @@ def machine_speed(before: SpeedCheck, after: SpeedCheck) -> MachineSpeed:
     return MachineSpeed(1.0, float(np.median(np.asarray(after.measured_s) / np.asarray(before.measured_s))))
 
 
-def errors_at_speeds(resolved: ResolvedRun, trace: Trace, measured: list[float], predicted: list[float], real_summary: dict,
-                     speeds: tuple[float, ...]) -> dict[str, float | None]:
+def errors_at_speeds(engines: list[TimedSteps], real_summary: dict, speeds: tuple[float, ...], at_speed: AtSpeed,
+                     ) -> dict[str, float | None]:
     """Each timing check's least error over the model scaled to each of ``speeds`` (the machine's, while measuring).
 
     The per-step predictions scale exactly; the latency figures come from the trace simulated
-    again with every operator time scaled (``scaled_profile``).
+    again with every operator time scaled (``at_speed``).
     """
-    steps, model = np.asarray(measured), np.asarray(predicted)
+    steps = np.concatenate([np.asarray(e.measured, dtype=float) for e in engines])
+    model = np.concatenate([np.asarray(e.predicted, dtype=float) for e in engines])
     best: dict[str, float | None] = {check: None for check in TIMING_CHECKS}
 
     def keep(check: str, error: float | None) -> None:
@@ -181,8 +215,7 @@ def errors_at_speeds(resolved: ResolvedRun, trace: Trace, measured: list[float],
     for speed in speeds:
         if steps.size:
             keep("step_mape", float(np.mean(np.abs(model * speed - steps) / steps)))
-        scaled = replace(resolved, device=scaled_profile(resolved.device, speed, why="at the machine's measured speed"))
-        summary = simulate(trace, scaled.new_engine(), CostModelTimer(scaled.cost_model()), SimOptions()).summary()
+        summary = at_speed(speed)
         for check in SUMMARY_CHECKS:
             keep(check, rel_error(metric(summary, check), metric(real_summary, check)))
     return best

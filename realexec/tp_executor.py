@@ -53,7 +53,8 @@ def tensor_parallel_backend(name: str) -> KernelBackend:
     return CpuBackend(wall_clock=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback no one listens on now, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -92,7 +93,7 @@ class TensorParallelExecutor(Executor):
         args = dict(num_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, seed=seed,
                     weights_path=weights_path, kv_dtype=kv_dtype, check=check, keep_plans=keep_plans,
                     timing_repeats=backend.timing_repeats if timing_repeats is None else timing_repeats)
-        setup = RankSetup(spec, size, _free_port(), args, SharedBuffers.make(size) if transport() == "shm" else None,
+        setup = RankSetup(spec, size, free_port(), args, SharedBuffers.make(size) if transport() == "shm" else None,
                           expert_parallel)
         import torch.multiprocessing  # its pickler hands shared tensors to the workers by file descriptor
 

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from kvsim.cli.execute import REAL_DEFAULTS
-from kvsim.realexec.repeatability import DriftTimer, drift, errors_at_speeds, machine_speed, real_vs_real
+from kvsim.realexec.repeatability import (
+    DriftTimer,
+    TimedSteps,
+    drift,
+    errors_at_speeds,
+    machine_speed,
+    one_engine,
+    real_vs_real,
+)
 from kvsim.realexec.speed_check import SpeedCheck
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.device import scaled_profile
@@ -48,7 +56,8 @@ def test_drift_keeps_the_slow_move_and_drops_one_steps_jitter():
 
 def test_steps_timed_again_alike_leave_every_figure_where_it_was(run):
     resolved, trace, measured, predicted, summary = run
-    again = real_vs_real(resolved, trace, measured, predicted, [measured, measured], summary)
+    again = real_vs_real([TimedSteps(measured, predicted, resolved.cost_model().step_time)], [[measured, measured]], summary,
+                         one_engine(resolved, trace)[0])
     assert again["spread"]["step_mape"] == 0.0 and all(v == pytest.approx(0.0, abs=1e-12) for v in again["spread"].values())
     assert again["steps_unlike_the_run"] == [0, 0] and again["pass_speed"] == [1.0, 1.0]
 
@@ -57,7 +66,8 @@ def test_a_machine_slower_when_measured_again_moves_the_figures_by_at_least_that
     """All steps 10 % slower the second time: the step spread is 0.10, and TPOT (every token a step) moves 10 % or more."""
     resolved, trace, measured, predicted, summary = run
     slower = [m * 1.1 for m in measured]
-    again = real_vs_real(resolved, trace, measured, predicted, [measured, slower], summary)
+    again = real_vs_real([TimedSteps(measured, predicted, resolved.cost_model().step_time)], [[measured, slower]], summary,
+                         one_engine(resolved, trace)[0])
     assert again["spread"]["step_mape"] == pytest.approx(0.10)
     assert again["spread"]["tpot_p50_rel_error"] >= 0.10 - 1e-9
     assert again["pass_speed"] == [pytest.approx(1.0), pytest.approx(1.1)]
@@ -97,8 +107,9 @@ def test_errors_at_the_machines_speed_find_the_speed_that_explains_a_uniform_slo
     measured = [d for d, t in zip(slow.steps.column("duration_s"), slow.steps.column("timed")) if t]
     replay = ReplayTimer(measured, predict=resolved.cost_model().step_time)
     simulate(trace, resolved.new_engine(), replay, SimOptions())
-    at_speed = errors_at_speeds(resolved, trace, measured, replay.predicted, slow.summary(), speeds=(1.0, 1.25))
+    engines = [TimedSteps(measured, replay.predicted, resolved.cost_model().step_time)]
+    at_speed = errors_at_speeds(engines, slow.summary(), (1.0, 1.25), one_engine(resolved, trace)[1])
     assert at_speed["step_mape"] == pytest.approx(0.0, abs=1e-9)
     assert at_speed["tpot_p50_rel_error"] == pytest.approx(0.0, abs=1e-9)
-    only_profiled = errors_at_speeds(resolved, trace, measured, replay.predicted, slow.summary(), speeds=(1.0,))
+    only_profiled = errors_at_speeds(engines, slow.summary(), (1.0,), one_engine(resolved, trace)[1])
     assert only_profiled["step_mape"] == pytest.approx(0.2)

@@ -16,6 +16,8 @@ from kvsim.cli.options import decisions_option, run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, BackendUnavailable, KernelBackend, get_backend
 from kvsim.realexec.collective_bench import measure_twice
 from kvsim.realexec.executor import Executor
+from kvsim.realexec.pd_pair import BACKENDS as PAIR_BACKENDS
+from kvsim.realexec.pd_pair import execute_pair
 from kvsim.realexec.tp_executor import TensorParallelExecutor, tensor_parallel_backend
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.outputs import format_summary
@@ -56,9 +58,12 @@ REAL_DEFAULTS = RunConfig(
 )
 
 
-def open_backend(name: str, enforce_eager: bool = False, tensor_parallel_size: int = 1) -> KernelBackend:
+def open_backend(name: str, enforce_eager: bool = False, tensor_parallel_size: int = 1, pair: bool = False) -> KernelBackend:
     """The backend by name (a tensor-parallel rank's, on the wall clock, for TP > 1); one that cannot
-    run here is the user's choice to change (exit 2, its reason)."""
+    run here, or cannot run a P/D ``pair``, is the user's choice to change (exit 2, its reason)."""
+    if pair and name not in PAIR_BACKENDS:
+        raise UserError(f"--backend {name}: the real P/D pair runs on the {', '.join(PAIR_BACKENDS)} backend (two processes "
+                        "on one host); on an accelerator it is not built")
     try:
         if tensor_parallel_size > 1:
             return tensor_parallel_backend(name)
@@ -87,9 +92,28 @@ def require_executor_setup(config: RunConfig) -> None:
     if config.api_server or config.max_concurrency:
         raise UserError("--api-server, --max-concurrency: the real executor replays the trace's arrivals into the engine; "
                         "the benchmark client and API server are simulated only")
+    if config.instances > 1 or config.autoscaler or config.cluster_workers:
+        raise UserError("--instances, --autoscaler, --cluster-workers: the real executor runs one instance or a P/D pair "
+                        "(--prefill-instances 1 --decode-instances 1); clusters are simulated only (kvsim simulate)")
+    if config.disaggregated:
+        require_pair_setup(config)
     if config.kv_offload_host_gb or config.kv_offload_ssd_gb or config.kv_store_gb:
         raise UserError("--kv-offload-host-gb, --kv-offload-ssd-gb, --kv-store-gb: the real executor keeps KV in device "
                         "memory only; KV tiers and a shared store are simulated only (kvsim simulate)")
+
+
+def require_pair_setup(config: RunConfig) -> None:
+    """What the real P/D pair runs (realexec/pd_pair.py): one prefill and one decode instance, each one device,
+    the KV moved after the prefill."""
+    if (config.prefill_instances, config.decode_instances) != (1, 1):
+        raise UserError(f"--prefill-instances {config.prefill_instances} --decode-instances {config.decode_instances}: the "
+                        "real executor runs a P/D pair (1 and 1); larger pools are simulated only (kvsim simulate)")
+    if config.tensor_parallel_size > 1 or config.decode_tensor_parallel_size > 1:
+        raise UserError("--tensor-parallel-size, --decode-tensor-parallel-size: the real P/D pair runs each instance on one "
+                        "device; P/D pools of tensor-parallel instances are simulated only")
+    if config.kv_connector != "after-prefill":
+        raise UserError(f"--kv-connector {config.kv_connector}: the real P/D pair moves a prompt's KV after its prefill "
+                        "(after-prefill); the layerwise connector is simulated only")
 
 
 def for_backend(config: RunConfig, backend: KernelBackend) -> RunConfig:
@@ -145,7 +169,7 @@ def execute_run(config: RunConfig, backend: KernelBackend, out_dir: Path | None,
                 "device_s": sum(d for d in run.steps.column("device_s") if d is not None),
                 "host_s": sum(h for h in run.steps.column("host_s") if h is not None),
                 "peak_memory_bytes": max(memory, default=None),
-                "kv_pool_bytes": sum(k.nbytes + v.nbytes for k, v in executor.kv_caches),
+                "kv_pool_bytes": executor.kv_pool_bytes,
                 "retimed_s": retimed(executor, retime_passes, progress),
                 **({"collectives": measure_twice(executor.time_collectives, resolved.model, tp)} if tp > 1 else {}),
             },
@@ -175,10 +199,15 @@ def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quie
         config = run_config_from(options, base=REAL_DEFAULTS)
         require_executor_setup(config)
         trace = load_run_trace(config)
-        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size)
+        if config.disaggregated and weights is not None:
+            raise UserError("--weights: the real P/D pair runs seeded random weights")
+        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size, config.disaggregated)
     try:
-        _, summary = execute_run(config, kernels, out_dir, trace=trace, weights=weights, check=check, progress=not quiet,
-                                 decisions=decisions)
+        if config.disaggregated:
+            _, summary = execute_pair(for_backend(config, kernels), kernels, out_dir, trace, check=check, decisions=decisions)
+        else:
+            _, summary = execute_run(config, kernels, out_dir, trace=trace, weights=weights, check=check, progress=not quiet,
+                                     decisions=decisions)
     except (ValueError, KeyError, RuntimeError) as exc:  # the run itself failed on the device (exit 1)
         raise click.ClickException(str(exc).strip("'\"")) from None
     if not quiet:

@@ -17,7 +17,7 @@ from kvsim.cli.options import run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend
 from kvsim.realexec.calibration import calibrated_profile, rank_model_file
 from kvsim.realexec.group_profile import profile_for_group
-from kvsim.realexec.repeatability import errors_at_speeds, machine_speed, real_vs_real
+from kvsim.realexec.repeatability import TimedSteps, errors_at_speeds, machine_speed, one_engine, real_vs_real
 from kvsim.realexec.speed_check import speed_check
 from kvsim.realexec.validation import (
     Thresholds,
@@ -72,7 +72,7 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: 
         config = run_config_from(options, base=REAL_DEFAULTS)
         require_executor_setup(config)
         trace = load_run_trace(config)
-        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size)
+        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size, config.disaggregated)
     try:
         if profile_path is None:
             profile_path = machine_profile(reference_backend(kernels), one_device(config), reprofile, echo, thresholds.step_mape)
@@ -83,8 +83,14 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: 
                 echo(removed_terms_line(measured))
             biased = scaled_profile(measured, perturb, row_count_terms=not no_row_count_terms)
             profile_path = save_device(biased, out_dir / "biased-profile.toml")
-        validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet,
-                                    retime_passes=retime_passes)
+        if config.disaggregated:
+            from kvsim.cli.validate_pair import cross_validate_pair
+
+            validation = recorded(cross_validate_pair(config, trace, kernels, profile_path, out_dir, thresholds, retime_passes),
+                                  config, kernels, out_dir)
+        else:
+            validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet,
+                                        retime_passes=retime_passes)
     except (ValueError, KeyError, RuntimeError) as exc:  # profiling or a run failed on the device (exit 1)
         raise click.ClickException(str(exc).strip("'\"")) from None
 
@@ -200,7 +206,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
 
     memory = resolve(config).memory  # what the memory model says the real run's device holds
     kv_pool = real.engine.config.num_blocks * memory.bytes_per_block
-    validation = validate_runs(real, real_summary, sim_summary, decisions, replay_timer.predicted, replay_timer.kinds,
+    validation = validate_runs(timed, real_summary, sim_summary, decisions, replay_timer.predicted, replay_timer.kinds,
                                replay_timer.batch_sizes, kv_pool, memory.weight_bytes + memory.activation_bytes + kv_pool, thresholds)
     validation["timing"]["per_step"]["noise_floor"] = sim_resolved.device.step_timing_noise
     measured = real_summary["measured"]
@@ -212,33 +218,40 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     if collectives is not None:
         validation["timing"]["collectives"] = collectives
     moved = machine_speed(before, speed)
-    again = real_vs_real(sim_resolved, trace, timed, replay_timer.predicted, measured["retimed_s"], real_summary)
+    engines = [TimedSteps(timed, replay_timer.predicted, cost.step_time)]
+    replay, at_speed = one_engine(sim_resolved, trace)
+    again = real_vs_real(engines, [measured["retimed_s"]], real_summary, replay)
     # where the measured profile's fit landed against its own reference steps (a biased copy keeps the original's)
     fit = sim_resolved.device.reference_fit_ratio
     speeds = moved.speeds if fit in (None, 1.0) else (*moved.speeds, *(s * fit for s in moved.speeds))
-    explained = errors_at_speeds(sim_resolved, trace, timed, replay_timer.predicted, real_summary, speeds)
+    explained = errors_at_speeds(engines, real_summary, speeds, at_speed)
     validation["repeatability"] = {**again, "machine_speed": moved.to_dict(), "errors_at_machine_speed": explained,
                                    "profile_fit_ratio": fit}
     validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit).to_dict()
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(
-        backend=backend.name,
-        kv_dtype=memory.kv_dtype,
-        clocks=clocks(backend.clock),
         profile=str(profile_path),
-        config=config.to_dict(),
         series={"step_time": {"measured": timed, "predicted": replay_timer.predicted, "kind": replay_timer.kinds,
                               "batch_size": replay_timer.batch_sizes,
                               "single_run": measured["single_run_s"], "wall": measured["step_wall_s"]}},
     )
+    return recorded(validation, config, backend, out_dir)
+
+
+def recorded(validation: dict, config: RunConfig, backend: KernelBackend, out_dir: Path) -> dict:
+    """``validation`` with the run's backend, KV dtype, clocks and config, written to validation.json."""
+    validation.update(backend=backend.name, kv_dtype=resolve(config).memory.kv_dtype, clocks=clocks(backend.clock),
+                      config=config.to_dict())
     (out_dir / "validation.json").write_text(json.dumps(validation, indent=2) + "\n")
     return validation
 
 
 def one_device(config: RunConfig) -> RunConfig:
-    """What a profile is measured and speed-checked on: the run's model on one device, or under tensor
-    parallelism one rank's model (``rank_model_file``) on one device; the group's links and its ranks'
-    compute beside one another come on top (``profile_for_group``)."""
+    """What a profile is measured and speed-checked on: the run's model on one device (a P/D pair's
+    instance), or under tensor parallelism one rank's model (``rank_model_file``) on one device; the
+    group's links and its ranks' compute beside one another come on top (``profile_for_group``)."""
+    if config.disaggregated:  # a P/D pair's instances are each one device
+        config = config.updated(prefill_instances=0, decode_instances=0)
     if config.tensor_parallel_size == 1:
         return config
     layout = ParallelLayout(config.tensor_parallel_size, enable_expert_parallel=config.enable_expert_parallel)
@@ -312,6 +325,14 @@ def format_checks(validation: dict) -> str:
         lines.append(f"a rank's compute beside its peers' took {links['compute_factor']:.2f}x what one device's did, each against "
                      "the profile's prediction (the reference steps, less the group's collectives): the simulation's operators "
                      "are slowed by it")
+    transfers = validation.get("transfers")
+    if transfers is not None:  # a P/D pair's (sim/cli/validate_pair.py)
+        run, link = transfers["in_run"], transfers["link"]
+        errors = sorted(abs(row["error"]) for row in transfers["checked"])
+        lines.append(f"KV transfers: {run['transfers']} in the run took {run['median_ratio']:.2f}x the fitted link's price "
+                     f"(median; MAPE {run['mape']:.3f}); the link, fitted on the pair's channel after the run: "
+                     f"{link['latency_s'] * 1e6:.0f} us + bytes / {link['bandwidth'] / 1e9:.2f} GB/s, against a second "
+                     f"measurement median |error| {errors[len(errors) // 2]:.1%}, at most {errors[-1]:.1%}")
     decisions = validation["decision_identity"]
     identity = "identical" if decisions["identical"] else f"DIVERGE at step {decisions['first_divergence']['step']}"
     lines.append(f"decision logs: {identity} over {decisions['steps_compared']} steps")
