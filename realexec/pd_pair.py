@@ -296,23 +296,39 @@ def fit_link(timings: list[TransferTiming], base: Topology) -> Topology:
                    intra_latency_s=latency, bandwidth_efficiency=1.0)
 
 
-def link_of(topology: Topology) -> KVLink:
-    return KVLink("intra", topology.intra_bandwidth, topology.bandwidth_efficiency, topology.intra_latency_s)
+CHANNEL_SETS = ("before", "after")  # the channel timed before and after the run
 
 
-def fitted_and_checked(measured: dict[str, list[dict]], base: Topology) -> tuple[Topology, list[dict]]:
-    """The link fitted on ``measured["fit"]``, and its prediction of every ``check`` row beside the measurement."""
-    topology = fit_link([TransferTiming(**row) for row in measured["fit"]], base)
-    link = link_of(topology)
-    rows = [{**row, "predicted_s": link.seconds(row["nbytes"]), "error": link.seconds(row["nbytes"]) / row["median_s"] - 1.0}
-            for row in measured["check"]]
-    return topology, rows
+@dataclass(frozen=True)
+class ChannelFit:
+    """The pair's link fitted on its channel timed before and after the run (``rows``: each size of each set
+    with the link's price of it), and how far the two sets lie apart: the machine's drift over the run."""
+
+    topology: Topology
+    rows: list[dict]
+    spread: float  # the median over sizes of |after / before - 1|
+
+    @property
+    def link(self) -> KVLink:
+        return KVLink("intra", self.topology.intra_bandwidth, self.topology.bandwidth_efficiency, self.topology.intra_latency_s)
 
 
-def measure_channel(channel: PairChannel, largest_blocks: int) -> dict[str, list[dict]]:
-    """A fit set and, right after it, a check set of transfers (JSON-ready rows): the fit never sees the rows it is checked on."""
-    counts = bench_block_counts(largest_blocks)
-    return {name: [vars(t) for t in channel.time_transfers(counts)] for name in ("fit", "check")}
+def fit_channel(measured: dict[str, list[dict]], base: Topology) -> ChannelFit:
+    """The link over the run's span: fitted on both sets of ``measured`` (``measure_channel``'s, by
+    :data:`CHANNEL_SETS`). On the 2-core development VM the run's transfers took 0.78-1.19x what one set
+    timed after the run priced, as the machine moved, while the two sets of one moment agreed within 9-16 %:
+    one moment's set is no check of another's, so neither is held out, and their distance is the spread."""
+    fit = fit_link([TransferTiming(**row) for name in CHANNEL_SETS for row in measured[name]], base)
+    link = KVLink("intra", fit.intra_bandwidth, fit.bandwidth_efficiency, fit.intra_latency_s)
+    rows = [{**row, "set": name, "predicted_s": link.seconds(row["nbytes"]), "error": link.seconds(row["nbytes"]) / row["median_s"] - 1}
+            for name in CHANNEL_SETS for row in measured[name]]
+    moves = sorted(abs(after["median_s"] / before["median_s"] - 1.0) for before, after in zip(*(measured[n] for n in CHANNEL_SETS)))
+    return ChannelFit(fit, rows, moves[len(moves) // 2])
+
+
+def measure_channel(channel: PairChannel, largest_blocks: int) -> list[dict]:
+    """One set of timed transfers, a row a size (JSON-ready)."""
+    return [vars(t) for t in channel.time_transfers(bench_block_counts(largest_blocks))]
 
 
 def save_pair_profile(profile_path: Path, topology: Topology, out: Path) -> Path:
@@ -327,8 +343,8 @@ def execute_pair(config: RunConfig, backend: KernelBackend, out_dir: Path | None
     """Run a 1 + 1 P/D ``config``: the prefill executor in this process, the decode one in a worker, the KV over
     gloo; ``run_cluster``'s run directory, its summary with a ``measured`` block: the clock, each instance's
     ``single_run_s``, ``step_wall_s``, ``kv_pool_bytes`` and ``retimed_s`` (``retime_passes`` passes, as
-    ``kvsim execute`` keeps them), and the channel's transfers timed once the run is over, at sizes up to the
-    trace's longest prompt (``transfers``: a fit set and a check set)."""
+    ``kvsim execute`` keeps them), and the channel's transfers timed before and after the run, at sizes up to
+    the trace's longest prompt (``transfers``: :data:`CHANNEL_SETS`)."""
     from kvsim.sim.cluster.runner import run_cluster
 
     if backend.name not in BACKENDS:
@@ -340,7 +356,8 @@ def execute_pair(config: RunConfig, backend: KernelBackend, out_dir: Path | None
     prefill = PrefillExecutor(resolved.model, backend, **sizing)
     decode = DecodeWorker(resolved.model, **sizing)
     channel = PairChannel(prefill, decode)
-    longest = cdiv(int(trace.prompt_tokens.max(initial=1)), engine.block_size)
+    largest = min(cdiv(int(trace.prompt_tokens.max(initial=1)), engine.block_size), engine.num_blocks)
+    transfers: dict[str, list[dict]] = {}
 
     def measured(run: PDRun) -> dict:
         instances = [{"single_run_s": get("single_run_s"), "step_wall_s": get("wall_s"), "kv_pool_bytes": get("kv_pool_bytes"),
@@ -350,9 +367,10 @@ def execute_pair(config: RunConfig, backend: KernelBackend, out_dir: Path | None
         return {"backend": backend.name, "measured": {
             "clock": backend.clock, "timing_repeats": prefill.timing_repeats, "instances": instances,
             "kv_pool_bytes": instances[0]["kv_pool_bytes"],
-            "transfers": measure_channel(channel, min(longest, engine.num_blocks))}}
+            "transfers": {**transfers, "after": measure_channel(channel, largest)}}}
 
     try:
+        transfers["before"] = measure_channel(channel, largest)
         return run_cluster(resolved, trace, out_dir, check=check, decisions=decisions, timers=[prefill, decode], mover=channel,
                            summary_extras=measured)
     finally:

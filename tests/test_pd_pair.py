@@ -14,7 +14,8 @@ from click.testing import CliRunner  # noqa: E402
 
 from kvsim.cli.execute import REAL_DEFAULTS  # noqa: E402
 from kvsim.cli.main import main  # noqa: E402
-from kvsim.cli.validate_pair import pair_decisions, timed_steps  # noqa: E402
+from kvsim.cli.validate import timed_steps  # noqa: E402
+from kvsim.cli.validate_pair import pair_decisions  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.backends.cache_ops import allocate_caches  # noqa: E402
 from kvsim.realexec.pd_pair import (  # noqa: E402
@@ -24,8 +25,8 @@ from kvsim.realexec.pd_pair import (  # noqa: E402
     TransferTiming,
     bench_block_counts,
     block_bytes,
+    fit_channel,
     fit_link,
-    fitted_and_checked,
     pack_blocks,
     unpack_blocks,
 )
@@ -57,19 +58,23 @@ def test_blocks_packed_on_one_side_land_in_other_blocks_on_the_other():
             assert not t[[1, 3, 4, 5, 6]].any()  # no other block written
 
 
-def test_the_link_fit_recovers_a_known_latency_and_bandwidth_and_checks_a_second_set():
+def test_the_link_fit_recovers_a_known_latency_and_bandwidth_and_the_sets_distance_is_the_spread():
     latency, bandwidth = 8e-4, 2.5e9
     sizes = [b * 98304 for b in bench_block_counts(38)]
     assert bench_block_counts(38) == [1, 2, 4, 8, 16, 32, 38] and bench_block_counts(16) == [1, 2, 4, 8, 16]
     assert bench_block_counts(1) == [1]
     timings = [{"nbytes": n, "median_s": latency + n / bandwidth} for n in sizes]
     base = load_device("cpu").topology
-    topology, rows = fitted_and_checked({"fit": timings, "check": [{**t, "median_s": t["median_s"] * 1.1} for t in timings]},
-                                        base)
-    assert topology.intra_latency_s == pytest.approx(latency, rel=1e-6)
-    assert topology.intra_bandwidth == pytest.approx(bandwidth, rel=1e-6)
-    assert topology.bandwidth_efficiency == 1.0 and topology.devices_per_node >= 2
-    assert [row["error"] for row in rows] == pytest.approx([1 / 1.1 - 1] * len(rows))
+    same = fit_channel({"before": timings, "after": timings}, base)
+    assert same.topology.intra_latency_s == pytest.approx(latency, rel=1e-6)
+    assert same.topology.intra_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert same.topology.bandwidth_efficiency == 1.0 and same.topology.devices_per_node >= 2
+    assert same.spread == pytest.approx(0.0, abs=1e-12) and [r["error"] for r in same.rows] == pytest.approx([0.0] * 2 * len(sizes))
+    assert same.link.seconds(sizes[0]) == pytest.approx(timings[0]["median_s"])
+    slower = fit_channel({"before": timings, "after": [{**t, "median_s": t["median_s"] * 1.2} for t in timings]}, base)
+    assert slower.spread == pytest.approx(0.2)  # the machine moved a transfer 20 % over the run
+    assert same.link.seconds(sizes[-1]) < slower.link.seconds(sizes[-1]) < 1.2 * same.link.seconds(sizes[-1])  # between the two
+    assert {r["set"] for r in slower.rows} == {"before", "after"}
     with pytest.raises(ValueError, match="at least 2 sizes"):
         fit_link([TransferTiming(98304, 1e-3)] * 3, base)
 
@@ -167,8 +172,9 @@ def test_validate_compares_the_pair_with_its_simulation_and_judges_it(tmp_path, 
     checks = {c["name"]: c for c in validation["checks"]}
     transfer = checks["kv_transfer_p50_rel_error"]
     assert transfer["threshold"] == 0.10 and transfer["value"] is not None
-    assert validation["transfers"]["in_run"]["transfers"] >= 6 and validation["transfers"]["bench_spread"] is not None
-    assert validation["repeatability"]["spread"]["kv_transfer_p50_rel_error"] == validation["transfers"]["bench_spread"]
+    assert validation["transfers"]["in_run"]["transfers"] >= 6 and validation["transfers"]["channel_spread"] is not None
+    assert validation["repeatability"]["spread"]["kv_transfer_p50_rel_error"] == validation["transfers"]["channel_spread"]
+    assert {row["set"] for row in validation["transfers"]["channel"]} == {"before", "after"}
     series = validation["series"]["step_time"]
     assert set(series["instance"]) == {0, 1} and len(series["measured"]) == len(series["predicted"]) == len(series["instance"])
     assert validation["verdict"]["outcome"] in ("pass", "fail", "inconclusive")

@@ -17,8 +17,16 @@ from kvsim.cli.options import run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend
 from kvsim.realexec.calibration import calibrated_profile, rank_model_file
 from kvsim.realexec.group_profile import profile_for_group
-from kvsim.realexec.repeatability import TimedSteps, errors_at_speeds, machine_speed, one_engine, real_vs_real
-from kvsim.realexec.speed_check import speed_check
+from kvsim.realexec.repeatability import (
+    AtSpeed,
+    Replay,
+    TimedSteps,
+    errors_at_speeds,
+    machine_speed,
+    one_engine,
+    real_vs_real,
+)
+from kvsim.realexec.speed_check import SpeedCheck, speed_check
 from kvsim.realexec.validation import (
     Thresholds,
     compare_decisions,
@@ -34,7 +42,7 @@ from kvsim.sim.perf.step_timer import ReplayTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.decisions import DecisionLog, read_decisions
 from kvsim.sim.run.runner import run_trace
-from kvsim.sim.run.simulator import SimOptions, simulate
+from kvsim.sim.run.simulator import SimOptions, SimRun, simulate
 
 WALL_CLOCK = "wall clock (time.perf_counter), recorded beside the device clock, not compared"
 RETIME_PASSES = 2  # the run's steps timed again, pass after pass, for the real-vs-real spread (docs/validate-verdict.md)
@@ -191,7 +199,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     sim_resolved = resolve(config.updated(device=str(profile_path), num_blocks=real.engine.config.num_blocks))
     cost = sim_resolved.cost_model()
 
-    timed = [d for d, t in zip(real.steps.column("duration_s"), real.steps.column("timed")) if t]
+    timed = timed_steps(real)
     replay_timer = ReplayTimer(timed, predict=cost.step_time)
     (out_dir / "replay").mkdir(parents=True, exist_ok=True)
     replay_log = DecisionLog("full", sim_resolved.engine_config.block_size, out_dir / "replay")
@@ -213,21 +221,10 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     validation["timing"]["per_step"]["timing_repeats"] = measured["timing_repeats"]
     validation["timing"]["per_step"]["single_run"] = step_errors(replay_timer.predicted, measured["single_run_s"], replay_timer.kinds,
                                                                   replay_timer.batch_sizes)
-    validation["timing"]["speed_check"] = speed.to_dict()
-    validation["timing"]["speed_check_before"] = before.to_dict()
     if collectives is not None:
         validation["timing"]["collectives"] = collectives
-    moved = machine_speed(before, speed)
-    engines = [TimedSteps(timed, replay_timer.predicted, cost.step_time)]
-    replay, at_speed = one_engine(sim_resolved, trace)
-    again = real_vs_real(engines, [measured["retimed_s"]], real_summary, replay)
-    # where the measured profile's fit landed against its own reference steps (a biased copy keeps the original's)
-    fit = sim_resolved.device.reference_fit_ratio
-    speeds = moved.speeds if fit in (None, 1.0) else (*moved.speeds, *(s * fit for s in moved.speeds))
-    explained = errors_at_speeds(engines, real_summary, speeds, at_speed)
-    validation["repeatability"] = {**again, "machine_speed": moved.to_dict(), "errors_at_machine_speed": explained,
-                                   "profile_fit_ratio": fit}
-    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit).to_dict()
+    judge(validation, [TimedSteps(timed, replay_timer.predicted, cost.step_time)], [measured["retimed_s"]], real_summary,
+          *one_engine(sim_resolved, trace), before, speed, sim_resolved.device, thresholds)
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(
         profile=str(profile_path),
@@ -236,6 +233,32 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
                               "single_run": measured["single_run_s"], "wall": measured["step_wall_s"]}},
     )
     return recorded(validation, config, backend, out_dir)
+
+
+def timed_steps(run: SimRun) -> list[float]:
+    """The durations of a run's timed steps (those the step timer ran), in order."""
+    return [d for d, t in zip(run.steps.column("duration_s"), run.steps.column("timed")) if t]
+
+
+def judge(validation: dict, engines: list[TimedSteps], passes: list[list[list[float]]], real_summary: dict, replay: Replay,
+          at_speed: AtSpeed, before: SpeedCheck, after: SpeedCheck, device: DeviceProfile, thresholds: Thresholds,
+          own: dict[str, tuple[float | None, float | None]] | None = None) -> None:
+    """Weigh the checks' misses against the machine and record how (docs/validate-verdict.md): the speed checks
+    before and after the real run; each figure's real-vs-real spread, the engines' steps timed again (``passes``,
+    one list an engine) and replayed; its least error with the model at the machine's speeds and at those times
+    where the profile's fit landed against its own reference steps (``device``'s ratio; a biased copy keeps the
+    original's). ``own``: a check's (spread, error at the machine's speed) measured its own way."""
+    moved = machine_speed(before, after)
+    again = real_vs_real(engines, passes, real_summary, replay)
+    fit = device.reference_fit_ratio
+    speeds = moved.speeds if fit in (None, 1.0) else (*moved.speeds, *(s * fit for s in moved.speeds))
+    explained = errors_at_speeds(engines, real_summary, speeds, at_speed)
+    for name, (spread, error) in (own or {}).items():
+        again["spread"][name], explained[name] = spread, error
+    validation["timing"].update(speed_check=after.to_dict(), speed_check_before=before.to_dict())
+    validation["repeatability"] = {**again, "machine_speed": moved.to_dict(), "errors_at_machine_speed": explained,
+                                   "profile_fit_ratio": fit}
+    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit).to_dict()
 
 
 def recorded(validation: dict, config: RunConfig, backend: KernelBackend, out_dir: Path) -> dict:
@@ -328,11 +351,10 @@ def format_checks(validation: dict) -> str:
     transfers = validation.get("transfers")
     if transfers is not None:  # a P/D pair's (sim/cli/validate_pair.py)
         run, link = transfers["in_run"], transfers["link"]
-        errors = sorted(abs(row["error"]) for row in transfers["checked"])
         lines.append(f"KV transfers: {run['transfers']} in the run took {run['median_ratio']:.2f}x the fitted link's price "
-                     f"(median; MAPE {run['mape']:.3f}); the link, fitted on the pair's channel after the run: "
-                     f"{link['latency_s'] * 1e6:.0f} us + bytes / {link['bandwidth'] / 1e9:.2f} GB/s, against a second "
-                     f"measurement median |error| {errors[len(errors) // 2]:.1%}, at most {errors[-1]:.1%}")
+                     f"(median; MAPE {run['mape']:.3f}); the link, fitted on the pair's channel timed before and after the "
+                     f"run: {link['latency_s'] * 1e6:.0f} us + bytes / {link['bandwidth'] / 1e9:.2f} GB/s; the two timings "
+                     f"{transfers['channel_spread']:.1%} apart (median over sizes)")
     decisions = validation["decision_identity"]
     identity = "identical" if decisions["identical"] else f"DIVERGE at step {decisions['first_divergence']['step']}"
     lines.append(f"decision logs: {identity} over {decisions['steps_compared']} steps")

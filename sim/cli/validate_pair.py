@@ -7,8 +7,9 @@ decision logs of each instance must agree line for line; the free simulation pri
 machine's profile and transfers with a link fitted on the pair's channel once the real run is over
 (``profile-for-pair.toml``: the profile with that link as its ``[topology]``). The checks are one
 engine's over both instances' steps and the pair's latencies, with one more: the median transfer,
-simulated against measured (``kv_transfer_p50``). That check's real-vs-real spread is how far the
-channel's second set of timed transfers lies from its first (median over the sizes).
+simulated against measured (``kv_transfer_p50``). The link is fitted on the channel timed before
+and after the run; that check's real-vs-real spread is how far the two sets lie apart (the median
+over the sizes): how far the machine moved a transfer over the run.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.cli.validate import one_device
+from kvsim.cli.validate import judge, one_device, timed_steps
 from kvsim.realexec.backends import KernelBackend
-from kvsim.realexec.pd_pair import execute_pair, fitted_and_checked, link_of, save_pair_profile
-from kvsim.realexec.repeatability import TimedSteps, at_machine_speed, errors_at_speeds, machine_speed, real_vs_real
+from kvsim.realexec.pd_pair import ChannelFit, execute_pair, fit_channel, save_pair_profile
+from kvsim.realexec.repeatability import TimedSteps, at_machine_speed
 from kvsim.realexec.speed_check import speed_check
 from kvsim.realexec.validation import (
     Thresholds,
@@ -29,16 +30,14 @@ from kvsim.realexec.validation import (
     rel_error,
     step_errors,
     validate_runs,
-    verdict,
 )
 from kvsim.sim.cluster.disagg import PDRun
-from kvsim.sim.cluster.kv_transfer import KVLink, RecordedMover
+from kvsim.sim.cluster.kv_transfer import RecordedMover
 from kvsim.sim.cluster.runner import run_cluster
 from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.step_timer import ReplayTimer
 from kvsim.sim.run.config import RunConfig, resolve
 from kvsim.sim.run.decisions import read_decisions
-from kvsim.sim.run.simulator import SimRun
 
 TRANSFER_CHECK = "kv_transfer_p50_rel_error"
 
@@ -55,10 +54,6 @@ def pair_decisions(real_dir: Path, replay_dir: Path, instances: int) -> dict:
     return {"identical": True, "steps_compared": steps, "first_divergence": None}
 
 
-def timed_steps(run: SimRun) -> list[float]:
-    return [d for d, t in zip(run.steps.column("duration_s"), run.steps.column("timed")) if t]
-
-
 def cross_validate_pair(config: RunConfig, trace, backend: KernelBackend, profile_path: Path, out_dir: Path,
                         thresholds: Thresholds, retime_passes: int) -> dict:
     """The pair's three runs, their comparison and its verdict (module docstring); ``cross_validate``'s keys, plus
@@ -68,8 +63,8 @@ def cross_validate_pair(config: RunConfig, trace, backend: KernelBackend, profil
     real, real_summary = execute_pair(config, backend, out_dir / "real", trace, decisions="full", retime_passes=retime_passes)
     measured = real_summary["measured"]
     base = load_device(profile_path).topology or load_device("cpu").topology
-    topology, bench_rows = fitted_and_checked(measured["transfers"], base)
-    pair_profile = save_pair_profile(profile_path, topology, out_dir / "profile-for-pair.toml")
+    channel = fit_channel(measured["transfers"], base)
+    pair_profile = save_pair_profile(profile_path, channel.topology, out_dir / "profile-for-pair.toml")
     sim_resolved = resolve(config.updated(device=str(pair_profile), num_blocks=real.runs[0].engine.config.num_blocks))
     cost = sim_resolved.cost_model()
 
@@ -85,52 +80,38 @@ def cross_validate_pair(config: RunConfig, trace, backend: KernelBackend, profil
                          thresholds.kv_transfer_p50, "transfer")
     memory = sim_resolved.memory
     kv_pool = sim_resolved.engine_config.num_blocks * memory.bytes_per_block
-    concat = lambda lists: [x for one in lists for x in one]  # noqa: E731
-    validation = validate_runs(concat(timed), real_summary, sim_summary, decisions, concat(t.predicted for t in replay_timers),
-                               concat(t.kinds for t in replay_timers), concat(t.batch_sizes for t in replay_timers), kv_pool,
-                               memory.weight_bytes + memory.activation_bytes + kv_pool, thresholds, extra_checks=(transfer,))
-    validation["transfers"] = transfer_comparison(real, link_of(topology), measured["transfers"], bench_rows)
+    predicted, kinds, sizes = ([x for t in replay_timers for x in getattr(t, name)] for name in ("predicted", "kinds", "batch_sizes"))
     instances = measured["instances"]
-    validation["timing"]["per_step"]["single_run"] = step_errors(
-        concat(t.predicted for t in replay_timers), concat(i["single_run_s"] for i in instances),
-        concat(t.kinds for t in replay_timers), concat(t.batch_sizes for t in replay_timers))
+    steps, single_runs, walls = ([x for one in lists for x in one] for lists in
+                                 (timed, [i["single_run_s"] for i in instances], [i["step_wall_s"] for i in instances]))
+    validation = validate_runs(steps, real_summary, sim_summary, decisions, predicted, kinds, sizes, kv_pool,
+                               memory.weight_bytes + memory.activation_bytes + kv_pool, thresholds, extra_checks=(transfer,))
+    validation["transfers"] = transfer_comparison(real, channel)
+    validation["timing"]["per_step"]["single_run"] = step_errors(predicted, single_runs, kinds, sizes)
 
-    moved = machine_speed(before, speed)
-    engines = [TimedSteps(steps, t.predicted, cost.step_time) for steps, t in zip(timed, replay_timers)]
-    again = real_vs_real(engines, [i["retimed_s"] for i in instances], real_summary,
-                         lambda timers: run_cluster(sim_resolved, trace, None, decisions="off", timers=timers, mover=mover)[1])
-    again["spread"][TRANSFER_CHECK] = validation["transfers"]["bench_spread"]
-    fit = sim_resolved.device.reference_fit_ratio
-    speeds = moved.speeds if fit in (None, 1.0) else (*moved.speeds, *(s * fit for s in moved.speeds))
-    explained = errors_at_speeds(engines, real_summary, speeds,
-                                 lambda s: run_cluster(at_machine_speed(sim_resolved, s), trace, None, decisions="off")[1])
-    explained[TRANSFER_CHECK] = transfer["value"]  # the link's time does not scale with the machine's compute
-    validation["repeatability"] = {**again, "machine_speed": moved.to_dict(), "errors_at_machine_speed": explained,
-                                   "profile_fit_ratio": fit}
-    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit).to_dict()
-    validation["timing"].update(speed_check=speed.to_dict(), speed_check_before=before.to_dict())
+    engines = [TimedSteps(one, t.predicted, cost.step_time) for one, t in zip(timed, replay_timers)]
+    judge(validation, engines, [i["retimed_s"] for i in instances], real_summary,
+          lambda timers: run_cluster(sim_resolved, trace, None, decisions="off", timers=timers, mover=mover)[1],
+          lambda s: run_cluster(at_machine_speed(sim_resolved, s), trace, None, decisions="off")[1],
+          before, speed, sim_resolved.device, thresholds,
+          # the channel timed after the run against before it; the link's time does not scale with the machine's compute
+          own={TRANSFER_CHECK: (channel.spread, transfer["value"])})
     validation["timing"]["per_step"].update(noise_floor=sim_resolved.device.step_timing_noise,
                                             timing_repeats=measured["timing_repeats"])
-    validation["timing"]["wall_clock"] = {"steps_wall_s": sum(sum(i["step_wall_s"]) for i in instances),
-                                          "steps_device_clock_s": sum(concat(timed))}
+    validation["timing"]["wall_clock"] = {"steps_wall_s": sum(walls), "steps_device_clock_s": sum(steps)}
     validation["profile"] = str(pair_profile)
-    validation["series"] = {"step_time": {"measured": concat(timed), "predicted": concat(t.predicted for t in replay_timers),
-                                          "kind": concat(t.kinds for t in replay_timers),
-                                          "batch_size": concat(t.batch_sizes for t in replay_timers),
-                                          "instance": concat([i] * len(steps) for i, steps in enumerate(timed)),
-                                          "single_run": concat(i["single_run_s"] for i in instances),
-                                          "wall": concat(i["step_wall_s"] for i in instances)}}
+    validation["series"] = {"step_time": {"measured": steps, "predicted": predicted, "kind": kinds, "batch_size": sizes,
+                                          "instance": [i for i, one in enumerate(timed) for _ in one],
+                                          "single_run": single_runs, "wall": walls}}
     return validation
 
 
-def transfer_comparison(real: PDRun, link: KVLink, timed: dict[str, list[dict]], bench_rows: list[dict]) -> dict:
-    """The run's transfers against the fitted link's price of each; the channel's second timed set (``bench_rows``,
-    with the fit's prediction) and how far it lies from the first (``bench_spread``: the median over sizes)."""
+def transfer_comparison(real: PDRun, channel: ChannelFit) -> dict:
+    """The run's transfers against the fitted link's price of each, and the channel's timed sets against it."""
     measured = np.array([t.wire_s for t in real.transfers.values()])
-    predicted = np.array([link.seconds(t.nbytes) for t in real.transfers.values()])
-    moves = sorted(abs(again["median_s"] / first["median_s"] - 1.0) for first, again in zip(timed["fit"], timed["check"]))
-    return {"link": {"latency_s": link.latency_s, "bandwidth": link.bandwidth},
+    predicted = np.array([channel.link.seconds(t.nbytes) for t in real.transfers.values()])
+    return {"link": {"latency_s": channel.link.latency_s, "bandwidth": channel.link.bandwidth},
             "in_run": {"transfers": int(measured.size),
                        "mape": float(np.mean(np.abs(predicted - measured) / measured)) if measured.size else None,
                        "median_ratio": float(np.median(measured / predicted)) if measured.size else None},
-            "checked": bench_rows, "bench_spread": moves[len(moves) // 2] if moves else None}
+            "channel": channel.rows, "channel_spread": channel.spread}
