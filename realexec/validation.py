@@ -32,7 +32,7 @@ class Thresholds:
     e2e_p50: float = 0.25
     throughput: float = 0.25
     kv_pool_bytes: float = 0.01
-    kv_transfer_p50: float = 0.10  # a P/D pair's median KV transfer, simulated against measured
+    kv_transfer: float = 0.10  # a P/D pair's KV transfers: |median of measured / simulated - 1|
 
     @classmethod
     def from_toml(cls, path: Path | None) -> Thresholds:

@@ -170,10 +170,10 @@ def test_validate_compares_the_pair_with_its_simulation_and_judges_it(tmp_path, 
     validation = json.loads((out / "validation.json").read_text())
     assert validation["decision_identity"]["identical"] and validation["decision_identity"]["steps_compared"] > 20
     checks = {c["name"]: c for c in validation["checks"]}
-    transfer = checks["kv_transfer_p50_rel_error"]
-    assert transfer["threshold"] == 0.10 and transfer["value"] is not None
+    transfer = checks["kv_transfer_rel_error"]
+    assert transfer["threshold"] == 0.10 and transfer["value"] == pytest.approx(abs(validation["transfers"]["in_run"]["median_ratio"] - 1))
     assert validation["transfers"]["in_run"]["transfers"] >= 6 and validation["transfers"]["channel_spread"] is not None
-    assert validation["repeatability"]["spread"]["kv_transfer_p50_rel_error"] == validation["transfers"]["channel_spread"]
+    assert validation["repeatability"]["spread"]["kv_transfer_rel_error"] == validation["transfers"]["channel_spread"]
     assert {row["set"] for row in validation["transfers"]["channel"]} == {"before", "after"}
     series = validation["series"]["step_time"]
     assert set(series["instance"]) == {0, 1} and len(series["measured"]) == len(series["predicted"]) == len(series["instance"])
