@@ -287,7 +287,7 @@ def fit_link(timings: list[TransferTiming], base: Topology) -> Topology:
     relative error (a small transfer's microseconds weigh as much as a large one's milliseconds), efficiency 1:
     a pair of devices on one node, as the simulator places a 1 + 1 P/D pair (sim/cluster/kv_transfer.py)."""
     if len({t.nbytes for t in timings}) < 2:
-        raise ValueError(f"fitting the pair's KV link needs transfers of at least 2 sizes, got {len(timings)}")
+        raise ValueError(f"fitting the pair's KV link needs transfers of at least 2 sizes, got {len({t.nbytes for t in timings})}")
     y = np.array([t.median_s for t in timings])
     a_matrix = np.array([[1.0, float(t.nbytes)] for t in timings])
     solution, *_ = np.linalg.lstsq(a_matrix / y[:, None], np.ones_like(y), rcond=None)
@@ -305,12 +305,9 @@ class ChannelFit:
     with the link's price of it), and how far the two sets lie apart: the machine's drift over the run."""
 
     topology: Topology
+    link: KVLink  # the topology's intra-node link, as the simulator prices a 1 + 1 pair on it
     rows: list[dict]
     spread: float  # the median over sizes of |after / before - 1|
-
-    @property
-    def link(self) -> KVLink:
-        return KVLink("intra", self.topology.intra_bandwidth, self.topology.bandwidth_efficiency, self.topology.intra_latency_s)
 
 
 def fit_channel(measured: dict[str, list[dict]], base: Topology) -> ChannelFit:
@@ -323,7 +320,7 @@ def fit_channel(measured: dict[str, list[dict]], base: Topology) -> ChannelFit:
     rows = [{**row, "set": name, "predicted_s": link.seconds(row["nbytes"]), "error": link.seconds(row["nbytes"]) / row["median_s"] - 1}
             for name in CHANNEL_SETS for row in measured[name]]
     moves = sorted(abs(after["median_s"] / before["median_s"] - 1.0) for before, after in zip(*(measured[n] for n in CHANNEL_SETS)))
-    return ChannelFit(fit, rows, moves[len(moves) // 2])
+    return ChannelFit(fit, link, rows, moves[len(moves) // 2])
 
 
 def measure_channel(channel: PairChannel, largest_blocks: int) -> list[dict]:
