@@ -84,13 +84,20 @@ def fit_topology(timings: list[CollectiveTiming], ranks: int, base: Topology) ->
     if len(reduces) < 2:
         raise ValueError(f"fitting a group's links needs all-reduces of at least 2 sizes, got {len(reduces)}")
     share = (ranks - 1) / ranks
-    a_matrix = np.array([[2.0, 2.0 * share * t.size_bytes] for t in reduces])
-    y = np.array([t.median_s for t in reduces])
-    solution, *_ = np.linalg.lstsq(a_matrix / y[:, None], np.ones_like(y), rcond=None)
-    latency, per_byte = max(float(solution[0]), 0.0), max(float(solution[1]), 1e-15)
+    latency, per_byte = fit_latency_per_byte(np.array([[2.0, 2.0 * share * t.size_bytes] for t in reduces]),
+                                             np.array([t.median_s for t in reduces]))
     return replace(base, devices_per_node=max(base.devices_per_node, ranks), intra_fabric="switch",
                    intra_bandwidth=1.0 / per_byte, intra_latency_s=latency, bandwidth_efficiency=1.0,
                    reduce_efficiency=1.0)
+
+
+def fit_latency_per_byte(terms: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """(latency, seconds a byte) such that ``terms @ (latency, per_byte)`` fits ``seconds`` (a row a
+    measurement: how many latencies and bytes it pays), by least squares on relative error (a small
+    message's microseconds weigh as much as a large one's milliseconds); latency at least 0, a byte
+    above 0."""
+    solution, *_ = np.linalg.lstsq(terms / seconds[:, None], np.ones_like(seconds), rcond=None)
+    return max(float(solution[0]), 0.0), max(float(solution[1]), 1e-15)
 
 
 def predicted_s(topology: Topology, ranks: int, timing: CollectiveTiming) -> float:

@@ -35,6 +35,7 @@ from kvsim.policies.blocks import cdiv
 from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.backends.base import KernelBackend
+from kvsim.realexec.collective_bench import fit_latency_per_byte
 from kvsim.realexec.executor import Executor, KVCaches
 from kvsim.realexec.tensor_parallel import COLLECTIVE_TIMEOUT, leave_group
 from kvsim.realexec.tp_executor import free_port
@@ -283,15 +284,13 @@ def bench_block_counts(largest: int) -> list[int]:
 
 
 def fit_link(timings: list[TransferTiming], base: Topology) -> Topology:
-    """``base`` with its intra-node link fitted to ``timings``: latency + bytes / bandwidth, by least squares on
-    relative error (a small transfer's microseconds weigh as much as a large one's milliseconds), efficiency 1:
+    """``base`` with its intra-node link fitted to ``timings``: latency + bytes / bandwidth (``fit_latency_per_byte``),
+    efficiency 1:
     a pair of devices on one node, as the simulator places a 1 + 1 P/D pair (sim/cluster/kv_transfer.py)."""
     if len({t.nbytes for t in timings}) < 2:
         raise ValueError(f"fitting the pair's KV link needs transfers of at least 2 sizes, got {len({t.nbytes for t in timings})}")
-    y = np.array([t.median_s for t in timings])
-    a_matrix = np.array([[1.0, float(t.nbytes)] for t in timings])
-    solution, *_ = np.linalg.lstsq(a_matrix / y[:, None], np.ones_like(y), rcond=None)
-    latency, per_byte = max(float(solution[0]), 0.0), max(float(solution[1]), 1e-15)
+    latency, per_byte = fit_latency_per_byte(np.array([[1.0, float(t.nbytes)] for t in timings]),
+                                             np.array([t.median_s for t in timings]))
     return replace(base, devices_per_node=max(base.devices_per_node, 2), intra_bandwidth=1.0 / per_byte,
                    intra_latency_s=latency, bandwidth_efficiency=1.0)
 
@@ -316,7 +315,7 @@ def fit_channel(measured: dict[str, list[dict]], base: Topology) -> ChannelFit:
     timed after the run priced, as the machine moved, while the two sets of one moment agreed within 9-16 %:
     one moment's set is no check of another's, so neither is held out, and their distance is the spread."""
     fit = fit_link([TransferTiming(**row) for name in CHANNEL_SETS for row in measured[name]], base)
-    link = KVLink("intra", fit.intra_bandwidth, fit.bandwidth_efficiency, fit.intra_latency_s)
+    link = KVLink.intra_of(fit)
     rows = [{**row, "set": name, "predicted_s": link.seconds(row["nbytes"]), "error": link.seconds(row["nbytes"]) / row["median_s"] - 1}
             for name in CHANNEL_SETS for row in measured[name]]
     moves = sorted(abs(after["median_s"] / before["median_s"] - 1.0) for before, after in zip(*(measured[n] for n in CHANNEL_SETS)))

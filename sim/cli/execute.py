@@ -204,7 +204,7 @@ def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quie
         kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size, config.disaggregated)
     try:
         if config.disaggregated:
-            _, summary = execute_pair(for_backend(config, kernels), kernels, out_dir, trace, check=check, decisions=decisions)
+            _, summary = execute_pair(config, kernels, out_dir, trace, check=check, decisions=decisions)
         else:
             _, summary = execute_run(config, kernels, out_dir, trace=trace, weights=weights, check=check, progress=not quiet,
                                      decisions=decisions)

@@ -48,6 +48,11 @@ class KVLink:
     efficiency: float  # achieved fraction of it
     latency_s: float
 
+    @classmethod
+    def intra_of(cls, topology: Topology) -> KVLink:
+        """The link between two devices of one node."""
+        return cls("intra", topology.intra_bandwidth, topology.bandwidth_efficiency, topology.intra_latency_s)
+
     def seconds(self, nbytes: float) -> float:
         """The whole transfer of ``nbytes`` over this link, nothing overlapped."""
         return self.latency_s + nbytes / (self.bandwidth * self.efficiency)
@@ -133,7 +138,7 @@ def place_pools(topology: Topology | None, device: str, prefill: int, prefill_de
     if crosses and not topology.has_network:
         raise ValueError(f"kv_link = {kv_link!r}: the pools span nodes but device {device} has no network between "
                          "nodes (topology.inter_bandwidth = 0)")
-    intra = KVLink("intra", topology.intra_bandwidth, topology.bandwidth_efficiency, topology.intra_latency_s)
+    intra = KVLink.intra_of(topology)
     inter = (KVLink("inter", topology.inter_bandwidth, topology.inter_efficiency, topology.inter_latency_s)
              if topology.has_network else None)
     return PoolPlacement(prefill_nodes, decode_nodes, intra, inter)
