@@ -11,7 +11,8 @@ residual|): the fit minimises MAPE, and a few samples a roofline cannot explain 
 noisy run) do not pull it off the rest as squared errors would.
 
 Bounds: no efficiency above :data:`MAX_EFFICIENCY` and no coefficient below 0. A least-squares
-solution outside them is clamped to the bound and the rest refitted with it held (an active set).
+solution outside them is clamped to the bound and the rest refitted with it held (an active set);
+a per-call cost never keeps the base profile's value because the measurements want less than 0.
 Without the upper bound, operators whose time is all launch cost fitted efficiencies of 1e3-1e8
 (the roof a rounding error away from free), and one noisy profile's fit moved such rates by 7x.
 """
@@ -156,10 +157,15 @@ def _refine(
                 for (op, j), value in zip(active, solution):
                     rates[op][j] = float(value)
                 break
-            # Non-positive: not identified this round, the column keeps its rate; positive but under
-            # its floor: held at the floor. Either way the rest are solved again without it.
+            # A rate (per flop, per byte) that comes out non-positive binds no sample this round: it
+            # keeps its value, which the next round's roofs, the other starts and the final check
+            # in fit_operators revisit. A per-call cost that does is held at 0, as one positive but
+            # under its floor is held at the floor: its starting value is the base profile's, another
+            # machine's or software's (an H200 profile kept vLLM's 1.42 ms of host work per step where
+            # its graph steps wanted less than none, and predicted them 2-3x too slow). Either way the
+            # rest are solved again without it.
             for (op, j), value, bound in zip(active, solution, bounds):
-                if 0 < value < bound:
+                if 0 < value < bound or (j == 2 and value <= 0):
                     rates[op][j] = bound
             active = [col for col, value, bound in zip(active, solution, bounds) if value > 0 and value >= bound]
         residual = (sum((values[col] * rates[col[0]][col[1]] for col in columns), np.zeros(size)) - target) / seconds
