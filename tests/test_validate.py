@@ -264,6 +264,30 @@ def test_a_fresh_profile_whose_fit_missed_its_held_out_steps_is_measured_once_mo
     assert cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append, step_limit=0.10) == path and made == []
 
 
+def test_a_profile_remeasured_for_a_stale_cache_that_missed_its_held_out_steps_is_measured_once_more(tmp_path, monkeypatch):
+    """The stale cache's replacement is judged like any fresh profile: on an H200 two such profiles
+    missed their held-out steps by 111 % and 115 % and were used; now a second one is measured
+    and the better of the two kept (here the second, 4 %)."""
+    from kvsim.cli import validate as cli_validate
+    from kvsim.realexec.speed_check import SpeedCheck
+
+    cpu, path = cached_tiny_profile(tmp_path, monkeypatch)
+    errors = iter([1.15, 0.04])
+    made: list[Path] = []
+
+    def run_profile(backend, model, out, **kw):
+        made.append(Path(out))
+        save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05, held_out_step_mape=next(errors)), out)
+
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
+    monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.3], [1.0], [1.0]))
+    said: list[str] = []
+    assert cli_validate.machine_profile(cpu, TINY, False, said.append, step_limit=0.10) == path
+    assert made == [path, path] and load_device(path).held_out_step_mape == 0.04
+    assert any("the cached profile is stale" in line for line in said)
+    assert any("the profile's fit missed its own held-out steps by 115.0%" in line for line in said)
+
+
 def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(tmp_path, monkeypatch):
     from kvsim.cli import validate as cli_validate
     from kvsim.realexec.speed_check import SpeedCheck
