@@ -29,6 +29,7 @@ sequence lengths as host arguments.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,6 +48,24 @@ class StepGraph(Protocol):
     def capture(self, fn: Callable[[], None]) -> None: ...
 
     def replay(self) -> None: ...
+
+
+def capture(graph: StepGraph, fn: Callable[[], None]) -> None:
+    """``graph.capture(fn)`` with Python's cyclic garbage collector paused.
+
+    A collection that runs during a capture may free a dead graph (the profiler makes hundreds of
+    one-off graphs, and a released executor leaves its own): its destructor resets it on the
+    capturing stream, which invalidates the capture. On an H200 a validate run measuring its second
+    profile in one process died so (cudaErrorStreamCaptureInvalidated). vLLM freezes its collector
+    around its captures for the same reason. The dead graphs go at the next collection instead.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        graph.capture(fn)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -127,7 +146,7 @@ class StepGraphs:
         """Capture ``size`` on the inputs now loaded, if it has no graph yet (outside any timing)."""
         if size not in self._graphs:
             graph = self.backend.new_graph(self.pool)
-            graph.capture(self._forward(size))
+            capture(graph, self._forward(size))
             self._graphs[size] = graph
 
     def replay(self, size: int) -> torch.Tensor:

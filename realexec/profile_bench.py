@@ -26,7 +26,7 @@ from kvsim.policies.request import Request
 from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.backends.base import AttentionMetadata
 from kvsim.realexec.executor import Executor, kv_cache_layout
-from kvsim.realexec.graphs import StepGraph
+from kvsim.realexec.graphs import StepGraph, capture
 from kvsim.realexec.model import LayerWeights
 from kvsim.realexec.profile_shapes import StepShape, Sweep, decode, prefill, shape_features, step_kind
 from kvsim.sim.perf.cost_model import StepFeatures, features_from_plan
@@ -181,7 +181,7 @@ class OperatorBenches:
 
     def _captured(self, fn: Callable[[], object]) -> StepGraph:
         graph = self.backend.new_graph(self.ex.graphs.pool)  # beside its executor's step graphs, as when the backend had one pool
-        graph.capture(fn)
+        capture(graph, fn)
         return graph
 
     def _graph_timed(self, graph: StepGraph) -> float:

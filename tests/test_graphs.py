@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graph_standin import VLLM_SIZES, GraphingCpuBackend  # noqa: E402
+from graph_standin import VLLM_SIZES, GraphingCpuBackend, RerunGraph  # noqa: E402
 
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.backends.base import AttentionMetadata  # noqa: E402
@@ -109,6 +109,51 @@ def test_each_executor_captures_into_a_memory_pool_of_its_own():
     assert backend.pools == [first.graphs.pool, second.graphs.pool] and first.graphs.pool is not second.graphs.pool
     one_off = OperatorBenches(second, np.random.default_rng(0), 0)._captured(lambda: None)
     assert one_off.pool is second.graphs.pool
+
+
+def test_no_dead_graph_is_collected_while_a_graph_is_captured():
+    """A garbage collection during a capture frees dead graphs, whose CUDA destructors then invalidate
+    the capture: the executor's step graphs and the profiler's one-off graphs are captured with the
+    collector paused, and the dead ones collected after. Here a cycle that dies in the capture records, when
+    collected, whether a capture is under way; the collector runs after every allocation, so unpaused it is."""
+    import gc
+
+    from kvsim.realexec.executor import Executor
+    from kvsim.realexec.profile_bench import OperatorBenches
+
+    capturing, collected_during = [False], []
+
+    class Dead:
+        def __init__(self) -> None:
+            self.cycle = self
+
+        def __del__(self) -> None:
+            collected_during.append(capturing[0])
+
+    class WatchedGraph(RerunGraph):
+        def capture(self, fn) -> None:
+            capturing[0] = True
+            try:
+                Dead()  # garbage that only a collection frees, as a released executor's graphs are
+                [object() for _ in range(100)]  # allocations: an enabled collector would run here
+                super().capture(fn)
+            finally:
+                capturing[0] = False
+
+    backend = GraphingCpuBackend()
+    backend.new_graph = lambda pool: WatchedGraph(pool)
+    executor = Executor(SPEC, backend, num_blocks=16, block_size=16)
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1)
+    try:
+        for make in (lambda: executor.graphs.ensure_captured(8),
+                     lambda: OperatorBenches(executor, np.random.default_rng(0), 0)._captured(lambda: None)):
+            make()
+            gc.collect()
+    finally:
+        gc.set_threshold(*threshold)
+    assert collected_during == [False, False]
 
 
 def test_the_cpu_backend_runs_eagerly_and_keeps_its_fingerprint():
