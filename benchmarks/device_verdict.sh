@@ -5,6 +5,7 @@
 #
 # In this order, each part under its own time limit:
 #   1. the GPU tests (pytest -m gpu)                                           log.txt
+#      then the speed check's own scatter: one executor a check against three (speed_check_spread.py)
 #   2. ROUNDS (default 10) rounds of kvsim validate --backend cuda --model MODEL (default small:
 #      about 27 s a round; llama-3.1-8b's steps, 20-40x longer, move less between minutes), each round the
 #      right model, the profile biased by 1.2x and the row-count terms removed, in turn; the
@@ -23,6 +24,8 @@ WORK=/tmp/device-verdict
 
 part 60 "$TAIL_S" "GPU tests" python3 -m pytest -m gpu -q -x -p no:cacheprovider tests
 tail -n 3 "$LOG" | tee -a "$SUMMARY"
+part 90 "$TAIL_S" "speed check spread" python3 benchmarks/speed_check_spread.py --backend cuda --model "$MODEL" --checks 8
+grep -A5 "^cuda (" "$LOG" | tee -a "$SUMMARY"
 
 left=$((BUDGET_S - (SECONDS - start) - TAIL_S))
 say "verdict rounds: $ROUNDS, no run started past $((left - 25)) s"

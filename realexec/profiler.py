@@ -138,11 +138,11 @@ def profile(
     held_out = engine_run(executor, sweep, seed, sweep.engine_rates[0])
     engine = engine_of(executor.graphs)  # the cost model must run steps as the executor ran them
     del executor, pools, samples  # the speed check's reference steps run on an executor of their own, as validate runs them
-    references, reference_samples = reference_steps(backend, spec, first, kv_dtype, seed)
+    references, reference_features = reference_steps(backend, spec, first, kv_dtype, seed)
 
     device, errors = fit_groups(spec, replace(base, engine=engine), first, data, kv_dtype)
     cost = CostModel(spec, device, first, kv_dtype)
-    landed = median_ratio(list(references.values()), [float(cost.predict(s.features)) for s in reference_samples])
+    landed = median_ratio(list(references.values()), [float(cost.predict(f)) for f in reference_features])
     device = replace(device, reference_steps_s=references, reference_fit_ratio=round(landed, 4))
     predicted = cost.predict(stack(held_out.features))
     seconds, kinds = np.array(held_out.seconds), np.array(held_out.kinds)

@@ -24,7 +24,7 @@ from kvsim.realexec.backends import KernelBackend
 from kvsim.realexec.executor import Executor
 from kvsim.realexec.profile_bench import OperatorBenches, Sample, measure
 from kvsim.realexec.profile_shapes import StepShape, decode, footprint, prefill
-from kvsim.sim.perf.cost_model import CostModel
+from kvsim.sim.perf.cost_model import CostModel, StepFeatures
 from kvsim.sim.perf.model_spec import ModelSpec
 
 REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
@@ -34,6 +34,11 @@ REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
 )
 REFERENCE_LABELS = tuple(label for label, _ in REFERENCE_SHAPES)
 REPEATS = 5
+# Fresh executors a reading takes each step's median over. One executor's steps read 10-20 % apart
+# from the next one's on the same machine (new weights and caches, laid out anew): on the 2-core VM
+# the small model's readings scattered by up to 19.7 % with one and 9.5 % with three, and on an
+# H200 by 14-28 % with one (docs/benchmarks.md), more than the 10 % move the verdict looks for.
+REFERENCE_EXECUTORS = 3
 
 
 @dataclass(frozen=True)
@@ -69,11 +74,21 @@ def reference_blocks(block_size: int) -> int:
 
 
 def reference_times(
-    backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0
-) -> tuple[list[float], list[Sample]]:
-    """The reference steps timed on ``backend`` as the profiler times whole steps (its clock): each one's median seconds, and its sample."""
-    executor = Executor(spec, backend, num_blocks=reference_blocks(block_size), block_size=block_size, seed=seed, kv_dtype=kv_dtype)
-    return interleaved_reference_times([executor], seed)[0]
+    backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str, seed: int = 0,
+    executors: int = REFERENCE_EXECUTORS, repeats: int = REPEATS,
+) -> tuple[list[float], list[StepFeatures]]:
+    """The reference steps timed on ``backend`` as the profiler times whole steps (its clock): each
+    one's median seconds over ``executors`` fresh executors, built one after another (one in memory
+    at a time, as an 8B model's weights ask), each timed over ``repeats`` rounds; and the steps' features."""
+    medians, features = [], []
+    for i in range(executors):
+        executor = Executor(spec, backend, num_blocks=reference_blocks(block_size), block_size=block_size, seed=seed + i,
+                            kv_dtype=kv_dtype)
+        measured, samples = interleaved_reference_times([executor], seed + i, repeats)[0]
+        medians.append(measured)
+        features = [s.features for s in samples]
+        del executor, samples
+    return [float(m) for m in np.median(np.array(medians), axis=0)], features
 
 
 def interleaved_reference_times(executors: Sequence[Executor], seed: int = 0,
@@ -90,10 +105,10 @@ def interleaved_reference_times(executors: Sequence[Executor], seed: int = 0,
 
 
 def reference_steps(backend: KernelBackend, spec: ModelSpec, block_size: int, kv_dtype: str,
-                    seed: int = 0) -> tuple[dict[str, float], list[Sample]]:
-    """Label -> median seconds of each reference step now (what a profile records beside its fit), and their samples."""
-    measured, samples = reference_times(backend, spec, block_size, kv_dtype, seed)
-    return dict(zip(REFERENCE_LABELS, measured)), samples
+                    seed: int = 0) -> tuple[dict[str, float], list[StepFeatures]]:
+    """Label -> median seconds of each reference step now (what a profile records beside its fit), and their features."""
+    measured, features = reference_times(backend, spec, block_size, kv_dtype, seed)
+    return dict(zip(REFERENCE_LABELS, measured)), features
 
 
 def median_ratio(seconds: Sequence[float], against: Sequence[float]) -> float:
@@ -104,12 +119,12 @@ def median_ratio(seconds: Sequence[float], against: Sequence[float]) -> float:
 
 def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:
     """Time the reference steps on ``backend``, against ``cost``'s prediction and the times its profile recorded."""
-    measured, samples = reference_times(backend, cost.model, cost.block_size, cost.kv_dtype, seed)
+    measured, features = reference_times(backend, cost.model, cost.block_size, cost.kv_dtype, seed)
     labels = list(REFERENCE_LABELS)
     recorded = cost.device.reference_steps_s
     return SpeedCheck(
         labels=labels,
         measured_s=measured,
-        predicted_s=[float(cost.predict(s.features)) for s in samples],
+        predicted_s=[float(cost.predict(f)) for f in features],
         profiled_s=[recorded[label] for label in labels] if all(label in recorded for label in labels) else None,
     )

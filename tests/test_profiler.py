@@ -21,7 +21,7 @@ from kvsim.realexec.profile_bench import KVPool, Measured, OperatorBenches, Samp
 from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups, stack  # noqa: E402
 from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_decode, shape_features, sweep_for  # noqa: E402
 from kvsim.realexec.profiler import run_profile  # noqa: E402
-from kvsim.realexec.speed_check import REFERENCE_SHAPES  # noqa: E402
+from kvsim.realexec.speed_check import REFERENCE_EXECUTORS, REFERENCE_SHAPES  # noqa: E402
 from kvsim.sim.perf.cost_model import CostModel  # noqa: E402
 from kvsim.sim.perf.device import OperatorCoefficients, load_device, save_device, scaled_profile  # noqa: E402
 from kvsim.sim.perf.model_spec import load_model  # noqa: E402
@@ -214,8 +214,8 @@ def test_tiny_sweep_on_cpu_writes_a_profile_that_changes_predictions(tmp_path: P
     # and where the fit landed against them, which validate's verdict weighs: recomputed from the recorded times
     from kvsim.realexec.speed_check import median_ratio, reference_times
 
-    _, samples = reference_times(get_backend("cpu"), TINY, BS, "fp32", 3)
-    predicted = [float(CostModel(TINY, loaded, BS).predict(sample.features)) for sample in samples]
+    _, features = reference_times(get_backend("cpu"), TINY, BS, "fp32", 3, executors=1)
+    predicted = [float(CostModel(TINY, loaded, BS).predict(f)) for f in features]
     assert loaded.reference_fit_ratio == round(median_ratio(list(loaded.reference_steps_s.values()), predicted), 4) > 0
     assert any(line.startswith("the reference steps timed right after the cases took") for line in lines)
 
@@ -317,7 +317,8 @@ def test_an_int8_profile_is_measured_and_fitted_with_int8_and_says_so(tmp_path: 
     out = tmp_path / "int8.toml"
     result = run_profile("cpu", "tiny", out, sweep=dataclasses.replace(SMALL, block_sizes=(16,)), seed=3, kv_dtype="int8")
     assert result.kv_dtype == "int8" and fitted_with == ["int8"]
-    assert [ex.kv_dtype for ex in executors] == [torch.int8] * 2  # every bench, whole step and reference step ran the quantised cache
+    # every bench, whole step and reference step (one executor each of REFERENCE_EXECUTORS) ran the quantised cache
+    assert [ex.kv_dtype for ex in executors] == [torch.int8] * (1 + REFERENCE_EXECUTORS)
     assert load_device(out).source.startswith("kvsim profile --backend cpu --model tiny --kv-cache-dtype int8 --seed 3 on ")
 
 
