@@ -15,6 +15,7 @@ reported; the machine's move (``machine_ratio``) is what decides a re-profile an
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,10 +35,10 @@ REFERENCE_SHAPES: tuple[tuple[str, StepShape], ...] = (
 )
 REFERENCE_LABELS = tuple(label for label, _ in REFERENCE_SHAPES)
 REPEATS = 5
-# Fresh executors a reading takes each step's median over. One executor's steps read 10-20 % apart
-# from the next one's on the same machine (new weights and caches, laid out anew): on the 2-core VM
-# the small model's readings scattered by up to 19.7 % with one and 9.5 % with three, and on an
-# H200 by 14-28 % with one (docs/benchmarks.md), more than the 10 % move the verdict looks for.
+# Fresh executors a reading takes each step's median over. One executor's steps read apart from
+# the next one's on the same machine (new weights and caches, laid out anew): on the 2-core VM the
+# small model's readings scattered by up to 11-13 % with one and 6-9 % with three, and on an H200
+# by 14-28 % with one (docs/benchmarks.md), as much as the 10 % move the verdict looks for.
 REFERENCE_EXECUTORS = 3
 
 
@@ -88,6 +89,7 @@ def reference_times(
         medians.append(measured)
         features = [s.features for s in samples]
         del executor, samples
+        gc.collect()  # the executor's weights freed before the next one's are made
     return [float(m) for m in np.median(np.array(medians), axis=0)], features
 
 
