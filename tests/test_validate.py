@@ -240,13 +240,13 @@ def test_the_stale_decision_reads_the_machines_move_not_the_predictions_miss(tmp
     assert "reference steps took 1.25x their time when profiled" in said[-1]
 
 
-def test_a_fresh_profile_whose_fit_missed_its_held_out_steps_is_measured_once_more_and_the_better_kept(tmp_path, monkeypatch):
-    """Held-out errors 12 % then 15 %: measured twice, the first kept; a cached profile's error was judged when made."""
+def profiles_measured(monkeypatch, held_out_errors: list[float], machine_ratio: float = 1.0) -> list[Path]:
+    """Profiling stubbed: each profile measured is the base one with the next of ``held_out_errors``;
+    the speed check reads ``machine_ratio`` against the times when profiled. Returns the paths written, as written."""
     from kvsim.cli import validate as cli_validate
     from kvsim.realexec.speed_check import SpeedCheck
 
-    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
-    errors = iter([0.12, 0.15])
+    errors = iter(held_out_errors)
     made: list[Path] = []
 
     def run_profile(backend, model, out, **kw):
@@ -254,7 +254,16 @@ def test_a_fresh_profile_whose_fit_missed_its_held_out_steps_is_measured_once_mo
         save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05, held_out_step_mape=next(errors)), out)
 
     monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
-    monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.0], [1.0], [1.0]))
+    monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [machine_ratio], [1.0], [1.0]))
+    return made
+
+
+def test_a_fresh_profile_whose_fit_missed_its_held_out_steps_is_measured_once_more_and_the_better_kept(tmp_path, monkeypatch):
+    """Held-out errors 12 % then 15 %: measured twice, the first kept; a cached profile's error was judged when made."""
+    from kvsim.cli import validate as cli_validate
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    made = profiles_measured(monkeypatch, [0.12, 0.15])
     said: list[str] = []
     path = cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append, step_limit=0.10)
     assert made == [path, path] and load_device(path).held_out_step_mape == 0.12
@@ -269,18 +278,9 @@ def test_a_profile_remeasured_for_a_stale_cache_that_missed_its_held_out_steps_i
     missed their held-out steps by 111 % and 115 % and were used; now a second one is measured
     and the better of the two kept (here the second, 4 %)."""
     from kvsim.cli import validate as cli_validate
-    from kvsim.realexec.speed_check import SpeedCheck
 
     cpu, path = cached_tiny_profile(tmp_path, monkeypatch)
-    errors = iter([1.15, 0.04])
-    made: list[Path] = []
-
-    def run_profile(backend, model, out, **kw):
-        made.append(Path(out))
-        save_device(replace(load_device(BASE_PROFILE), step_timing_noise=0.05, held_out_step_mape=next(errors)), out)
-
-    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
-    monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.3], [1.0], [1.0]))
+    made = profiles_measured(monkeypatch, [1.15, 0.04], machine_ratio=1.3)
     said: list[str] = []
     assert cli_validate.machine_profile(cpu, TINY, False, said.append, step_limit=0.10) == path
     assert made == [path, path] and load_device(path).held_out_step_mape == 0.04
