@@ -29,8 +29,9 @@ from kvsim.sim.perf.model_spec import load_model, save_model
 # chosen from 1-8 token GEMMs, kernel rates refitted on whole steps; 6: prefill attention counted in
 # the cpu kernel's query tiles; 7: the speed check's reference steps recorded in the profile; 8: row-count
 # terms measured on whole steps of a few tokens; 9: the held-out per-step error recorded, which validate gates on;
-# 10: the reference steps over the fit's prediction of them recorded, which validate's verdict weighs).
-PROFILER_VERSION = 10
+# 10: the reference steps over the fit's prediction of them recorded, which validate's verdict weighs;
+# 11: a per-call cost fitted below 0 held at 0, not at the base profile's; reference steps over three executors).
+PROFILER_VERSION = 11
 
 Echo = Callable[[str], None]
 
