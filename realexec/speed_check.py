@@ -38,7 +38,7 @@ REPEATS = 5
 # Fresh executors a reading takes each step's median over. One executor's steps read apart from
 # the next one's on the same machine (new weights and caches, laid out anew): on the 2-core VM the
 # small model's readings scattered by up to 11-13 % with one and 6-9 % with three, and on an H200
-# by 14-28 % with one (docs/benchmarks.md), as much as the 10 % move the verdict looks for.
+# by 12-28 % with one (docs/benchmarks.md), as much as the 10 % move the verdict looks for.
 REFERENCE_EXECUTORS = 3
 
 
