@@ -152,12 +152,12 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     """
     kv_dtype = resolve(config).memory.kv_dtype  # the profile must time the KV cache the run will use
     calibrated = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh="--reprofile" if reprofile else None, echo=echo)
-    path = calibrated.path
-    fresh = [] if calibrated.cached else [load_device(path)]
-    reason = missed_held_out(fresh[-1], step_limit) if fresh else None
+    path, current = calibrated.path, load_device(calibrated.path)
+    fresh = [] if calibrated.cached else [current]
+    reason = None if calibrated.cached else missed_held_out(current, step_limit)
     if reason is None:
         check = speed_check(kernels, resolve(config.updated(device=str(path))).cost_model(), seed=config.seed)
-        if stale(check.machine_ratio, load_device(path).step_timing_noise):
+        if stale(check.machine_ratio, current.step_timing_noise):
             which = "the cached profile is stale" if calibrated.cached else "the machine's speed changed while it was profiled"
             baseline = "their time when profiled" if check.profiled_s else "its prediction"
             reason = f"{which}: reference steps took {check.machine_ratio:.2f}x {baseline} on {kernels.clock}"
