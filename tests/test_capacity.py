@@ -64,7 +64,7 @@ def test_stopping_early_never_changes_the_answer(rate):
     config = RunConfig(trace="azure_conv_10min", max_requests=200, block_size=16, request_rate=rate)
     resolved = resolve(config)
     run = simulate(load_run_trace(config), resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions())
-    full = evaluate(run.requests, run.summary(), SLO)
+    full = evaluate(run.records.requests, run.summary(), SLO)
     fast = probe(config, rate, SLO)
     assert fast.met == full.met
     if fast.stopped_early:

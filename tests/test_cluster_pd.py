@@ -7,6 +7,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
@@ -52,8 +53,10 @@ def _check_conservation(run: PDRun, rows: int) -> None:
         assert one.engine.held == {}, "a prefill instance still holds KV that was never sent"
     summary = run.summary()
     assert summary["requests_completed"] + summary["requests_rejected"] == rows
-    finished = [r for r in run.user_requests() if r.status is Status.FINISHED]
-    assert all(r.trace_index in run.transfers or r.output_tokens == 1 for r in finished)
+    users = run.user_records()
+    finished = users.is_status(Status.FINISHED)
+    assert all(row in run.transfers or wanted == 1
+               for row, wanted in zip(users.trace_index[finished].tolist(), users.output_tokens[finished].tolist()))
     assert len(run.request_tuples()) == rows
     assert sum(s["requests_routed"] for s in summary["instances"] if s["pool"] == "prefill") == rows
 
@@ -63,13 +66,15 @@ def test_every_request_is_prefilled_once_and_completes_on_its_decode_instance() 
     _check_conservation(run, 60)
     summary = run.summary()
     assert summary["rejection_reasons"] == {"exceeds_max_model_len": summary["requests_rejected"]}  # prompts over 32k
-    finished = [r for r in run.user_requests() if r.status is Status.FINISHED]
+    users = run.user_records()
+    finished = users.take(np.flatnonzero(users.is_status(Status.FINISHED)))
     assert len(finished) == summary["requests_completed"] >= 50
-    assert summary["pd"]["transfers"] == sum(r.output_tokens > 1 for r in finished) == len(finished) - 1  # one ends at its first token
-    for r in finished:
-        prefill = next(p for one in run.runs[:2] for p in one.requests if p.trace_index == r.trace_index)
-        assert r.first_token_s == prefill.first_token_s  # TTFT: what the prefill side produced
-        assert r.num_output_tokens == r.output_tokens
+    assert summary["pd"]["transfers"] == int((finished.output_tokens > 1).sum()) == len(finished) - 1  # one ends at its first token
+    for row, first_token, generated, wanted in zip(finished.trace_index.tolist(), finished.first_token_s.tolist(),
+                                                   finished.generated_tokens.tolist(), finished.output_tokens.tolist()):
+        prefill = next(p for one in run.runs[:2] for p in one.requests if p.trace_index == row)
+        assert first_token == prefill.first_token_s  # TTFT: what the prefill side produced
+        assert generated == wanted
 
 
 @pytest.mark.parametrize("kv_link", ["intra", "inter"])
@@ -118,7 +123,7 @@ def test_layerwise_transfer_exposes_only_what_the_prefill_does_not_hide() -> Non
     wire = a.wire_s - latency
     assert lw.exposed_s == pytest.approx(latency + max(wire / layers, wire - compute * (layers - 1) / layers))
     assert layerwise.summary()["ttft_s"] == after.summary()["ttft_s"]  # the first token is the prefill's either way
-    assert layerwise.user_requests()[0].finish_s < after.user_requests()[0].finish_s
+    assert layerwise.user_records().finish_s[0] < after.user_records().finish_s[0]
 
 
 def test_decode_admission_never_starts_before_its_kv_arrived() -> None:
@@ -128,7 +133,7 @@ def test_decode_admission_never_starts_before_its_kv_arrived() -> None:
         for r in one.requests:
             if r.admitted_step < 0:
                 continue
-            step_start = one.steps.rows[r.admitted_step][1]
+            step_start = one.steps.array("start_s")[r.admitted_step]
             assert step_start >= run.transfers[r.trace_index].arrived_s - 1e-12
             checked += 1
     assert checked == len(run.transfers) > 60
@@ -260,7 +265,7 @@ def test_a_prefill_instance_whose_blocks_wait_to_be_sent_waits_for_them_rather_t
     _check_conservation(run, 41)
     assert run.summary()["requests_rejected"] == 0
     prefill = run.runs[0]
-    waited = [r for r in prefill.requests if r.admitted_step > 0 and prefill.steps.rows[r.admitted_step - 1][2] == 0.0]
+    waited = [r for r in prefill.requests if r.admitted_step > 0 and prefill.steps.array("duration_s")[r.admitted_step - 1] == 0.0]
     assert waited, "no prefill step found the pool full of held KV: the case is not exercised"
     # a prompt the pool can never hold is still refused, and the others served
     tight = _pd(config.updated(num_blocks=30, max_requests=6), check=True)

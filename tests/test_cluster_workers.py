@@ -34,7 +34,7 @@ def _partitioned(config: RunConfig, router: str, workers: int, outputs: Outputs 
 
 def _served(run: ClusterRun) -> list:
     """Every instance's requests and steps, as requests.csv and steps.csv hold them."""
-    return [(one.request_tuples(), one.steps.rows) for one in run.runs]
+    return [(one.requests.tuples(), one.steps.rows()) for one in run.records]
 
 
 def test_any_number_of_workers_makes_the_same_decisions(tmp_path: Path) -> None:
@@ -49,14 +49,14 @@ def test_any_number_of_workers_makes_the_same_decisions(tmp_path: Path) -> None:
             assert (tmp_path / str(w) / digest).read_bytes() == (tmp_path / "1" / digest).read_bytes()
     summary = runs[2].summary()
     assert summary["requests_completed"] + summary["requests_rejected"] == 300
-    rows = sorted(r.trace_index for one in runs[2].runs for r in one.requests if r.parent is None)
+    rows = sorted(row for one in runs[2].records for row in one.requests.trace_index[one.requests.is_root].tolist())
     assert rows == list(range(300))
     assert len(set(runs[1].placement.tolist())) == 4 and summary["prefix_hit_rate"] > 0
 
 
 def test_workers_check_the_engines_invariants_after_every_step() -> None:
     run = _partitioned(MOONCAKE.updated(max_requests=40, num_blocks=400), "kv-aware", 2, Outputs(check=True))
-    assert sum(len(one.steps) for one in run.runs) > 0
+    assert sum(len(one.steps) for one in run.records) > 0
 
 
 def test_a_router_that_reads_no_state_routes_as_in_one_event_loop() -> None:
@@ -66,6 +66,13 @@ def test_a_router_that_reads_no_state_routes_as_in_one_event_loop() -> None:
     partitioned = _partitioned(MOONCAKE, "round-robin", 2)
     assert np.array_equal(partitioned.placement, one_loop.placement)
     assert _served(partitioned) == _served(one_loop)
+    assert _timeless(partitioned.summary()) == _timeless(one_loop.summary())  # the workers' columns against live engines
+
+
+def _timeless(summary: dict) -> dict:
+    """A cluster summary without its wall-clock times."""
+    return {**{k: v for k, v in summary.items() if k != "wall_s"},
+            "instances": [{k: v for k, v in one.items() if k != "wall_s"} for one in summary["instances"]]}
 
 
 def test_the_router_learns_of_ended_requests_at_the_meetings() -> None:
@@ -90,10 +97,10 @@ def test_random_partitioned_clusters_conserve_requests_and_blocks(instances: int
     config = RunConfig(max_requests=25, num_blocks=num_blocks, block_size=16, max_model_len=960, rate_scale=rate,
                        instances=instances, router_staleness_s=interval)
     run = _partitioned(config, router, workers, Outputs(check=True))
-    for i, one in enumerate(run.runs):
-        assert all(run.placement[r.trace_index] == i for r in one.requests if r.parent is None)
-        assert one.engine.kv_stats().used == 0
-    rows = sorted(r.trace_index for one in run.runs for r in one.requests if r.parent is None)
+    for i, one in enumerate(run.records):
+        assert (run.placement[one.requests.trace_index] == i).all()
+        assert one.kv_stats.used == 0
+    rows = sorted(row for one in run.records for row in one.requests.trace_index[one.requests.is_root].tolist())
     assert rows == list(range(25))
     summary = run.summary()
     assert summary["requests_completed"] + summary["requests_rejected"] == 25

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvsim import traces
@@ -147,15 +148,45 @@ def test_steps_csv_is_what_the_csv_module_writes(tmp_path):
     and a log with measured fields (which the module writes itself)."""
     resolved = resolve(RunConfig(trace="demo"))
     run = simulate(traces.load_named("demo"), resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions())
-    rows = run.steps.rows + [(len(run.steps), 1e-05, 0.0, 0, "idle", 0, 0, 0, 0, 0, 64, 0, 0, 0, 0, None, None, None),
+    rows = run.steps.rows() + [(len(run.steps), 1e-05, 0.0, 0, "idle", 0, 0, 0, 0, 0, 64, 0, 0, 0, 0, None, None, None),
                              (len(run.steps) + 1, 12345678.9, 1.5e-07, 1, "decode", 1, 0, 1, 1, 0, 63, 127, 0, 0, 0, None, None, None)]
     assert {row[4] for row in rows} >= {"prefill", "decode", "mixed", "idle"}
     simulated = tmp_path / "simulated"
     simulated.mkdir()
-    write_steps(simulated, StepLog(rows))
+    log = StepLog()
+    log.add_rows(rows)
+    write_steps(simulated, log)
     assert (simulated / STEPS).read_bytes().decode() == _csv_module_steps(rows)
     measured_rows = rows[:3] + [(*rows[3][:15], 0.004, 0.001, 123456)]
     measured = tmp_path / "measured"
     measured.mkdir()
-    write_steps(measured, StepLog(measured_rows))
+    log = StepLog()
+    log.add_rows(measured_rows)
+    write_steps(measured, log)
     assert (measured / STEPS).read_bytes().decode() == _csv_module_steps(measured_rows)
+
+
+def test_a_step_log_kept_in_chunks_reads_back_every_row_as_logged(tmp_path, monkeypatch):
+    """Rows become record arrays every CHUNK_STEPS (here 5): kinds, None (not measured), whole byte
+    counts and floats come back as logged, also for rows added after the table was read; and a
+    cluster's steps.csv (rows gathered in another order, an instance column) is the csv module's."""
+    monkeypatch.setattr(StepLog, "CHUNK_STEPS", 5)
+    resolved = resolve(RunConfig(trace="demo"))
+    run = simulate(traces.load_named("demo"), resolved.new_engine(), CostModelTimer(resolved.cost_model()), SimOptions())
+    rows = run.steps.rows()
+    rows[7] = (*rows[7][:15], 0.004, 1.5e-07, 123456)  # a measured step among simulated ones
+    log = StepLog()
+    log.add_rows(rows[:12])
+    assert log.rows() == rows[:12] and len(log.table()) == 12
+    log.add_rows(rows[12:])  # after the table was read
+    assert len(log) == len(rows) and log.rows() == rows
+    assert log.column("memory_bytes")[7] == 123456 and isinstance(log.column("memory_bytes")[7], int)
+    order = np.arange(len(rows))[::-1].copy()
+    instance = np.arange(len(rows)) % 3
+    write_steps(tmp_path, log.table(), instance, order)
+    expected = [(*rows[i], int(instance[i])) for i in order]
+    buffer = io.StringIO(newline="")
+    writer = csv.writer(buffer)
+    writer.writerow((*STEP_COLUMNS, "instance"))
+    writer.writerows(expected)
+    assert (tmp_path / STEPS).read_bytes().decode() == buffer.getvalue()

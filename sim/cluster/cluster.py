@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import cached_property, partial
+from pathlib import Path
 
 import numpy as np
 import simpy
@@ -29,8 +30,10 @@ from kvsim.sim.cluster.autoscaler import Autoscaler
 from kvsim.sim.cluster.routers import ClusterView, InstanceState, Router, RouteRequest, RouterError
 from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun
-from kvsim.sim.run.metrics import StepLog, summarize
-from kvsim.sim.run.simulator import SimOptions, SimRun, Simulation, cyclic_gc_paused
+from kvsim.sim.run.metrics import STEP_DTYPE, GapCounts, StepLog, summarize
+from kvsim.sim.run.outputs import write_requests, write_steps
+from kvsim.sim.run.request_records import RequestRecords
+from kvsim.sim.run.simulator import RunRecords, SimOptions, SimRun, Simulation, cyclic_gc_paused
 from kvsim.traces.schema import Trace
 
 
@@ -92,42 +95,57 @@ class ScaledPool:
 
 @dataclass
 class ClusterRun:
-    runs: list[SimRun]  # one per instance (every instance an autoscaler could launch)
+    runs: list[SimRun]  # one per instance (every instance an autoscaler could launch); empty when workers ran them
     placement: np.ndarray  # trace row -> instance
     wall_s: float
     launched_s: list[float | None]  # when each instance was launched (None: never)
     retired_s: list[float | None]  # when each was scaled down (None: served to the end)
     timeline: list[tuple[float, int]]  # (time, instances serving) at every change
+    sent_records: list[RunRecords] | None = None  # the instances' runs as workers sent them back (partitioned.py)
 
     @cached_property
-    def steps_by_end(self) -> list[tuple[tuple, int]]:
-        """Every instance's step rows with the instance, ordered by the step's end time."""
-        return sorted(((row, i) for i, run in enumerate(self.runs) for row in run.steps.rows), key=lambda p: p[0][1] + p[0][2])
+    def records(self) -> list[RunRecords]:
+        """Each instance's run as columns: all the summary and the files read."""
+        return self.sent_records if self.sent_records is not None else [run.records for run in self.runs]
 
-    def user_requests(self) -> list[Request]:
+    @cached_property
+    def steps_by_end(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every instance's steps as one record array, each step's instance, and the steps' order by end
+        time (ties: by instance, then step). Each instance's log becomes a view of that array, so a
+        million-request run's 4.7 million steps are held once."""
+        tables = [one.steps.table() for one in self.records]
+        table = np.concatenate(tables) if tables else np.empty(0, dtype=STEP_DTYPE)
+        bounds = np.cumsum([0] + [len(t) for t in tables])
+        for one, first, stop in zip(self.records, bounds[:-1], bounds[1:]):
+            one.steps = StepLog(table[first:stop])
+        instance = np.repeat(np.arange(len(tables)), np.diff(bounds))
+        return table, instance, np.argsort(table["start_s"] + table["duration_s"], kind="stable")
+
+    def user_records(self) -> RequestRecords:
         """The requests as users see them: every instance's (a P/D cluster's: one a trace row)."""
-        return [r for run in self.runs for r in run.requests]
+        return RequestRecords.concat([one.requests for one in self.records])
 
     def prefix_stats(self) -> _SummedStats:
-        return _SummedStats([run.engine.kv_stats() for run in self.runs])
+        return _SummedStats([one.kv_stats for one in self.records])
 
     def routed_to(self, instance: int) -> int:
         return int((self.placement == instance).sum())
 
     def summary(self) -> dict:
-        per_instance = [run.summary() for run in self.runs]
+        per_instance = [one.summary() for one in self.records]
         stores = [s.pop("kv_store") for s in per_instance if "kv_store" in s]  # one store, shared
-        requests = self.user_requests()
-        steps = StepLog([row for row, _ in self.steps_by_end])
-        total_blocks = sum(run.engine.config.num_blocks for run in self.runs)
-        out = summarize(requests, _Gaps(self.runs), steps, total_blocks, self.prefix_stats())
-        busy = [float(run.steps.array("duration_s").sum()) if len(run.steps) else 0.0 for run in self.runs]
+        requests = self.user_records()
+        table, _, order = self.steps_by_end
+        total_blocks = sum(one.num_blocks for one in self.records)
+        gaps = GapCounts.concat([one.gaps for one in self.records])
+        out = summarize(requests, gaps, _StepsInOrder(table, order), total_blocks, self.prefix_stats())
+        busy = [float(one.steps.array("duration_s").sum()) for one in self.records]
         out["peak_kv_blocks_used"] = sum(s["peak_kv_blocks_used"] for s in per_instance)
         out["mean_kv_usage"] = (sum(b * s["mean_kv_usage"] for b, s in zip(busy, per_instance)) / sum(busy)) if sum(busy) else 0.0
         out["wall_s"] = self.wall_s
         out["instances"] = [{"instance": i, "requests_routed": self.routed_to(i), **s}
                             for i, s in enumerate(per_instance) if self.launched_s[i] is not None]
-        end = out["duration_s"] + min((r.arrival_s for r in requests), default=0.0)
+        end = out["duration_s"] + (float(requests.arrival_s.min()) if len(requests) else 0.0)
         seconds = sum(self._stopped(i, end) - start for i, start in enumerate(self.launched_s) if start is not None)
         out["instance_seconds"] = seconds
         out["completed_per_instance_hour"] = out["requests_completed"] / (seconds / 3600) if seconds > 0 else 0.0
@@ -141,24 +159,32 @@ class ClusterRun:
         retired = self.retired_s[i]
         if retired is None:
             return end
-        steps = self.runs[i].steps
-        last = float(steps.rows[-1][1] + steps.rows[-1][2]) if len(steps) else retired
+        steps = self.records[i].steps
+        last = float(steps.array("start_s")[-1] + steps.array("duration_s")[-1]) if len(steps) else retired
         return max(retired, last)
 
-    def request_tuples(self) -> list[tuple]:
-        """requests.csv rows with the instance that served each, last."""
-        return [(*row, i) for i, run in enumerate(self.runs) for row in run.request_tuples()]
+    def write_files(self, out_dir: Path) -> None:
+        """requests.csv and steps.csv, each row with its instance, last; the steps by end time."""
+        self.write_requests(out_dir)
+        write_steps(out_dir, *self.steps_by_end)
+
+    def write_requests(self, out_dir: Path) -> None:
+        served_by = np.repeat(np.arange(len(self.records)), [len(one.requests) for one in self.records])
+        write_requests(out_dir, self.user_records(), served_by)
 
 
-class _Gaps:
-    """Every instance's inter-token gaps, as summarize reads a run's (TokenTimes.all_gaps)."""
+@dataclass
+class _StepsInOrder:
+    """The instances' step columns in the order of their end times, read as summarize reads a StepLog's."""
 
-    def __init__(self, runs: list[SimRun]) -> None:
-        self.runs = runs
+    table: np.ndarray
+    order: np.ndarray
 
-    def all_gaps(self, ascending: bool = False) -> np.ndarray:
-        gaps = np.concatenate([run.times.all_gaps() for run in self.runs]) if self.runs else np.empty(0)
-        return np.sort(gaps) if ascending else gaps
+    def array(self, name: str) -> np.ndarray:
+        return self.table[name][self.order]
+
+    def __len__(self) -> int:
+        return len(self.order)
 
 
 @dataclass

@@ -30,8 +30,10 @@ pool, with that pool's cold start), as llm-d's and Dynamo's planners size prefil
 
 from __future__ import annotations
 
+import csv
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import simpy
@@ -54,7 +56,9 @@ from kvsim.sim.cluster.kv_transfer import KVMover, PoolPlacement, PricedMover
 from kvsim.sim.cluster.routers import ClusterView, Router, RouterError
 from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun
-from kvsim.sim.run.metrics import REQUEST_COLUMNS, TokenTimes, distribution
+from kvsim.sim.run.metrics import TokenTimes, distribution
+from kvsim.sim.run.outputs import REQUESTS, atomic_open
+from kvsim.sim.run.request_records import REQUEST_COLUMNS, RequestRecords
 from kvsim.sim.run.simulator import SimOptions, Simulation, cyclic_gc_paused
 from kvsim.traces.schema import Trace
 
@@ -114,20 +118,17 @@ class PDRun(ClusterRun):
     transfers: dict[int, Transfer] | None = None  # by trace row
     trace: Trace | None = None
 
-    def _final(self) -> list[tuple[int, Request, int]]:
-        """(row, the request as the user sees it, its run): the decode instance's where it got there."""
-        by_row: dict[int, tuple[Request, int]] = {}
-        for i, run in enumerate(self.runs):  # prefill runs first: a decode request replaces its prefill one
-            for r in run.requests:
-                by_row[r.trace_index] = (r, i)
-        return [(row, r, i) for row, (r, i) in sorted(by_row.items())]
-
-    def user_requests(self) -> list[Request]:
-        return [r for _, r, _ in self._final()]
+    def user_records(self) -> RequestRecords:
+        """The requests as users see them, one a trace row in trace order: the decode instance's where it got there."""
+        every = RequestRecords.concat([one.requests for one in self.records])
+        order = np.argsort(every.trace_index, kind="stable")  # a row's prefill record, then its decode one
+        rows = every.trace_index[order]
+        last = np.append(rows[1:] != rows[:-1], True) if len(rows) else np.empty(0, dtype=bool)
+        return every.take(order[last])
 
     def prefix_stats(self) -> _SummedStats:
         """The prompts' prefix hits where prompts are computed: the prefill pool."""
-        return _SummedStats([run.engine.kv_stats() for run in self.runs[: self.num_prefill]])
+        return _SummedStats([one.kv_stats for one in self.records[: self.num_prefill]])
 
     def routed_to(self, instance: int) -> int:
         if instance < self.num_prefill:
@@ -154,8 +155,8 @@ class PDRun(ClusterRun):
     def request_tuples(self) -> list[tuple]:
         """requests.csv rows, one a trace row in trace order: the decode instance's request with the
         prefill side's queueing, prefix hits and preemptions folded in."""
-        prefill_rows = {row[_COL["trace_index"]]: row for run in self.runs[: self.num_prefill] for row in run.request_tuples()}
-        decode_rows = {row[_COL["trace_index"]]: row for run in self.runs[self.num_prefill:] for row in run.request_tuples()}
+        prefill_rows = {row[_COL["trace_index"]]: row for one in self.records[: self.num_prefill] for row in one.requests.tuples()}
+        decode_rows = {row[_COL["trace_index"]]: row for one in self.records[self.num_prefill:] for row in one.requests.tuples()}
         out = []
         for index, first in sorted(prefill_rows.items()):
             final = list(decode_rows.get(index, first))
@@ -168,6 +169,12 @@ class PDRun(ClusterRun):
             decode = int(self.decode_of[index]) if index in decode_rows else None
             out.append((*final, int(self.placement[index]), decode, None if transfer is None else transfer.delay_s))
         return out
+
+    def write_requests(self, out_dir: Path) -> None:
+        with atomic_open(out_dir / REQUESTS) as fh:
+            writer = csv.writer(fh)
+            writer.writerow(PD_REQUEST_COLUMNS)
+            writer.writerows(self.request_tuples())
 
 
 class PDClusterSimulation:

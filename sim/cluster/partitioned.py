@@ -37,7 +37,7 @@ from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import CLUSTER_BACKENDS, ResolvedRun
 from kvsim.sim.run.decisions import DecisionLog
 from kvsim.sim.run.distributed import connected_ray
-from kvsim.sim.run.simulator import SimOptions, SimRun, Simulation, cyclic_gc_paused
+from kvsim.sim.run.simulator import RunRecords, SimOptions, Simulation, cyclic_gc_paused
 from kvsim.traces.schema import Trace
 
 Routed = list[tuple[int, int]]  # (trace row, instance), in arrival order
@@ -103,23 +103,21 @@ class InstanceGroup:
         self.ended = []
         return report
 
-    def finish(self, routed: Routed) -> dict[int, SimRun]:
-        """The last arrivals, then every instance to its end; each instance's run."""
+    def finish(self, routed: Routed) -> dict[int, RunRecords]:
+        """The last arrivals, then every instance to its end; each instance's run as columns."""
+        return dict(self.finish_one_by_one(routed))
+
+    def finish_one_by_one(self, routed: Routed) -> Iterator[tuple[int, RunRecords]]:
+        """:meth:`finish`, each instance's engine let go of once its columns are given out: a worker
+        process sends them one at a time, so neither side holds a whole share at once."""
         self._feed(routed, last=True)
         for i, sim in self.sims.items():
             sim.env.run(until=self.done[i])
         for log in self.logs.values():
             if log is not None:
                 log.close()
-        return {i: sim.result(0.0) for i, sim in self.sims.items()}  # the router's process times the run
-
-    def finish_one_by_one(self, routed: Routed) -> Iterator[tuple[int, SimRun]]:
-        """:meth:`finish`, each run let go of here once given out: a worker process sends them one
-        at a time, so neither side holds a whole share's pickle (gigabytes at a million requests)."""
-        runs = self.finish(routed)
-        self.sims.clear()
-        for i in list(runs):
-            yield i, runs.pop(i)
+        for i in list(self.sims):
+            yield i, self.sims.pop(i).result(0.0).records  # the router's process times the run
 
     def _feed(self, routed: Routed, last: bool) -> None:
         rows: dict[int, list[int]] = {i: [] for i in self.sims}
@@ -158,7 +156,7 @@ class _LocalWorker:
     def receive(self):
         return self.reply
 
-    def runs(self) -> dict[int, SimRun]:
+    def runs(self) -> dict[int, RunRecords]:
         return self.reply
 
     def close(self, finished: bool) -> None:
@@ -190,7 +188,7 @@ class _ProcessWorker:
             raise reply
         return reply
 
-    def runs(self) -> dict[int, SimRun]:
+    def runs(self) -> dict[int, RunRecords]:
         """The finish's runs, as the worker sends them: one instance at a time."""
         return dict(self.receive() for _ in self.instances)
 
@@ -228,7 +226,7 @@ class _RayWorker:
     def receive(self):
         return self.ray.get(self.pending)
 
-    def runs(self) -> dict[int, SimRun]:
+    def runs(self) -> dict[int, RunRecords]:
         return self.receive()
 
     def close(self, finished: bool) -> None:
@@ -334,7 +332,7 @@ class PartitionedCluster:
                     self._meet(workers, batches, meeting * interval)
                 for worker, batch in zip(workers, batches):
                     worker.send("finish", batch, 0.0)
-                runs: dict[int, SimRun] = {}
+                runs: dict[int, RunRecords] = {}
                 for worker in workers:
                     runs.update(worker.runs())
                 finished = True
@@ -345,7 +343,7 @@ class PartitionedCluster:
         ordered = [runs[i] for i in range(self.size)]
         for run in ordered:
             run.wall_s = wall
-        return ClusterRun(ordered, placement, wall, [0.0] * self.size, [None] * self.size, [(0.0, self.size)])
+        return ClusterRun([], placement, wall, [0.0] * self.size, [None] * self.size, [(0.0, self.size)], sent_records=ordered)
 
     def _meet(self, workers: list, batches: list[Routed], until: float) -> None:
         """Every worker runs to ``until``; their states become the view, their ended requests lower

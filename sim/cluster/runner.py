@@ -7,22 +7,20 @@ with an ``instance`` column, ``steps.csv`` with one too (every instance's steps,
 
 from __future__ import annotations
 
-import csv
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from kvsim.sim.cluster.autoscaler import DEFAULT_LOAD_BANDWIDTH, make_autoscaler
 from kvsim.sim.cluster.cluster import ClusterRun, ClusterSimulation, Scaling
-from kvsim.sim.cluster.disagg import PD_REQUEST_COLUMNS, PDClusterSimulation, PDSetup
+from kvsim.sim.cluster.disagg import PDClusterSimulation, PDSetup
 from kvsim.sim.cluster.kv_transfer import KVMover, place_pools
 from kvsim.sim.cluster.partitioned import Outputs, PartitionedCluster
 from kvsim.sim.cluster.routers import Router, make_router
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.step_timer import StepTimer
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
-from kvsim.sim.run.metrics import REQUEST_COLUMNS, STEP_COLUMNS
-from kvsim.sim.run.outputs import REQUESTS, STEPS, atomic_open, write_summary
+from kvsim.sim.run.outputs import write_summary
 from kvsim.sim.run.run_warnings import run_warnings
 from kvsim.sim.run.simulator import SimOptions
 from kvsim.traces.schema import Trace
@@ -119,16 +117,11 @@ def run_cluster(resolved: ResolvedRun, trace: Trace, out_dir: Path | None, *, ro
                                  "retired": sum(t is not None for t in run.retired_s)}
     summary["config"] = resolved.to_dict()
     summary["memory"] = resolved.memory.to_dict()  # each instance's
-    requests = run.user_requests()
-    first = {}
-    for one in run.runs:
-        first.update(one.times.first_scheduled)
-    summary["warnings"] = run_warnings(resolved, trace, summary, requests, first)
+    summary["warnings"] = run_warnings(resolved, trace, summary, run.user_records())
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_summary(out_dir, summary)
-        _write_rows(out_dir / REQUESTS, PD_REQUEST_COLUMNS if setup else (*REQUEST_COLUMNS, "instance"), run.request_tuples())
-        _write_rows(out_dir / STEPS, (*STEP_COLUMNS, "instance"), ((*row, i) for row, i in run.steps_by_end))
+        run.write_files(out_dir)
     return run, summary
 
 
@@ -158,11 +151,3 @@ def _one_loop(resolved: ResolvedRun, trace: Trace, router: Router, setup: PDSetu
         for log in logs:
             if log is not None:
                 log.close()
-
-
-def _write_rows(path: Path, header: tuple[str, ...], rows: Iterable[tuple]) -> None:
-    """A CSV file; ``rows`` may be a generator (a million-request cluster has millions of step rows)."""
-    with atomic_open(path) as fh:
-        writer = csv.writer(fh)
-        writer.writerow(header)
-        writer.writerows(rows)

@@ -9,55 +9,57 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from operator import itemgetter
 
 import numpy as np
 
 from kvsim.policies.plan import StepPlan
-from kvsim.policies.request import Request, Status
+from kvsim.policies.request import Status
+from kvsim.sim.run.request_records import RequestRecords
 
 PERCENTILES = (50, 90, 99)
 
-STEP_COLUMNS = (
-    "step",
-    "start_s",
-    "duration_s",
-    "timed",
-    "kind",
-    "batch_size",
-    "prefill_tokens",
-    "decode_tokens",
-    "kv_used",
-    "kv_cached",
-    "kv_free",
-    "kv_waste_slots",
-    "preempted",
-    "swap_blocks",
-    "copy_blocks",
-    "device_s",
-    "host_s",
-    "memory_bytes",
-)
+STEP_KINDS = ("prefill", "decode", "mixed", "idle")  # StepShape.kind's values, stored by their index
+_KIND_CODE = {kind: code for code, kind in enumerate(STEP_KINDS)}
+MEASURED_STEP_COLUMNS = ("device_s", "host_s", "memory_bytes")  # real runs only: NaN stored, None (an empty cell) read
+# One step's record: 94 bytes, where a tuple of boxed values took about 350 (4.7 million steps in a
+# million-request cluster run). Counts of blocks, tokens and sequences fit 32 bits many times over.
+STEP_DTYPE = np.dtype([
+    ("step", "i8"), ("start_s", "f8"), ("duration_s", "f8"), ("timed", "i1"), ("kind", "i1"),
+    ("batch_size", "i4"), ("prefill_tokens", "i4"), ("decode_tokens", "i4"),
+    ("kv_used", "i4"), ("kv_cached", "i4"), ("kv_free", "i4"), ("kv_waste_slots", "i8"),
+    ("preempted", "i4"), ("swap_blocks", "i4"), ("copy_blocks", "i4"),
+    ("device_s", "f8"), ("host_s", "f8"), ("memory_bytes", "f8"),
+])
+STEP_COLUMNS: tuple[str, ...] = STEP_DTYPE.names
 
 
-_STEP_COLUMN_INDEX = {name: i for i, name in enumerate(STEP_COLUMNS)}
-
-
-@dataclass
 class StepLog:
-    """Per-step records: a row a step, in ``STEP_COLUMNS`` order (one append a step); columns on demand."""
+    """Per-step records in ``STEP_COLUMNS`` order, kept as columns: a step appends a tuple, and every
+    ``CHUNK_STEPS`` of them become one record array (``STEP_DTYPE``), so a long run holds 94 bytes a
+    step rather than a tuple of boxed values, at about 0.6 us a step."""
 
-    rows: list[tuple] = field(default_factory=list)
+    CHUNK_STEPS = 4096
+
+    def __init__(self, table: np.ndarray | None = None) -> None:
+        """``table``: steps recorded already, as a record array of ``STEP_DTYPE`` (kept, not copied)."""
+        self._chunks: list[np.ndarray] = [] if table is None else [table]
+        self._tail: list[tuple] = []
+        self._sealed = sum(map(len, self._chunks))
+
+    def add_rows(self, rows) -> None:
+        """Steps as :meth:`rows` gives them (a kind by name, None where not measured)."""
+        for row in rows:
+            self._append((*row[:4], _KIND_CODE[row[4]], *row[5:]))
 
     def add_step(self, plan: StepPlan, start_s: float, duration_s: float, counts: tuple[int, int, int, int], timing) -> None:
         measured = timing is not None
         shape = plan.shape
-        self.rows.append((
+        self._append((
             plan.step,
             start_s,
             duration_s,
             int(measured),  # timed: 0 when there was nothing to run (only rejections)
-            shape.kind,
+            _KIND_CODE[shape.kind],
             shape.num_seqs,
             shape.prefill_tokens,
             shape.decode_tokens,
@@ -65,25 +67,62 @@ class StepLog:
             len(plan.preempted),
             len(plan.swap_out) + len(plan.swap_in),
             len(plan.copies),
-            # measured figures exist only in real runs; None (an empty CSV cell) elsewhere
+            # measured figures exist only in real runs; None (stored as NaN) elsewhere
             timing.device_s if measured else None,
             timing.host_s if measured else None,
             timing.memory_bytes if measured else None,
         ))  # fmt: skip
 
-    @property
-    def columns(self) -> dict[str, list]:
-        """Every column as a list (built on each call)."""
-        return {name: self.column(name) for name in STEP_COLUMNS}
+    def _append(self, row: tuple) -> None:
+        self._tail.append(row)
+        if len(self._tail) >= self.CHUNK_STEPS:
+            self._seal()
 
-    def column(self, name: str) -> list:
-        return list(map(itemgetter(_STEP_COLUMN_INDEX[name]), self.rows))
+    def _seal(self) -> None:
+        """The tail's rows into a chunk of their own."""
+        self._chunks.append(np.array(self._tail, dtype=STEP_DTYPE))
+        self._sealed += len(self._tail)
+        self._tail = []
+
+    def table(self) -> np.ndarray:
+        """Every step as one record array (``STEP_DTYPE``); the chunks are merged into it once asked."""
+        if self._tail:
+            self._seal()
+        if len(self._chunks) != 1:
+            self._chunks = [np.concatenate(self._chunks) if self._chunks else np.empty(0, dtype=STEP_DTYPE)]
+        return self._chunks[0]
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self._sealed + len(self._tail)
 
     def array(self, name: str) -> np.ndarray:
-        return np.asarray(self.column(name))
+        """One column as stored (a kind by its index in ``STEP_KINDS``, NaN where not measured), as
+        an array of its own: numpy sums a strided field in buffered blocks, which rounds otherwise
+        than the pairwise sum of a contiguous array (summary figures would move in the last digit)."""
+        return np.ascontiguousarray(self.table()[name])
+
+    def column(self, name: str) -> list:
+        """One column as plain values: a kind by name, None where not measured."""
+        return plain_step_values(name, self.array(name))
+
+    @property
+    def columns(self) -> dict[str, list]:
+        """Every column as :meth:`column` gives it (built on each call)."""
+        return {name: self.column(name) for name in STEP_COLUMNS}
+
+    def rows(self) -> list[tuple]:
+        """Every step as a tuple of plain values, in ``STEP_COLUMNS`` order (what steps.csv holds)."""
+        return list(zip(*self.columns.values()))
+
+
+def plain_step_values(name: str, values: np.ndarray) -> list:
+    """A stored step column as Python values: kinds named, NaN as None, whole byte counts as ints."""
+    if name == "kind":
+        return [STEP_KINDS[code] for code in values.tolist()]
+    if name in MEASURED_STEP_COLUMNS:
+        as_int = name == "memory_bytes"
+        return [None if v != v else int(v) if as_int else v for v in values.tolist()]
+    return values.tolist()
 
 
 @dataclass
@@ -159,12 +198,35 @@ class TokenTimes:
         self.gap_values.append(step_gaps[covered])
         self.gap_counts.append(cover[covered])
 
-    def all_gaps(self, ascending: bool = False) -> np.ndarray:
-        """Every inter-token gap; ``ascending``: sorted, as ``np.sort`` of them gives, but sorting the
-        distinct step gaps before repeating each (a step's gap counts once per sequence in it)."""
+    def compact_gaps(self) -> GapCounts:
+        """Every inter-token gap, as distinct step gaps with how many sequences saw each."""
         self._fold_runs()
-        values = np.concatenate(self.gap_values + [np.frombuffer(self._pending_gaps, dtype=np.float64)])
-        counts = np.concatenate(self.gap_counts + [np.ones(len(self._pending_gaps), dtype=np.int64)])
+        return GapCounts(np.concatenate(self.gap_values + [np.frombuffer(self._pending_gaps, dtype=np.float64)]),
+                         np.concatenate(self.gap_counts + [np.ones(len(self._pending_gaps), dtype=np.int64)]))
+
+    def all_gaps(self, ascending: bool = False) -> np.ndarray:
+        """Every inter-token gap (``ascending``: sorted)."""
+        return self.compact_gaps().expanded(ascending)
+
+
+@dataclass
+class GapCounts:
+    """Inter-token gaps as values and how often each occurs: a run's gaps without the repeats
+    (a decode batch's members share their steps' gaps), what a cluster's workers send back."""
+
+    values: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def concat(cls, parts: list[GapCounts]) -> GapCounts:
+        if not parts:
+            return cls(np.empty(0), np.empty(0, dtype=np.int64))
+        return cls(np.concatenate([p.values for p in parts]), np.concatenate([p.counts for p in parts]))
+
+    def expanded(self, ascending: bool = False) -> np.ndarray:
+        """Every gap; ``ascending``: sorted, as ``np.sort`` of them gives, but sorting the distinct
+        values before repeating each."""
+        values, counts = self.values, self.counts
         if ascending:
             order = np.argsort(values)
             values, counts = values[order], counts[order]
@@ -187,95 +249,37 @@ def distribution(values, ascending: bool = False, consume: bool = False) -> dict
     return {"mean": mean, **{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)}}
 
 
-REQUEST_COLUMNS = (
-    "request_id",
-    "trace_index",
-    "parent",
-    "status",
-    "reject_reason",
-    "arrival_s",
-    "prompt_tokens",
-    "output_tokens",
-    "generated_tokens",
-    "first_scheduled_s",
-    "first_token_s",
-    "finish_s",
-    "queue_s",
-    "ttft_s",
-    "tpot_s",
-    "e2e_s",
-    "max_itl_s",
-    "preemptions",
-    "prefix_hit_tokens",
-)
-
-
-def request_rows(requests: list[Request], times: TokenTimes) -> list[dict]:
-    """One row per sequence (samples of n > 1 requests are rows of their own), keyed by ``REQUEST_COLUMNS``."""
-    return [dict(zip(REQUEST_COLUMNS, row)) for row in request_tuples(requests, times)]
-
-
-def request_tuples(requests: list[Request], times: TokenTimes) -> list[tuple]:
-    """:func:`request_rows` as tuples in ``REQUEST_COLUMNS`` order: what requests.csv writes, without a dict a row."""
-    first_scheduled, max_gap = times.first_scheduled, times.max_gap
-    rows = []
-    for r in requests:
-        rid, arrival = r.request_id, r.arrival_s
-        sched = first_scheduled.get(rid)
-        first, fin = r.first_token_s, r.finish_s
-        rows.append((
-            rid,
-            r.trace_index,
-            r.parent.request_id if r.parent is not None else "",
-            r.status.value,
-            r.reject_reason or "",
-            arrival,
-            r.prompt_tokens,
-            r.output_tokens,
-            r.num_output_tokens,  # generated_tokens
-            sched,  # first_scheduled_s
-            first,  # first_token_s
-            fin,  # finish_s
-            None if sched is None else sched - arrival,  # queue_s
-            None if first is None else first - arrival,  # ttft_s
-            (fin - first) / (r.num_output_tokens - 1)  # tpot_s
-            if fin is not None and first is not None and r.num_output_tokens > 1
-            else None,
-            None if fin is None else fin - arrival,  # e2e_s
-            max_gap.get(rid),  # max_itl_s
-            r.num_preemptions,
-            r.prefix_hit_tokens,
-        ))  # fmt: skip
-    return rows
-
-
-def summarize(requests: list[Request], times: TokenTimes, steps: StepLog, num_blocks: int, kv_stats) -> dict:
-    """The run's headline figures (the ``summary.json`` keys, less config and wall time)."""
-    roots = [r for r in requests if r.parent is None]
-    done = [r for r in roots if r.status is Status.FINISHED and all(c.status is Status.FINISHED for c in r.children)]
-    rejected = [r for r in roots if r.status is Status.REJECTED]
-    finished_seqs = [r for r in requests if r.status is Status.FINISHED]
+def summarize(requests: RequestRecords, gaps: GapCounts, steps, num_blocks: int, kv_stats) -> dict:
+    """The run's headline figures (the ``summary.json`` keys, less config and wall time); ``steps``:
+    a StepLog, or anything giving its columns by ``array(name)`` in the order of their end times."""
+    roots = requests.is_root
+    finished = requests.is_status(Status.FINISHED)
+    done = roots & requests.family_done
+    rejected = roots & requests.is_status(Status.REJECTED)
+    arrival = requests.arrival_s
     durations = steps.array("duration_s")
     starts = steps.array("start_s")
     end = float(starts[-1] + durations[-1]) if len(durations) else 0.0
-    first_arrival = min((r.arrival_s for r in roots), default=0.0)
+    first_arrival = float(arrival[roots].min()) if roots.any() else 0.0
     makespan = max(end - first_arrival, 0.0)
-    output_tokens = sum(r.num_output_tokens for r in finished_seqs)
+    output_tokens = int(requests.generated_tokens[finished].sum())
     used = steps.array("kv_used")
     busy = float(durations.sum()) if len(durations) else 0.0
+    first_token, finish, generated = requests.first_token_s, requests.finish_s, requests.generated_tokens
+    answered = roots & ~np.isnan(first_token)
+    streamed = finished & (generated > 1)
+    completed = int(done.sum())
     return {
-        "requests_completed": len(done),
-        "requests_rejected": len(rejected),
+        "requests_completed": completed,
+        "requests_rejected": int(rejected.sum()),
         "duration_s": makespan,
         "throughput_tok_s": output_tokens / makespan if makespan > 0 else 0.0,
-        "request_rate_rps": len(done) / makespan if makespan > 0 else 0.0,
-        "ttft_s": distribution([r.first_token_s - r.arrival_s for r in roots if r.first_token_s is not None]),
-        "tpot_s": distribution(
-            [(r.finish_s - r.first_token_s) / (r.num_output_tokens - 1) for r in finished_seqs if r.num_output_tokens > 1]
-        ),
-        "itl_s": distribution(times.all_gaps(ascending=True), ascending=True, consume=True),
-        "e2e_s": distribution([max([r.finish_s] + [c.finish_s for c in r.children]) - r.arrival_s for r in done]),
-        "preemptions": sum(r.num_preemptions for r in requests),
+        "request_rate_rps": completed / makespan if makespan > 0 else 0.0,
+        "ttft_s": distribution(first_token[answered] - arrival[answered], consume=True),
+        "tpot_s": distribution((finish[streamed] - first_token[streamed]) / (generated[streamed] - 1), consume=True),
+        "itl_s": distribution(gaps.expanded(ascending=True), ascending=True, consume=True),
+        "e2e_s": distribution(requests.family_finish_s[done] - arrival[done], consume=True),
+        "preemptions": int(requests.preemptions.sum()),
         "prefix_hit_rate": kv_stats.prefix_hit_tokens / kv_stats.prefix_query_tokens if kv_stats.prefix_query_tokens else 0.0,
         "resume_hit_blocks": kv_stats.resume_hit_blocks,  # blocks re-admitted preempted requests found cached
         "num_kv_blocks": num_blocks,
@@ -283,7 +287,7 @@ def summarize(requests: list[Request], times: TokenTimes, steps: StepLog, num_bl
         "mean_kv_usage": float((used * durations).sum() / busy / num_blocks) if busy > 0 else 0.0,
         "output_tokens": output_tokens,
         "steps": len(steps),
-        "rejection_reasons": _count(r.reject_reason for r in rejected),
+        "rejection_reasons": _count(requests.reject_reason[rejected].tolist()),
     }
 
 

@@ -16,11 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from kvsim.sim.run.metrics import REQUEST_COLUMNS, STEP_COLUMNS, StepLog
+import numpy as np
+
+from kvsim.sim.run.metrics import MEASURED_STEP_COLUMNS, STEP_COLUMNS, StepLog, plain_step_values
+from kvsim.sim.run.request_records import REQUEST_COLUMNS, RequestRecords
 
 SUMMARY = "summary.json"
 REQUESTS = "requests.csv"
 STEPS = "steps.csv"
+_WRITE_ROWS = 65536  # rows turned into text at a time: a cluster's millions are never all text at once
 
 
 def _clean(value):
@@ -53,34 +57,51 @@ def write_summary(out_dir: Path, summary: dict) -> Path:
     return path
 
 
-def write_requests(out_dir: Path, rows: list[tuple]) -> Path:
-    """``rows`` in ``REQUEST_COLUMNS`` order (``SimRun.request_tuples``)."""
+def write_requests(out_dir: Path, requests: RequestRecords, instance: np.ndarray | None = None) -> Path:
+    """requests.csv in ``REQUEST_COLUMNS`` order; ``instance``: a last column (a cluster's)."""
     path = out_dir / REQUESTS
     with atomic_open(path) as fh:
         writer = csv.writer(fh)
-        writer.writerow(REQUEST_COLUMNS)
-        writer.writerows(rows)  # csv writes None as an empty field
+        writer.writerow(REQUEST_COLUMNS if instance is None else (*REQUEST_COLUMNS, "instance"))
+        for first in range(0, len(requests), _WRITE_ROWS):
+            rows = requests.tuples(first, first + _WRITE_ROWS)
+            if instance is not None:
+                rows = [(*row, i) for row, i in zip(rows, instance[first:first + _WRITE_ROWS].tolist())]
+            writer.writerows(rows)  # csv writes None as an empty field
     return path
 
 
 # A simulated step's row (no measured fields) as the csv module writes it: ints by str, floats by
 # repr, a kind that needs no quoting, three empty cells. One format a row takes two thirds of
 # the csv module's time (57,000 rows: 0.15 -> 0.10 s), what a long trace's run is otherwise waiting on.
-_SIMULATED_STEP_ROW = ",".join(["%d", "%r", "%r", "%d", "%s"] + ["%d"] * 10) + ",,,\r\n"
-_MEASURED_FIELDS = len(STEP_COLUMNS) - 3  # where device_s, host_s, memory_bytes start
-_NOT_MEASURED = (None, None, None)
+_SIMULATED_STEP_FIELDS = ",".join(["%d", "%r", "%r", "%d", "%s"] + ["%d"] * 10) + ",,,"
+_MEASURED_FIELDS = len(STEP_COLUMNS) - len(MEASURED_STEP_COLUMNS)  # where device_s, host_s, memory_bytes start
 
 
-def write_steps(out_dir: Path, steps: StepLog) -> Path:
+def write_steps(out_dir: Path, steps: StepLog | np.ndarray, instance: np.ndarray | None = None,
+                order: np.ndarray | None = None) -> Path:
+    """steps.csv from a log or a record array (``STEP_DTYPE``); ``instance``: a last column (a
+    cluster's); ``order``: the rows in the order to write them (a cluster's by end time), gathered a
+    chunk at a time rather than copying the whole table in that order."""
+    table = steps.table() if isinstance(steps, StepLog) else steps
     path = out_dir / STEPS
-    measured = _MEASURED_FIELDS
+    header = STEP_COLUMNS if instance is None else (*STEP_COLUMNS, "instance")
+    simulated_row = _SIMULATED_STEP_FIELDS + ("\r\n" if instance is None else ",%d\r\n")
     with atomic_open(path) as fh:
         writer = csv.writer(fh)
-        writer.writerow(STEP_COLUMNS)
-        if all(row[measured:] == _NOT_MEASURED for row in steps.rows):
-            fh.write("".join([_SIMULATED_STEP_ROW % row[:measured] for row in steps.rows]))
-        else:
-            writer.writerows(steps.rows)
+        writer.writerow(header)
+        for first in range(0, len(table), _WRITE_ROWS):
+            rows = slice(first, first + _WRITE_ROWS) if order is None else order[first:first + _WRITE_ROWS]
+            chunk = table[rows]
+            measured = not all(np.isnan(chunk[name]).all() for name in MEASURED_STEP_COLUMNS)
+            names = STEP_COLUMNS if measured else STEP_COLUMNS[:_MEASURED_FIELDS]
+            columns = [plain_step_values(name, chunk[name]) for name in names]
+            if instance is not None:
+                columns.append(instance[rows].tolist())
+            if measured:
+                writer.writerows(zip(*columns))  # csv writes None as an empty field
+            else:
+                fh.write("".join([simulated_row % row for row in zip(*columns)]))
     return path
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsim.policies.request import Request
 from kvsim.sim.run.config import ResolvedRun
+from kvsim.sim.run.request_records import RequestRecords
 from kvsim.traces.schema import Trace
 
 OVERLOAD_FACTOR = 2.0  # the run lasts this many times the trace's span, or more
@@ -20,11 +20,11 @@ QUEUE_SLOPE = 0.05  # queueing delay grows by this many seconds per second of ar
 QUEUE_MIN_S = 5.0  # ... and the last quarter of arrivals waits this long on average
 
 
-def run_warnings(resolved: ResolvedRun, trace: Trace, summary: dict, requests: list[Request], first_scheduled: dict) -> list[dict]:
+def run_warnings(resolved: ResolvedRun, trace: Trace, summary: dict, requests: RequestRecords) -> list[dict]:
     found = [
         _rejected(summary),
         _overload(trace, summary),
-        _unbounded_queue(requests, first_scheduled),
+        _unbounded_queue(requests),
         _swap_without_space(resolved, summary),
     ]
     return [w for w in found if w is not None]
@@ -64,13 +64,13 @@ def _overload(trace: Trace, summary: dict) -> dict | None:
     }
 
 
-def _unbounded_queue(requests: list[Request], first_scheduled: dict) -> dict | None:
+def _unbounded_queue(requests: RequestRecords) -> dict | None:
     """Queueing delay (arrival to first schedule) that rises steadily with arrival time."""
-    pairs = [(r.arrival_s, first_scheduled[r.request_id] - r.arrival_s)
-             for r in requests if r.parent is None and r.request_id in first_scheduled]
-    if len(pairs) < 8:
+    scheduled = requests.is_root & ~np.isnan(requests.first_scheduled_s)
+    if scheduled.sum() < 8:
         return None
-    arrival, delay = np.asarray(pairs, dtype=np.float64).T
+    arrival = requests.arrival_s[scheduled]
+    delay = requests.first_scheduled_s[scheduled] - arrival
     if np.ptp(arrival) <= 0:
         return None
     slope = float(np.polyfit(arrival, delay, 1)[0])

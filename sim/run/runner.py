@@ -61,10 +61,10 @@ def run_trace(
             summary["parallel"] = timer.cost_model.summary()  # the layout's collectives over the run
         summary["config"] = resolved.to_dict()
         summary["memory"] = resolved.memory.to_dict()
-        summary["warnings"] = run_warnings(resolved, trace, summary, run.requests, run.times.first_scheduled)
+        summary["warnings"] = run_warnings(resolved, trace, summary, run.records.requests)
         if out_dir is not None:
             write_summary(out_dir, summary)
-            write_requests(out_dir, run.request_tuples())
+            write_requests(out_dir, run.records.requests)
             write_steps(out_dir, run.steps)
     return run, summary
 

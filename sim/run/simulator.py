@@ -21,16 +21,19 @@ import gc
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import simpy
 
+from kvsim.policies.block_manager import KVStats
 from kvsim.policies.engine import EngineCore
 from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 from kvsim.policies.trace_feed import add_trace_request
 from kvsim.sim.perf.step_timer import StepTimer, StepTiming
 from kvsim.sim.run.decisions import DecisionSink
-from kvsim.sim.run.metrics import StepLog, TokenTimes, request_rows, request_tuples, summarize
+from kvsim.sim.run.metrics import GapCounts, StepLog, TokenTimes, summarize
+from kvsim.sim.run.request_records import RequestRecords
 from kvsim.traces.schema import Trace
 
 
@@ -40,6 +43,26 @@ class SimOptions:
     decisions: DecisionSink | None = None  # takes every plan (sim.run.decisions.DecisionLog); None: no log
     on_progress: Callable[[int], None] | None = None  # called with newly ended requests
     max_steps: int = 0  # safety cap; 0 = none
+
+
+@dataclass
+class RunRecords:
+    """A finished run without its engine: its steps, requests and gaps as columns and its counters,
+    all its summary and files read. A cluster's workers send these back rather than whole runs."""
+
+    steps: StepLog
+    requests: RequestRecords
+    gaps: GapCounts
+    num_blocks: int
+    kv_stats: KVStats
+    tiers: dict  # the kv_tiers and kv_store summaries, when the run had them
+    wall_s: float
+
+    def summary(self) -> dict:
+        out = summarize(self.requests, self.gaps, self.steps, self.num_blocks, self.kv_stats)
+        out.update(self.tiers)
+        out["wall_s"] = self.wall_s
+        return out
 
 
 @dataclass
@@ -55,22 +78,27 @@ class SimRun:
     def requests(self) -> list[Request]:
         return list(self.engine.requests.values())
 
-    def summary(self) -> dict:
+    @cached_property
+    def records(self) -> RunRecords:
+        """The run as columns (built once: a finished run no longer changes)."""
         stats = self.engine.kv_stats()
-        out = summarize(self.requests, self.times, self.steps, self.engine.config.num_blocks, stats)
-        tiers = self.engine.kv_tiers
-        if tiers is not None:
-            out["kv_tiers"] = tiers.summary(stats.prefix_query_tokens, stats.prefix_hit_tokens)
-            if tiers.store is not None:
-                out["kv_store"] = tiers.store.summary()
-        out["wall_s"] = self.wall_s
-        return out
+        tiers: dict = {}
+        if self.engine.kv_tiers is not None:
+            tiers["kv_tiers"] = self.engine.kv_tiers.summary(stats.prefix_query_tokens, stats.prefix_hit_tokens)
+            if self.engine.kv_tiers.store is not None:
+                tiers["kv_store"] = self.engine.kv_tiers.store.summary()
+        requests = RequestRecords.of(self.engine.requests.values(), self.times.first_scheduled, self.times.max_gap)
+        return RunRecords(self.steps, requests, self.times.compact_gaps(), self.engine.config.num_blocks, stats, tiers,
+                          self.wall_s)
+
+    def summary(self) -> dict:
+        return self.records.summary()
 
     def request_rows(self) -> list[dict]:
-        return request_rows(self.requests, self.times)
+        return self.records.requests.rows()
 
     def request_tuples(self) -> list[tuple]:
-        return request_tuples(self.requests, self.times)
+        return self.records.requests.tuples()
 
 
 class Simulation:

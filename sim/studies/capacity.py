@@ -31,6 +31,7 @@ from kvsim.policies.request import Request, Status
 from kvsim.sim.cluster.runner import run_cluster
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
+from kvsim.sim.run.request_records import RequestRecords
 from kvsim.sim.run.simulator import simulate
 from kvsim.traces.schema import Trace
 
@@ -160,39 +161,26 @@ class SloWatch:
         return timing
 
 
-def evaluate(requests: list[Request], summary: dict, slo: Slo) -> Probe:
+def evaluate(requests: RequestRecords, summary: dict, slo: Slo) -> Probe:
     """Latencies at the percentile, whether they meet the SLOs, and goodput, from a finished run's
-    requests (a cluster's as users see them) and its summary."""
-    roots = [r for r in requests if r.parent is None]
-    served = [r for r in roots if r.status is not Status.REJECTED or r.reject_reason in LOAD_REJECTIONS]
-    inf = math.inf
-    families = {r.request_id: [r, *r.children] for r in served}
-
-    def ttft(r: Request) -> float:
-        return inf if r.first_token_s is None else r.first_token_s - r.arrival_s
-
-    def e2e(r: Request) -> float:
-        ends = [s.finish_s for s in families[r.request_id]]
-        return inf if any(e is None for e in ends) else max(ends) - r.arrival_s
-
-    def tpot(r: Request) -> float:
-        worst = 0.0
-        for s in families[r.request_id]:
-            if s.finish_s is None or s.first_token_s is None:
-                return inf
-            if s.num_output_tokens > 1:
-                worst = max(worst, (s.finish_s - s.first_token_s) / (s.num_output_tokens - 1))
-        return worst
-
-    metrics = {"ttft_s": (slo.ttft_s, ttft), "tpot_s": (slo.tpot_s, tpot), "e2e_s": (slo.e2e_s, e2e)}
+    requests (a cluster's as users see them) and its summary; a latency not reached counts as
+    infinite (a request of n > 1 samples: its worst sample's)."""
+    roots = requests.is_root
+    rejected = roots & requests.is_status(Status.REJECTED)
+    for_load = rejected & np.isin(requests.reject_reason, sorted(LOAD_REJECTIONS))
+    served = roots & (~rejected | for_load)
+    arrival = requests.arrival_s[served]
+    per_request = {"ttft_s": requests.first_token_s[served] - arrival,
+                   "tpot_s": requests.family_tpot_s[served],
+                   "e2e_s": requests.family_finish_s[served] - arrival}
     latencies: dict[str, float | None] = {}
-    met = bool(served)
-    good = np.ones(len(served), dtype=bool)
-    for name, (objective, fn) in metrics.items():
+    met = bool(served.any())
+    good = np.ones(int(served.sum()), dtype=bool)
+    for name, objective in (("ttft_s", slo.ttft_s), ("tpot_s", slo.tpot_s), ("e2e_s", slo.e2e_s)):
         if objective is None:
             continue
-        values = np.array([fn(r) for r in served], dtype=np.float64)
-        at = float(np.percentile(values, slo.percentile)) if len(values) else inf
+        values = np.where(np.isnan(per_request[name]), math.inf, per_request[name])
+        at = float(np.percentile(values, slo.percentile)) if len(values) else math.inf
         latencies[name] = at if math.isfinite(at) else None
         met = met and at <= objective
         good &= values <= objective
@@ -201,7 +189,7 @@ def evaluate(requests: list[Request], summary: dict, slo: Slo) -> Probe:
         rate=0.0, met=met, latencies=latencies,
         goodput_rps=float(good.sum()) / duration if duration > 0 else 0.0,
         completed=summary["requests_completed"],
-        rejected_for_load=sum(1 for r in roots if r.status is Status.REJECTED and r.reject_reason in LOAD_REJECTIONS),
+        rejected_for_load=int(for_load.sum()),
     )
 
 
@@ -215,14 +203,14 @@ def probe(config: RunConfig, rate: float, slo: Slo) -> Probe:
     trace = load_run_trace(at_rate)
     if config.is_cluster:
         cluster, summary = run_cluster(resolved, trace, None, decisions="off")
-        result = evaluate(cluster.user_requests(), summary, slo)
+        result = evaluate(cluster.user_records(), summary, slo)
     else:
         watch = SloWatch(CostModelTimer(resolved.cost_model()), slo, len(trace))
         try:
             run = simulate(trace, resolved.new_engine(), watch)
         except SloMissed as missed:
             return Probe(rate=rate, met=False, stopped_early=True, latencies={str(missed): None})
-        result = evaluate(run.requests, run.summary(), slo)
+        result = evaluate(run.records.requests, run.summary(), slo)
     result.rate = rate
     return result
 
