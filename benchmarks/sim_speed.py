@@ -83,7 +83,7 @@ def run_once(trace, config: RunConfig, decisions: str = "off"):
             log.close()
         sim_s = time.perf_counter() - started
         started = time.perf_counter()
-        write_requests(Path(tmp), run.request_tuples())
+        write_requests(Path(tmp), run.records.requests)
         write_steps(Path(tmp), run.steps)
         write_s = time.perf_counter() - started
     return run, sim_s, write_s

@@ -31,7 +31,7 @@ def test_one_instance_behind_any_router_is_the_single_engine_run(router: str) ->
     resolved = resolve(config)
     single = simulate(load_run_trace(config), resolved.new_engine(), CostModelTimer(resolved.cost_model()))
     (cluster,) = _cluster(config, 1, router).runs
-    assert cluster.request_tuples() == single.request_tuples()
+    assert cluster.records.requests.tuples() == single.records.requests.tuples()
     assert cluster.steps.rows() == single.steps.rows()
     assert sum(r.num_preemptions for r in single.requests) > 0
 

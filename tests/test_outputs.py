@@ -98,8 +98,12 @@ def test_summary_table_switches_to_seconds_for_long_latencies():
     assert "Prefix hit rate (%):" in table and "671862" not in table
 
 
-def test_itl_gaps_sorted_before_expansion_equal_the_sorted_expansion():
-    from kvsim.sim.run.metrics import TokenTimes
+def test_gap_percentiles_from_counts_are_numpys_on_the_repeated_gaps_to_the_last_bit():
+    """The ITL figures come from distinct gaps and their counts: the percentiles must equal
+    numpy's on every gap repeated (a decode batch's runs, one-by-one tokens, ties, one gap, a
+    percentile landing on a run's edge); the mean may differ only in rounding, and not at all
+    between two groupings of the same gaps."""
+    from kvsim.sim.run.metrics import TokenTimes, distribution, distribution_of_counts
 
     times = TokenTimes()
     for end in [0.5, 0.75, 1.0, 1.5, 1.75, 2.5, 2.625, 3.0]:
@@ -109,29 +113,34 @@ def test_itl_gaps_sorted_before_expansion_equal_the_sorted_expansion():
     times.token("c", 0.5)
     times.token("c", 2.0)
     times.token("c", 2.25)
-    gaps = times.all_gaps()
-    assert len(gaps) == 6 + 5 + 2
-    assert times.all_gaps(ascending=True).tolist() == sorted(gaps.tolist())
+    gaps = times.compact_gaps()
+    assert len(times.all_gaps()) == 6 + 5 + 2
+    rng = np.random.default_rng(7)
+    cases = [(gaps.values, gaps.counts), (np.array([0.25]), np.array([1])), (np.array([0.5, 0.25]), np.array([1, 1])),
+             (np.array([0.1, 0.3, 0.2]), np.array([1, 99, 1])), (np.array([0.4, 0.4, 0.1]), np.array([50, 50, 1])),
+             (np.array([0.888, 0.226]), np.array([4, 4])),  # numpy interpolates from above here: a + d t != b - d (1 - t)
+             (rng.random(300), rng.integers(1, 40, 300)), (np.round(rng.random(500), 2), rng.integers(1, 5, 500))]
+    for values, counts in cases:
+        expected = distribution(np.repeat(values, counts))
+        got = distribution_of_counts(values, counts)
+        assert {k: v for k, v in got.items() if k != "mean"} == {k: v for k, v in expected.items() if k != "mean"}
+        assert got["mean"] == pytest.approx(expected["mean"], rel=1e-12)
+    assert distribution_of_counts(np.empty(0), np.empty(0, dtype=np.int64)) == distribution([])
+    values, counts = cases[-2]
+    regrouped = distribution_of_counts(np.repeat(values, counts), np.ones(counts.sum(), dtype=np.int64))
+    assert regrouped == distribution_of_counts(values, counts)  # the mean too: grouping is not a figure's input
 
 
-def test_distribution_partitions_only_arrays_it_owns_or_is_handed():
-    """Percentiles partition in place only a copy of their own or an array handed over
-    (``consume``); the figures equal numpy's on the sorted values either way."""
-    import numpy as np
-
+def test_distribution_leaves_the_callers_values_alone():
     from kvsim.sim.run.metrics import distribution
 
     values = np.random.default_rng(3).random(1001)
     ordered = np.sort(values)
     expected = {"mean": float(ordered.mean()),
                 **{f"p{p}": float(v) for p, v in zip((50, 90, 99), np.percentile(ordered, (50, 90, 99)))}}
-    kept = ordered.copy()
-    assert distribution(kept, ascending=True) == expected
-    assert np.array_equal(kept, ordered)  # a caller's array, not handed over: untouched
     given = values.copy()
-    assert distribution(given) == expected and np.array_equal(given, values)  # sorted into a copy
+    assert distribution(given) == expected and np.array_equal(given, values)
     assert distribution(list(values)) == expected
-    assert distribution(ordered.copy(), ascending=True, consume=True) == expected
 
 
 def _csv_module_steps(rows: list[tuple]) -> str:

@@ -287,7 +287,6 @@ class ClusterSimulation:
         self.timeline: list[tuple[float, int]] = [(0.0, first)]
         self._routing_done = False
         for i, sim in enumerate(self.instances):
-            sim.serve_routed()
             sim.on_ended = self._ended_on(i)
         self.scrape = Scrape(staleness_s, self.instances)
 

@@ -221,10 +221,8 @@ class PDClusterSimulation:
         self.timeline: list[tuple[float, int]] = [(0.0, sum(first))]
         for i, sim in enumerate(self.prefill):
             sim.engine.hold_finished_kv = True
-            sim.serve_routed()
             sim.on_ended = self._prefill_ended(i)
         for i, sim in enumerate(self.decode):
-            sim.serve_routed()
             sim.add_row = self._decode_adder(sim.times)
             sim.on_ended = self._decode_ended(i)
         self.scrapes = (Scrape(staleness_s, self.prefill), Scrape(staleness_s, self.decode))

@@ -82,7 +82,6 @@ class InstanceGroup:
                      for i in instances}
         self.ended: list[tuple[float, int, int, int]] = []
         for i, sim in self.sims.items():
-            sim.serve_routed()
             sim.on_ended = self._ended_on(i)
         self.done = {i: sim.start() for i, sim in self.sims.items()}
 

@@ -97,13 +97,10 @@ class SimRun:
     def request_rows(self) -> list[dict]:
         return self.records.requests.rows()
 
-    def request_tuples(self) -> list[tuple]:
-        return self.records.requests.tuples()
-
 
 class Simulation:
     """One engine replaying a trace; with ``env``, one instance of a cluster (sim/cluster), which
-    serves only the rows a router hands it (:meth:`serve_routed`, :meth:`hand`)."""
+    serves only the rows a router hands it (:meth:`hand`), until :meth:`feeding_over`."""
 
     def __init__(self, trace: Trace, engine: EngineCore, timer: StepTimer, options: SimOptions | None = None,
                  env: simpy.Environment | None = None) -> None:
@@ -119,9 +116,10 @@ class Simulation:
         self.clock = 0.0
         self.next_index = 0
         self._wake: simpy.Event | None = None
-        self._arrivals = trace.arrival_s.tolist()
-        self._rows: list[int] | None = None  # the trace rows this engine serves, in arrival order; None: all
-        self._fed = True  # no arrival is still to be handed to this engine
+        routed = env is not None  # a cluster's instance: no list of every arrival (32 MB at a million rows)
+        self._arrivals: list[float] = [] if routed else trace.arrival_s.tolist()
+        self._rows: list[int] | None = [] if routed else None  # the trace rows this engine serves, in arrival order; None: all
+        self._fed = not routed  # no arrival is still to be handed to this engine
         self.on_ended: Callable[[list[Request], list[tuple[str, str]]], None] | None = None  # a step's finished and rejected
         self.on_state_change: Callable[[], None] | None = None  # the engine may have moved (a cluster's scrape)
         # How a trace row becomes an engine request (a P/D decode instance's carries its delivered KV)
@@ -205,10 +203,6 @@ class Simulation:
             self.next_index += 1
 
     # --- one instance of a cluster ------------------------------------------------------------
-    def serve_routed(self) -> None:
-        """Serve only what :meth:`hand` gives, until :meth:`feeding_over`."""
-        self._arrivals, self._rows, self._fed = [], [], False
-
     def hand(self, row: int, at_s: float | None = None) -> None:
         """Trace row ``row`` arrives here now: at its trace arrival (the router's time), or at ``at_s``
         (a P/D decode instance: when its KV arrived); an idle engine wakes."""
