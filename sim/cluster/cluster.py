@@ -165,10 +165,11 @@ class ClusterRun:
 
     def write_files(self, out_dir: Path) -> None:
         """requests.csv and steps.csv, each row with its instance, last; the steps by end time."""
-        self.write_requests(out_dir)
+        self.write_request_rows(out_dir)
         write_steps(out_dir, *self.steps_by_end)
 
-    def write_requests(self, out_dir: Path) -> None:
+    def write_request_rows(self, out_dir: Path) -> None:
+        """requests.csv: every instance's requests in turn, the instance last."""
         served_by = np.repeat(np.arange(len(self.records)), [len(one.requests) for one in self.records])
         write_requests(out_dir, self.user_records(), served_by)
 

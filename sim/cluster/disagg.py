@@ -170,7 +170,8 @@ class PDRun(ClusterRun):
             out.append((*final, int(self.placement[index]), decode, None if transfer is None else transfer.delay_s))
         return out
 
-    def write_requests(self, out_dir: Path) -> None:
+    def write_request_rows(self, out_dir: Path) -> None:
+        """requests.csv: :meth:`request_tuples`, under ``PD_REQUEST_COLUMNS``."""
         with atomic_open(out_dir / REQUESTS) as fh:
             writer = csv.writer(fh)
             writer.writerow(PD_REQUEST_COLUMNS)
