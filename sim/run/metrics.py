@@ -278,9 +278,9 @@ def summarize(requests: RequestRecords, gaps: GapCounts, steps, num_blocks: int,
     output_tokens = int(requests.generated_tokens[finished].sum())
     used = steps.array("kv_used")
     busy = float(durations.sum()) if len(durations) else 0.0
-    first_token, finish, generated = requests.first_token_s, requests.finish_s, requests.generated_tokens
+    first_token = requests.first_token_s
     answered = roots & ~np.isnan(first_token)
-    streamed = finished & (generated > 1)
+    streamed = finished & (requests.generated_tokens > 1)
     completed = int(done.sum())
     return {
         "requests_completed": completed,
@@ -289,7 +289,7 @@ def summarize(requests: RequestRecords, gaps: GapCounts, steps, num_blocks: int,
         "throughput_tok_s": output_tokens / makespan if makespan > 0 else 0.0,
         "request_rate_rps": completed / makespan if makespan > 0 else 0.0,
         "ttft_s": distribution(first_token[answered] - arrival[answered]),
-        "tpot_s": distribution((finish[streamed] - first_token[streamed]) / (generated[streamed] - 1)),
+        "tpot_s": distribution(requests.tpot_s()[streamed]),
         "itl_s": distribution_of_counts(gaps.values, gaps.counts),
         "e2e_s": distribution(requests.family_finish_s[done] - arrival[done]),
         "preemptions": int(requests.preemptions.sum()),

@@ -128,13 +128,18 @@ class RequestRecords:
     def is_status(self, status: Status) -> np.ndarray:
         return self.status == status.value
 
+    def tpot_s(self, part: slice = slice(None)) -> np.ndarray:
+        """Time per output token after the first, of rows ``part``: NaN for one token or a time not reached."""
+        generated = self.generated_tokens[part]
+        tpot = np.full(len(generated), NAN)
+        np.divide(self.finish_s[part] - self.first_token_s[part], generated - 1, out=tpot, where=generated > 1)
+        return tpot
+
     def tuples(self, start: int = 0, stop: int | None = None) -> list[tuple]:
         """Rows ``start:stop`` in ``REQUEST_COLUMNS`` order, as requests.csv writes them (None: an empty cell)."""
         part = slice(start, stop)
         arrival, first, finish = self.arrival_s[part], self.first_token_s[part], self.finish_s[part]
         sched, generated = self.first_scheduled_s[part], self.generated_tokens[part]
-        tpot = np.full(len(arrival), NAN)
-        np.divide(finish - first, generated - 1, out=tpot, where=generated > 1)  # NaN where a time is missing
         return list(zip(
             self.request_id[part].tolist(),
             self.trace_index[part].tolist(),
@@ -150,7 +155,7 @@ class RequestRecords:
             _or_none(finish),  # finish_s
             _or_none(sched - arrival),  # queue_s
             _or_none(first - arrival),  # ttft_s
-            _or_none(tpot),
+            _or_none(self.tpot_s(part)),
             _or_none(finish - arrival),  # e2e_s
             _or_none(self.max_itl_s[part]),
             self.preemptions[part].tolist(),
