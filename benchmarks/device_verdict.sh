@@ -12,6 +12,8 @@
 #      first half of the rounds start with an empty profile cache (benchmarks/validate_runs.py)
 #                                                                              verdict.md
 #   3. kvsim validate --backend cuda --model small-moe, then small-mla, if time is left
+# VARIANTS (default: the three above) picks the variants of a round, e.g. VARIANTS="right= bias=--perturb-profile=1.2"
+# where the device time allows only two; CHECKS (default 8) the speed checks of each setting in part 1.
 # Every run's validation.json and log go into runs.tgz; summary.txt holds the tables.
 set -u
 OUT=${1:?usage: device_verdict.sh OUT_DIR [ROUNDS] [MODEL]}
@@ -19,19 +21,21 @@ ROUNDS=${2:-10}
 MODEL=${3:-small}
 BUDGET_S=${BUDGET_S:-540}  # the whole check
 TAIL_S=${TAIL_S:-60}       # kept for the MoE and MLA runs whatever the rounds took
+VARIANTS=${VARIANTS:-right= bias=--perturb-profile=1.2 norow=--no-row-count-terms}
+CHECKS=${CHECKS:-8}
 WORK=/tmp/device-verdict
 . benchmarks/device_env.sh
 
 part 60 "$TAIL_S" "GPU tests" python3 -m pytest -m gpu -q -x -p no:cacheprovider tests
 tail -n 3 "$LOG" | tee -a "$SUMMARY"
-part 90 "$TAIL_S" "speed check spread" python3 benchmarks/speed_check_spread.py --backend cuda --model "$MODEL" --checks 8
+part 90 "$TAIL_S" "speed check spread" python3 benchmarks/speed_check_spread.py --backend cuda --model "$MODEL" --checks "$CHECKS"
 grep -A5 "^cuda (" "$LOG" | tee -a "$SUMMARY"
 
 left=$((BUDGET_S - (SECONDS - start) - TAIL_S))
 say "verdict rounds: $ROUNDS, no run started past $((left - 25)) s"
 python3 benchmarks/validate_runs.py --runs "$ROUNDS" --fresh-rounds $((ROUNDS / 2)) --out "$WORK/verdict" \
-    --label gpu --deadline-s $((left - 25)) --variant right= --variant bias=--perturb-profile=1.2 \
-    --variant norow=--no-row-count-terms -- --backend cuda --model "$MODEL" | tee "$OUT/verdict.md" | tee -a "$SUMMARY"
+    --label gpu --deadline-s $((left - 25)) $(printf -- '--variant %s ' $VARIANTS) \
+    -- --backend cuda --model "$MODEL" | tee "$OUT/verdict.md" | tee -a "$SUMMARY"
 
 for model in small-moe small-mla; do
     part 60 0 "validate $model" kvsim validate --backend cuda --model "$model" --out "$WORK/$model"
