@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -50,6 +50,8 @@ class SpeedCheck:
     measured_s: list[float]
     predicted_s: list[float]
     profiled_s: list[float] | None = None  # None: the profile did not record its reference steps
+    # what the steps ran: ``against`` predicts them anew
+    features: list[StepFeatures] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def ratio(self) -> float:
@@ -63,6 +65,16 @@ class SpeedCheck:
         if not self.profiled_s:
             return self.ratio
         return median_ratio(self.measured_s, self.profiled_s)
+
+    def against(self, cost: CostModel) -> SpeedCheck:
+        """The same measurements against ``cost``'s prediction and the times its profile recorded: one check
+        read against another profile (a biased copy of the one it was timed for) without timing it again."""
+        recorded = cost.device.reference_steps_s
+        return replace(
+            self,
+            predicted_s=[float(cost.predict(f)) for f in self.features],
+            profiled_s=[recorded[label] for label in self.labels] if all(label in recorded for label in self.labels) else None,
+        )
 
     def to_dict(self) -> dict:
         return {"labels": self.labels, "measured_s": self.measured_s, "predicted_s": self.predicted_s,
@@ -122,11 +134,4 @@ def median_ratio(seconds: Sequence[float], against: Sequence[float]) -> float:
 def speed_check(backend: KernelBackend, cost: CostModel, seed: int = 0) -> SpeedCheck:
     """Time the reference steps on ``backend``, against ``cost``'s prediction and the times its profile recorded."""
     measured, features = reference_times(backend, cost.model, cost.block_size, cost.kv_dtype, seed)
-    labels = list(REFERENCE_LABELS)
-    recorded = cost.device.reference_steps_s
-    return SpeedCheck(
-        labels=labels,
-        measured_s=measured,
-        predicted_s=[float(cost.predict(f)) for f in features],
-        profiled_s=[recorded[label] for label in labels] if all(label in recorded for label in labels) else None,
-    )
+    return SpeedCheck(labels=list(REFERENCE_LABELS), measured_s=measured, predicted_s=[], features=features).against(cost)

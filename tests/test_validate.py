@@ -217,8 +217,10 @@ def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tm
     for ratio, remeasured in ((1.08, False), (1.3, True)):
         monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0, r=ratio: SpeedCheck(["x"], [r], [1.0]))
         said: list[str] = []
-        assert cli_validate.machine_profile(cpu, TINY, False, said.append) == path
-        assert bool(reasons) == remeasured
+        got, check = cli_validate.machine_profile(cpu, TINY, False, said.append)
+        assert got == path and bool(reasons) == remeasured
+        # the check that let the profile stand is the run's reading before it; one that sent it to be measured again is not
+        assert (check is None) == remeasured and (remeasured or check.measured_s == [ratio])
     assert "the cached profile is stale: reference steps took 1.30x its prediction on thread CPU time" in said[-1]
 
 
@@ -235,7 +237,7 @@ def test_the_stale_decision_reads_the_machines_move_not_the_predictions_miss(tmp
         check = SpeedCheck(["x", "y", "z"], [measured] * 3, [1.0] * 3, profiled_s=[min(measured, 1.0)] * 3)
         monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0, c=check: c)
         said: list[str] = []
-        cli_validate.machine_profile(cpu, TINY, False, said.append)
+        assert (cli_validate.machine_profile(cpu, TINY, False, said.append)[1] is None) == remeasured
         assert bool(made) == remeasured
     assert "reference steps took 1.25x their time when profiled" in said[-1]
 
@@ -265,12 +267,12 @@ def test_a_fresh_profile_whose_fit_missed_its_held_out_steps_is_measured_once_mo
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
     made = profiles_measured(monkeypatch, [0.12, 0.15])
     said: list[str] = []
-    path = cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append, step_limit=0.10)
-    assert made == [path, path] and load_device(path).held_out_step_mape == 0.12
+    path, check = cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append, step_limit=0.10)
+    assert made == [path, path] and load_device(path).held_out_step_mape == 0.12 and check is None
     assert any("the profile's fit missed its own held-out steps by 12.0%, more than the step limit 10%" in line for line in said)
     assert said[-1] == "kept the first profile: its held-out error 12.0% is below the second's 15.0%"
     made.clear()
-    assert cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append, step_limit=0.10) == path and made == []
+    assert cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append, step_limit=0.10)[0] == path and made == []
 
 
 def test_a_profile_remeasured_for_a_stale_cache_that_missed_its_held_out_steps_is_measured_once_more(tmp_path, monkeypatch):
@@ -282,7 +284,7 @@ def test_a_profile_remeasured_for_a_stale_cache_that_missed_its_held_out_steps_i
     cpu, path = cached_tiny_profile(tmp_path, monkeypatch)
     made = profiles_measured(monkeypatch, [1.15, 0.04], machine_ratio=1.3)
     said: list[str] = []
-    assert cli_validate.machine_profile(cpu, TINY, False, said.append, step_limit=0.10) == path
+    assert cli_validate.machine_profile(cpu, TINY, False, said.append, step_limit=0.10) == (path, None)
     assert made == [path, path] and load_device(path).held_out_step_mape == 0.04
     assert any("the cached profile is stale" in line for line in said)
     assert any("the profile's fit missed its own held-out steps by 115.0%" in line for line in said)
@@ -302,8 +304,8 @@ def test_a_profile_that_went_stale_while_it_was_measured_is_measured_once_more(t
     monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
     monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.3], [1.0]))
     said: list[str] = []
-    path = cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append)
-    assert made == [path, path]  # measured, found stale, measured once more: no loop
+    path, check = cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append)
+    assert made == [path, path] and check is None  # measured, found stale, measured once more: no loop
     assert "the machine's speed changed while it was profiled: reference steps took 1.30x" in said[-1]
 
 
@@ -321,11 +323,43 @@ def test_an_int8_run_is_profiled_with_int8_and_its_cache_kept_apart(tmp_path, mo
     monkeypatch.setattr("kvsim.realexec.profiler.run_profile", run_profile)
     monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.0], [1.0]))
     cpu, said = get_backend("cpu"), []
-    int8 = cli_validate.machine_profile(cpu, TINY.updated(kv_dtype="int8"), False, said.append)
-    default = cli_validate.machine_profile(cpu, TINY, False, None)
+    int8, _ = cli_validate.machine_profile(cpu, TINY.updated(kv_dtype="int8"), False, said.append)
+    default, _ = cli_validate.machine_profile(cpu, TINY, False, None)
     assert profiled == [(int8, "int8"), (default, "fp32")]  # the tiny model's own KV dtype is fp32
     assert int8.name.startswith("cpu-tiny-int8-") and int8.name != default.name
     assert "kv cache int8" in json.loads(int8.with_suffix(".json").read_text()) and "(KV cache in int8)" in said[0]
+
+
+def test_a_speed_check_read_against_a_biased_copy_keeps_its_measurements_and_predicts_anew(tmp_path):
+    from kvsim.realexec.speed_check import speed_check
+    from kvsim.sim.perf.device import scaled_profile
+    from kvsim.sim.run.config import resolve
+
+    recorded = replace(load_device(BASE_PROFILE), reference_steps_s={"decode 1 x 128": 1e-3, "decode 8 x 256": 2e-3,
+                                                                     "prefill 256": 3e-3})
+    cost = resolve(TINY.updated(device=str(save_device(recorded, tmp_path / "p.toml")))).cost_model()
+    check = speed_check(get_backend("cpu"), cost)
+    biased = resolve(TINY.updated(device=str(save_device(scaled_profile(recorded, 1.2), tmp_path / "b.toml")))).cost_model()
+    again = check.against(biased)
+    assert again.measured_s == check.measured_s and again.profiled_s == check.profiled_s == [1e-3, 2e-3, 3e-3]
+    assert [b / a for a, b in zip(check.predicted_s, again.predicted_s)] == pytest.approx([1.2] * 3)
+    assert again.machine_ratio == check.machine_ratio and again.ratio == pytest.approx(check.ratio / 1.2)
+
+
+def test_the_check_that_let_the_profile_stand_is_the_runs_reading_before_it(tmp_path, monkeypatch):
+    """No second check before the run: validate weighs the reading that decided the profile stands."""
+    from kvsim.cli import validate as cli_validate
+    from kvsim.realexec.speed_check import speed_check
+
+    config = TINY.updated(max_requests=4, num_blocks=48)
+    cost = cli_validate.resolve(config.updated(device=str(BASE_PROFILE))).cost_model()
+    given = speed_check(get_backend("cpu"), cost)
+    timed: list[int] = []
+    monkeypatch.setattr(cli_validate, "speed_check", lambda *a, **kw: timed.append(1) or speed_check(*a, **kw))
+    result = cross_validate(config, load_run_trace(config), get_backend("cpu"), BASE_PROFILE, tmp_path, Thresholds(),
+                            before=given)
+    assert len(timed) == 1  # after the run only
+    assert result["timing"]["speed_check_before"]["measured_s"] == given.measured_s
 
 
 def test_int8_validate_replays_the_real_decisions_and_predicts_its_memory_exactly(tmp_path):

@@ -83,8 +83,10 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: 
         trace = load_run_trace(config)
         kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size, config.disaggregated)
     try:
+        check = None  # the speed check that let this machine's profile stand: the run's reading before it
         if profile_path is None:
-            profile_path = machine_profile(reference_backend(kernels), one_device(config), reprofile, echo, thresholds.step_mape)
+            profile_path, check = machine_profile(reference_backend(kernels), one_device(config), reprofile, echo,
+                                                  thresholds.step_mape)
         if perturb != 1.0 or no_row_count_terms:  # predict with a profile known to be wrong
             out_dir.mkdir(parents=True, exist_ok=True)
             measured = load_device(profile_path)
@@ -99,7 +101,7 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: 
                                   config, kernels, out_dir)
         else:
             validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet,
-                                        retime_passes=retime_passes)
+                                        retime_passes=retime_passes, before=check)
     except (ValueError, KeyError, RuntimeError) as exc:  # profiling or a run failed on the device (exit 1)
         raise click.ClickException(str(exc).strip("'\"")) from None
 
@@ -132,12 +134,14 @@ def removed_terms_line(device: DeviceProfile) -> str:
     return f"{line}: the largest is {largest / fastest:.0%} of the fastest reference step ({label}, {fastest * 1e3:.2f} ms)"
 
 
-def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, echo, step_limit: float = 0.10) -> Path:
-    """This machine's calibrated profile, measured anew when the machine no longer runs at its
-    speed, and measured once more when a profile measured just now missed its own held-out steps
-    by more than ``step_limit`` (the validation's per-step threshold): a machine noisy while it was
-    profiled bends the fit. At most :data:`FRESH_PROFILES` are measured in one run; of those, the
-    one with the smaller held-out error is kept. A cached profile was judged so when it was made,
+def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, echo,
+                    step_limit: float = 0.10) -> tuple[Path, SpeedCheck | None]:
+    """This machine's calibrated profile and the speed check that let it stand (None: none did). The
+    profile is measured anew when the machine no longer runs at its speed, and measured once more
+    when a profile measured just now missed its own held-out steps by more than ``step_limit``
+    (the validation's per-step threshold): a machine noisy while it was profiled bends the fit. At
+    most :data:`FRESH_PROFILES` are measured in one run; of those, the one with the smaller
+    held-out error is kept. A cached profile was judged so when it was made,
     and is not measured again for it.
 
     The stale-profile decision is the speed check's (on the backend's clock): reference steps
@@ -149,12 +153,18 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     reference steps (8-20 % in this session's CPU profiles) re-measured profiles whose machine
     had not moved (docs/validate-verdict.md). A profile that recorded no reference steps falls
     back on the prediction.
+
+    That check is the run's reading of the machine before it (``cross_validate``): the reading that
+    decides whether the profile stands is the one the verdict weighs. On an H200 a second check
+    taken seconds after the first read 1.14-1.16x where the first had let the cached profile stand;
+    the run was then judged against a profile the machine no longer matched (docs/benchmarks.md).
     """
     kv_dtype = resolve(config).memory.kv_dtype  # the profile must time the KV cache the run will use
     calibrated = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh="--reprofile" if reprofile else None, echo=echo)
     path, current = calibrated.path, load_device(calibrated.path)
     fresh = [] if calibrated.cached else [current]
     reason = None if calibrated.cached else missed_held_out(current, step_limit)
+    check, checked = None, len(fresh)
     if reason is None:
         check = speed_check(kernels, resolve(config.updated(device=str(path))).cost_model(), seed=config.seed)
         if stale(check.machine_ratio, current.step_timing_noise):
@@ -164,15 +174,17 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     while reason is not None and len(fresh) < FRESH_PROFILES:
         fresh.append(load_device(calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo).path))
         reason = missed_held_out(fresh[-1], step_limit)
+    if len(fresh) > checked:  # measured after the check: the check read another profile
+        check = None
     if len(fresh) < 2 or any(device.held_out_step_mape is None for device in fresh):
-        return path
+        return path, check
     best = min(reversed(fresh), key=lambda device: device.held_out_step_mape)  # a tie keeps the newer
     if best is not fresh[-1]:
         save_device(best, path)  # an earlier fit predicted its held-out steps better: keep it
         if echo:
             echo(f"kept the first profile: its held-out error {best.held_out_step_mape:.1%} is below the second's "
                  f"{fresh[-1].held_out_step_mape:.1%}")
-    return path
+    return path, check
 
 
 def missed_held_out(device: DeviceProfile, step_limit: float) -> str | None:
@@ -190,17 +202,19 @@ def stale(ratio: float, noise: float | None) -> bool:
 
 
 def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_path: Path, out_dir: Path,
-                   thresholds: Thresholds, progress: bool = False, retime_passes: int = RETIME_PASSES) -> dict:
+                   thresholds: Thresholds, progress: bool = False, retime_passes: int = RETIME_PASSES,
+                   before: SpeedCheck | None = None) -> dict:
     """The three runs (real, replay, free simulation), their comparison and its verdict; writes validation.json.
 
     Around the real run: the reference steps before and after it (the machine's speed against
     its profile's), and its steps timed again ``retime_passes`` times once it is over (the
-    real-vs-real spread of every figure): what the verdict weighs a miss against.
+    real-vs-real spread of every figure): what the verdict weighs a miss against. ``before``: the
+    check that let the profile stand (``machine_profile``), read against ``profile_path``; None: timed here.
     """
     config = for_backend(config, backend)
     reference = reference_backend(backend)
     single_cost = resolve(one_device(config).updated(device=str(profile_path))).cost_model()
-    before = speed_check(reference, single_cost, seed=config.seed)
+    before = speed_check(reference, single_cost, seed=config.seed) if before is None else before.against(single_cost)
     real, real_summary = execute_run(config, backend, out_dir / "real", trace=trace, progress=progress, decisions="full",
                                      retime_passes=retime_passes)
     collectives = None
