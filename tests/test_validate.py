@@ -44,7 +44,7 @@ def _three_timing_repeats():
 @pytest.fixture(scope="module")
 def validation(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("validate")
-    config = TINY.updated(max_requests=10, num_blocks=48)  # a tight pool: preemptions happen
+    config = TINY.updated(max_requests=10, num_blocks=48, rate_scale=3.0)  # a tight pool, arrivals close together: preemptions
     validation = cross_validate(config, load_run_trace(config), get_backend("cpu"), BASE_PROFILE, out, Thresholds())
     return validation, out
 
