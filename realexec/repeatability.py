@@ -28,7 +28,7 @@ import numpy as np
 from kvsim.policies.plan import PlanDetail, StepPlan
 from kvsim.policies.request import Request
 from kvsim.realexec.speed_check import SpeedCheck
-from kvsim.realexec.validation import rel_error
+from kvsim.realexec.validation import rel_error, worst_class_error
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.device import scaled_profile
 from kvsim.sim.perf.step_timer import StepTimer, StepTiming
@@ -43,7 +43,7 @@ LATENCY_CHECKS = {
     "e2e_p50_rel_error": ("e2e_s", "p50"),
 }
 SUMMARY_CHECKS = (*LATENCY_CHECKS, "throughput_rel_error")
-TIMING_CHECKS = ("step_mape", *SUMMARY_CHECKS)
+TIMING_CHECKS = ("step_mape", "step_class_median_error", *SUMMARY_CHECKS)
 DRIFT_WINDOW = 15  # steps each side of a step whose pass-over-run ratios give its drift (docs/validate-verdict.md)
 
 
@@ -103,11 +103,13 @@ class DriftTimer:
 @dataclass(frozen=True)
 class TimedSteps:
     """One engine's timed steps in a real run (a P/D pair has two engines): each step's measured time,
-    the model's prediction of it, and the model, which times plans unlike the run's."""
+    the model's prediction of it, the model, which times plans unlike the run's, and each step's class
+    (``validation.step_classes``)."""
 
     measured: list[float]
     predicted: list[float]
     predict: Callable[[StepPlan], float]
+    classes: list[str]
 
 
 Replay = Callable[[list[StepTimer]], dict]  # the run's trace again with these step timers (one an engine): its summary
@@ -140,11 +142,14 @@ def real_vs_real(engines: list[TimedSteps], passes: list[list[list[float]]], rea
     the engines (:class:`DriftTimer`, one an engine).
     """
     steps = [np.asarray(e.measured) for e in engines]
+    classes = np.concatenate([np.asarray(e.classes, dtype=str) for e in engines])
     per_pass = list(zip(*[[drift(again, e.measured) for again in engine_passes] for e, engine_passes in zip(engines, passes)]))
     if not sum(s.size for s in steps):
         per_pass = []
-    spread: dict[str, float | None] = {"step_mape": max((float(np.mean(np.abs(np.concatenate(d) - 1.0))) for d in per_pass),
-                                                        default=None)}
+    spread: dict[str, float | None] = {
+        "step_mape": max((float(np.mean(np.abs(np.concatenate(d) - 1.0))) for d in per_pass), default=None),
+        "step_class_median_error": max((worst_class_error(np.concatenate(d), classes) for d in per_pass), default=None),
+    }
     figures: dict[str, list[float | None]] = {check: [] for check in SUMMARY_CHECKS}
     unlike = []
     for drifts in per_pass:
@@ -206,6 +211,7 @@ def errors_at_speeds(engines: list[TimedSteps], real_summary: dict, speeds: tupl
     """
     steps = np.concatenate([np.asarray(e.measured, dtype=float) for e in engines])
     model = np.concatenate([np.asarray(e.predicted, dtype=float) for e in engines])
+    classes = np.concatenate([np.asarray(e.classes, dtype=str) for e in engines])
     best: dict[str, float | None] = {check: None for check in TIMING_CHECKS}
 
     def keep(check: str, error: float | None) -> None:
@@ -215,6 +221,7 @@ def errors_at_speeds(engines: list[TimedSteps], real_summary: dict, speeds: tupl
     for speed in speeds:
         if steps.size:
             keep("step_mape", float(np.mean(np.abs(model * speed - steps) / steps)))
+            keep("step_class_median_error", worst_class_error(steps / (model * speed), classes))
         summary = at_speed(speed)
         for check in SUMMARY_CHECKS:
             keep(check, rel_error(metric(summary, check), metric(real_summary, check)))

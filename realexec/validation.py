@@ -85,11 +85,38 @@ def _error_stats(predicted: np.ndarray, measured: np.ndarray) -> dict:
     }
 
 
-def step_errors(predicted: list[float], measured: list[float], kinds: list[str], batch_sizes: list[int]) -> dict:
-    """Per-step error of predictions for the very steps the device ran: overall, by kind, and decode steps by batch size.
+# Steps of one kind and batch size judged together (``step_class_median_error``): enough of them
+# that their median is the model's, not one step's noise.
+CLASS_MIN_STEPS = 20
 
-    The decode split shows a bias a run-wide MAPE hides: a model short on one batch size and
-    long on another, or a machine that ran at another speed than when it was profiled (every size off alike).
+
+def step_classes(kinds: list[str], batch_sizes: list[int]) -> list[str]:
+    """Each step's class: its kind and how many sequences it ran ("decode x2")."""
+    return [f"{kind} x{size}" for kind, size in zip(kinds, batch_sizes)]
+
+
+def judged_classes(classes: np.ndarray) -> list[str]:
+    """The classes of at least :data:`CLASS_MIN_STEPS` steps (the largest one where none has as many)."""
+    labels, counts = np.unique(classes, return_counts=True)
+    if not labels.size:
+        return []
+    enough = labels[counts >= CLASS_MIN_STEPS]
+    return [str(label) for label in (enough if enough.size else labels[[np.argmax(counts)]])]
+
+
+def worst_class_error(ratios: np.ndarray, classes: np.ndarray) -> float | None:
+    """The largest |median ratio - 1| over the judged classes: ``ratios`` measured / predicted, or a
+    timing's drift (measured again / measured)."""
+    ratios, classes = np.asarray(ratios, dtype=float), np.asarray(classes)
+    return max((abs(float(np.median(ratios[classes == label])) - 1.0) for label in judged_classes(classes)), default=None)
+
+
+def step_errors(predicted: list[float], measured: list[float], kinds: list[str], batch_sizes: list[int]) -> dict:
+    """Per-step error of predictions for the very steps the device ran: overall, by kind, decode steps by
+    batch size, and each judged class (:func:`judged_classes`).
+
+    The split shows a bias a run-wide MAPE hides: a model short on one batch size and long on
+    another, or a machine that ran at another speed than when it was profiled (every size off alike).
     """
     p, m, k, b = np.asarray(predicted), np.asarray(measured), np.asarray(kinds), np.asarray(batch_sizes)
     out = _error_stats(p, m)
@@ -97,6 +124,9 @@ def step_errors(predicted: list[float], measured: list[float], kinds: list[str],
     decode = k == "decode"
     out["decode_by_batch_size"] = {str(n): _error_stats(p[decode & (b == n)], m[decode & (b == n)])
                                    for n in np.unique(b[decode]).tolist()}
+    classes = np.asarray(step_classes(kinds, batch_sizes))
+    out["by_class"] = {label: _error_stats(p[classes == label], m[classes == label]) for label in judged_classes(classes)}
+    out["class_median_error"] = worst_class_error(m / p, classes) if m.size else None
     return out
 
 
@@ -164,6 +194,7 @@ def validate_runs(
         {"name": "decision_identity", "value": 0.0 if decisions["identical"] else 1.0, "threshold": 0.0,
          "passed": decisions["identical"], "group": "decisions"},
         check_row("step_mape", per_step["mape"], t.step_mape, "timing"),
+        check_row("step_class_median_error", per_step["class_median_error"], t.step_mape, "timing"),
         check_row("ttft_p50_rel_error", latency["ttft_s"]["p50"]["rel_error"], t.ttft_p50, "latency"),
         check_row("tpot_p50_rel_error", latency["tpot_s"]["p50"]["rel_error"], t.tpot_p50, "latency"),
         check_row("e2e_p50_rel_error", latency["e2e_s"]["p50"]["rel_error"], t.e2e_p50, "latency"),

@@ -19,6 +19,7 @@ from kvsim.realexec.repeatability import (
     real_vs_real,
 )
 from kvsim.realexec.speed_check import SpeedCheck
+from kvsim.realexec.validation import step_classes
 from kvsim.sim.perf.cost_model import CostModelTimer
 from kvsim.sim.perf.device import scaled_profile
 from kvsim.sim.perf.step_timer import ReplayTimer
@@ -38,7 +39,7 @@ def run():
     measured = [d for d, t in zip(sim.steps.column("duration_s"), sim.steps.column("timed")) if t]
     replay = ReplayTimer(measured, predict=cost.step_time)
     summary = simulate(trace, resolved.new_engine(), replay, SimOptions()).summary()
-    return resolved, trace, measured, replay.predicted, summary
+    return resolved, trace, measured, replay.predicted, summary, step_classes(replay.kinds, replay.batch_sizes)
 
 
 def scaled_profile_model(resolved, factor: float):
@@ -55,8 +56,8 @@ def test_drift_keeps_the_slow_move_and_drops_one_steps_jitter():
 
 
 def test_steps_timed_again_alike_leave_every_figure_where_it_was(run):
-    resolved, trace, measured, predicted, summary = run
-    again = real_vs_real([TimedSteps(measured, predicted, resolved.cost_model().step_time)], [[measured, measured]], summary,
+    resolved, trace, measured, predicted, summary, classes = run
+    again = real_vs_real([TimedSteps(measured, predicted, resolved.cost_model().step_time, classes)], [[measured, measured]], summary,
                          one_engine(resolved, trace)[0])
     assert again["spread"]["step_mape"] == 0.0 and all(v == pytest.approx(0.0, abs=1e-12) for v in again["spread"].values())
     assert again["steps_unlike_the_run"] == [0, 0] and again["pass_speed"] == [1.0, 1.0]
@@ -64,17 +65,17 @@ def test_steps_timed_again_alike_leave_every_figure_where_it_was(run):
 
 def test_a_machine_slower_when_measured_again_moves_the_figures_by_at_least_that_much(run):
     """All steps 10 % slower the second time: the step spread is 0.10, and TPOT (every token a step) moves 10 % or more."""
-    resolved, trace, measured, predicted, summary = run
+    resolved, trace, measured, predicted, summary, classes = run
     slower = [m * 1.1 for m in measured]
-    again = real_vs_real([TimedSteps(measured, predicted, resolved.cost_model().step_time)], [[measured, slower]], summary,
+    again = real_vs_real([TimedSteps(measured, predicted, resolved.cost_model().step_time, classes)], [[measured, slower]], summary,
                          one_engine(resolved, trace)[0])
-    assert again["spread"]["step_mape"] == pytest.approx(0.10)
+    assert again["spread"]["step_mape"] == pytest.approx(0.10) and again["spread"]["step_class_median_error"] == pytest.approx(0.10)
     assert again["spread"]["tpot_p50_rel_error"] >= 0.10 - 1e-9
     assert again["pass_speed"] == [pytest.approx(1.0), pytest.approx(1.1)]
 
 
 def test_the_drift_timer_times_the_runs_own_plans_by_measurement_and_others_by_the_model_at_the_local_ratio(run):
-    resolved, trace, measured, predicted, summary = run
+    resolved, trace, measured, predicted, summary, _ = run
     cost = resolved.cost_model()
     same = DriftTimer(np.asarray(measured), np.asarray(predicted), np.ones(len(measured)), cost.step_time)
     replayed = simulate(trace, resolved.new_engine(), same, SimOptions()).summary()
@@ -102,14 +103,15 @@ def test_the_machines_speed_reads_the_profiled_times_not_the_prediction():
 
 def test_errors_at_the_machines_speed_find_the_speed_that_explains_a_uniform_slowdown(run):
     """A 'real' run on a machine 25 % slower than profiled: at speed 1.25 the model explains it exactly, at 1.0 not."""
-    resolved, trace, _, _, _ = run
+    resolved, trace, _, _, _, _ = run
     slow = simulate(trace, resolved.new_engine(), CostModelTimer(scaled_profile_model(resolved, 1.25)), SimOptions())
     measured = [d for d, t in zip(slow.steps.column("duration_s"), slow.steps.column("timed")) if t]
     replay = ReplayTimer(measured, predict=resolved.cost_model().step_time)
     simulate(trace, resolved.new_engine(), replay, SimOptions())
-    engines = [TimedSteps(measured, replay.predicted, resolved.cost_model().step_time)]
+    engines = [TimedSteps(measured, replay.predicted, resolved.cost_model().step_time, step_classes(replay.kinds, replay.batch_sizes))]
     at_speed = errors_at_speeds(engines, slow.summary(), (1.0, 1.25), one_engine(resolved, trace)[1])
-    assert at_speed["step_mape"] == pytest.approx(0.0, abs=1e-9)
+    assert at_speed["step_mape"] == pytest.approx(0.0, abs=1e-9) and at_speed["step_class_median_error"] == pytest.approx(0.0, abs=1e-9)
     assert at_speed["tpot_p50_rel_error"] == pytest.approx(0.0, abs=1e-9)
     only_profiled = errors_at_speeds(engines, slow.summary(), (1.0,), one_engine(resolved, trace)[1])
-    assert only_profiled["step_mape"] == pytest.approx(0.2)
+    assert only_profiled["step_mape"] == pytest.approx(0.2)  # |0.8 - 1|: error over the measured time
+    assert only_profiled["step_class_median_error"] == pytest.approx(0.25)  # 1.25 - 1: measured over predicted

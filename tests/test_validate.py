@@ -85,8 +85,11 @@ def test_validation_json_has_every_metric(validation):
     assert memory["kv_pool_bytes"]["predicted"] == memory["kv_pool_bytes"]["measured"]
     assert {"peak_device_bytes", "peak_kv_blocks_used", "preemptions"} <= set(memory)
     names = {c["name"] for c in on_disk["checks"]}
-    assert names == {"decision_identity", "step_mape", "ttft_p50_rel_error", "tpot_p50_rel_error", "e2e_p50_rel_error",
-                     "throughput_rel_error", "kv_pool_bytes_rel_error"}
+    assert names == {"decision_identity", "step_mape", "step_class_median_error", "ttft_p50_rel_error", "tpot_p50_rel_error",
+                     "e2e_p50_rel_error", "throughput_rel_error", "kv_pool_bytes_rel_error"}
+    classes = per_step["by_class"]
+    assert classes and all(stats["steps"] >= 20 for stats in classes.values()) and "decode x1" in classes
+    assert per_step["class_median_error"] == pytest.approx(max(abs(c["median_ratio"] - 1) for c in classes.values()))
     for check in on_disk["checks"]:
         assert check["passed"] == (check["value"] is not None and check["value"] <= check["threshold"])
     assert on_disk["passed"] == all(c["passed"] for c in on_disk["checks"])
@@ -133,8 +136,9 @@ def test_the_runs_steps_are_timed_again_and_every_figure_gets_its_real_vs_real_s
         assert spread[check] == pytest.approx(max(abs(f - real) / real for f in figures[check]))
     speed = again["machine_speed"]
     assert speed["before"] == 1.0 and speed["moved"] == pytest.approx(abs(speed["after"] - 1.0))  # no recorded reference
-    assert set(again["errors_at_machine_speed"]) == {"step_mape", "ttft_p50_rel_error", "tpot_p50_rel_error",
-                                                    "e2e_p50_rel_error", "throughput_rel_error"}
+    assert set(again["errors_at_machine_speed"]) == {"step_mape", "step_class_median_error", "ttft_p50_rel_error",
+                                                    "tpot_p50_rel_error", "e2e_p50_rel_error", "throughput_rel_error"}
+    assert 0 <= spread["step_class_median_error"] < 1
     assert result["verdict"]["outcome"] in ("pass", "fail", "inconclusive")
 
 
@@ -161,7 +165,7 @@ def test_validate_cli_fails_naming_the_failed_threshold_beside_the_noise_floor(t
     assert "each the median of 3 runs of its forward pass" in result.output
     assert "per-step MAPE against each step's first run alone: " in result.output
     assert "speed check: reference steps took " in result.output
-    assert "of 7 checks passed" in result.output and "step times measured on thread CPU time" in result.output
+    assert "of 8 checks passed" in result.output and "step times measured on thread CPU time" in result.output
     assert "the machine's speed (reference steps over their time when profiled): " in result.output
     last = [line for line in result.output.splitlines() if line.strip()][-2:]
     assert last[0] == f"report: {tmp_path / 'v' / 'report.html'}" and last[1].startswith("validation failed: step_mape")

@@ -31,6 +31,7 @@ from kvsim.realexec.validation import (
     Thresholds,
     compare_decisions,
     reference_ratios,
+    step_classes,
     step_errors,
     validate_runs,
     verdict,
@@ -249,7 +250,8 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
                                                                   replay_timer.batch_sizes)
     if collectives is not None:
         validation["timing"]["collectives"] = collectives
-    judge(validation, [TimedSteps(timed, replay_timer.predicted, cost.step_time)], [measured["retimed_s"]], real_summary,
+    classes = step_classes(replay_timer.kinds, replay_timer.batch_sizes)
+    judge(validation, [TimedSteps(timed, replay_timer.predicted, cost.step_time, classes)], [measured["retimed_s"]], real_summary,
           *one_engine(sim_resolved, trace), before, speed, sim_resolved.device, thresholds)
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(

@@ -30,6 +30,7 @@ from kvsim.realexec.validation import (
     Thresholds,
     check_row,
     compare_decisions,
+    step_classes,
     step_errors,
     validate_runs,
 )
@@ -93,7 +94,8 @@ def cross_validate_pair(config: RunConfig, trace, backend: KernelBackend, profil
                                                       "sim": sim_summary["pd"]["transfer_s"]["p50"]}}
     validation["timing"]["per_step"]["single_run"] = step_errors(predicted, single_runs, kinds, sizes)
 
-    engines = [TimedSteps(one, t.predicted, cost.step_time) for one, t in zip(timed, replay_timers)]
+    engines = [TimedSteps(one, t.predicted, cost.step_time, step_classes(t.kinds, t.batch_sizes))
+               for one, t in zip(timed, replay_timers)]
     judge(validation, engines, [i["retimed_s"] for i in instances], real_summary,
           lambda timers: run_cluster(sim_resolved, trace, None, decisions="off", timers=timers, mover=mover)[1],
           lambda s: run_cluster(at_machine_speed(sim_resolved, s), trace, None, decisions="off")[1],
