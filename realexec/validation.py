@@ -73,14 +73,16 @@ def compare_decisions(real_lines: list[str], replay_lines: list[str]) -> dict:
 
 
 def _error_stats(predicted: np.ndarray, measured: np.ndarray) -> dict:
-    """MAPE, the 90th percentile of |error|, and the median of measured / predicted (its sign: 1.1 = the model 10 % short)."""
+    """MAPE, the 90th percentile of |error|, the median of measured / predicted (1.1 = the model 10 % short) and
+    the median signed error (predicted - measured) / measured, the MAPE's error with its sign."""
     if len(measured) == 0:
-        return {"mape": None, "p90_abs_error_s": None, "median_ratio": None, "steps": 0}
+        return {"mape": None, "p90_abs_error_s": None, "median_ratio": None, "median_error": None, "steps": 0}
     abs_err = np.abs(predicted - measured)
     return {
         "mape": float(np.mean(abs_err / measured)),
         "p90_abs_error_s": float(np.percentile(abs_err, 90)),
         "median_ratio": float(np.median(measured / predicted)),
+        "median_error": float(np.median((predicted - measured) / measured)),
         "steps": int(len(measured)),
     }
 
@@ -105,8 +107,9 @@ def judged_classes(classes: np.ndarray) -> list[str]:
 
 
 def worst_class_error(ratios: np.ndarray, classes: np.ndarray) -> float | None:
-    """The largest |median ratio - 1| over the judged classes: ``ratios`` measured / predicted, or a
-    timing's drift (measured again / measured)."""
+    """The largest |median ratio - 1| over the judged classes: ``ratios`` predicted / measured (the
+    MAPE's error, signed: (predicted - measured) / measured, plus 1), or a timing's drift (measured
+    again / measured)."""
     ratios, classes = np.asarray(ratios, dtype=float), np.asarray(classes)
     return max((abs(float(np.median(ratios[classes == label])) - 1.0) for label in judged_classes(classes)), default=None)
 
@@ -126,7 +129,7 @@ def step_errors(predicted: list[float], measured: list[float], kinds: list[str],
                                    for n in np.unique(b[decode]).tolist()}
     classes = np.asarray(step_classes(kinds, batch_sizes))
     out["by_class"] = {label: _error_stats(p[classes == label], m[classes == label]) for label in judged_classes(classes)}
-    out["class_median_error"] = worst_class_error(m / p, classes) if m.size else None
+    out["class_median_error"] = worst_class_error(p / m, classes) if m.size else None
     return out
 
 
@@ -252,7 +255,7 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
     timing check's least error with the model scaled to the speeds the machine ran at while
     measuring, and to those times ``fit_ratio`` (where the profile's quick fit landed against the
     reference steps timed beside it: a fit the machine's noise bent; None: not recorded).
-    ``moved``: how far the machine's speed strayed from the profile's (|speed - 1|).
+    ``moved``: how far the machine's speed strayed while measuring (``MachineSpeed.moved``).
 
     - **fail**: a check misses its threshold, and its error, even with the model at the machine's
       speed, is beyond what a model exactly at the threshold could show given the spread
@@ -285,11 +288,11 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
         more = f" (and {len(within) - 1} more)" if len(within) > 1 else ""
         return Verdict("inconclusive", INCONCLUSIVE,
                        f"{c['name']} {c['value']:.3f} over its limit {c['threshold']:.3f}{more}, but {best:.3f} with the model "
-                       f"at the machine's measured speed (it moved {moved:.0%} from the profile){fit_note}, within the {room:.3f} that "
+                       f"at the machine's measured speed (it moved {moved:.0%} while measuring){fit_note}, within the {room:.3f} that "
                        f"measurements moving as this machine's did allow: the machine cannot tell this model's error from its "
                        f"own; {WHAT_TO_DO}")
     if moved > thresholds.step_mape:
         return Verdict("inconclusive", INCONCLUSIVE,
-                       f"every check passed, but the machine's speed moved {moved:.0%} from the profile's while measuring, "
+                       f"every check passed, but the machine's speed moved {moved:.0%} while measuring, "
                        f"more than the step limit {thresholds.step_mape:.0%}: a model off by as much would pass too; {WHAT_TO_DO}")
-    return Verdict("pass", PASS, f"every check within its limit, the machine within {moved:.0%} of its profiled speed")
+    return Verdict("pass", PASS, f"every check within its limit, the machine's speed within {moved:.0%} while measuring")

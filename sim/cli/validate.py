@@ -7,6 +7,7 @@ calibrated for this machine (profiled on the spot and cached when none fits), an
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -276,8 +277,8 @@ def judge(validation: dict, engines: list[TimedSteps], passes: list[list[list[fl
     one list an engine) and replayed; its least error with the model at the machine's speeds and at those times
     where the profile's fit landed against its own reference steps (``device``'s ratio; a biased copy keeps the
     original's). ``own``: a check's (spread, error at the machine's speed) measured its own way."""
-    moved = machine_speed(before, after)
     again = real_vs_real(engines, passes, real_summary, replay)
+    moved = replace(machine_speed(before, after), passes=tuple(again["pass_speed"]))
     fit = device.reference_fit_ratio
     speeds = moved.speeds if fit in (None, 1.0) else (*moved.speeds, *(s * fit for s in moved.speeds))
     explained = errors_at_speeds(engines, real_summary, speeds, at_speed)
