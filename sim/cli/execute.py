@@ -37,7 +37,7 @@ from kvsim.traces.schema import Trace
 # models (docs/validate-verdict.md). A pool of 56 blocks (896 tokens, two of the demo's longer
 # requests) still forces one or two preemptions there; prefixes are still hit. The steps of two
 # sequences, where this CPU's GEMM kernels cost more than a roofline says (the profile's
-# row-count terms, sim/perf/device.py), are one in nine: few for the run-wide MAPE to show a
+# row-count terms, sim/perf/device.py), are one in fifteen: few for the run-wide MAPE to show a
 # model without those terms, enough for the class check (realexec/validation.py).
 WORKLOAD = (
     "the bundled demo trace (41 requests of 17 Mooncake conversations: prompts of about 430 "
