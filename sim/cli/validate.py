@@ -55,7 +55,7 @@ RETIME_PASSES = 2  # the run's steps timed again, pass after pass, for the real-
 
 Default workload: {WORKLOAD}
 
-Exit status: 0 pass (every check within its limit, the machine at its profiled speed); 1 fail
+Exit status: 0 pass (every check within its limit, the machine at its profiled speed throughout); 1 fail
 (a miss larger than the machine's measured repeatability explains); 3 inconclusive (the
 machine's speed moved, or its measurements scattered, too much to tell; the line says by how
 much and what to do); 2 a mistake in the input. --perturb-profile and --no-row-count-terms
