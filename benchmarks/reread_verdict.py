@@ -37,9 +37,8 @@ def reread(path: Path, thresholds: Thresholds) -> tuple[str, str, bool]:
     speed = again["machine_speed"]
     moved = MachineSpeed(speed["before"], speed["after"], tuple(again["pass_speed"]))
     fit = again.get("profile_fit_ratio")
-    speeds = moved.speeds if fit in (None, 1.0) else (*moved.speeds, *(s * fit for s in moved.speeds))
     explained = {**again["errors_at_machine_speed"],
-                 CLASS: min(worst_class_error(predicted * s / measured, classes) for s in speeds)}
+                 CLASS: min(worst_class_error(predicted * s / measured, classes) for s in moved.speeds_at_fit(fit))}
     spread = dict(again["spread"])
     stood_in = CLASS not in spread
     spread.setdefault(CLASS, spread["step_mape"])

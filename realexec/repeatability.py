@@ -20,7 +20,7 @@ Two measurements, both taken by the validate run itself (docs/validate-verdict.m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -185,6 +185,11 @@ class MachineSpeed:
         """The speeds the run may have run at: both ends and their mean, once each."""
         return tuple(dict.fromkeys((self.before, (self.before + self.after) / 2, self.after)))
 
+    def speeds_at_fit(self, fit: float | None) -> tuple[float, ...]:
+        """:attr:`speeds`, and each times ``fit`` (where the profile's fit landed against its own reference
+        steps; None or 1: not recorded or on the mark): every speed the verdict weighs a miss at."""
+        return self.speeds if fit in (None, 1.0) else (*self.speeds, *(s * fit for s in self.speeds))
+
     @property
     def moved(self) -> float:
         """The largest |speed - 1| at either end, or of a pass against the run: how far the machine strayed while measuring.
@@ -197,15 +202,16 @@ class MachineSpeed:
         return {"before": self.before, "after": self.after, "passes": list(self.passes), "moved": self.moved}
 
 
-def machine_speed(before: SpeedCheck, after: SpeedCheck) -> MachineSpeed:
-    """The reference steps' median time over the times the profile recorded, before and after the run.
+def machine_speed(before: SpeedCheck, after: SpeedCheck, passes: Sequence[float] = ()) -> MachineSpeed:
+    """The reference steps' median time over the times the profile recorded, before and after the run,
+    with ``passes`` (the run's steps timed again over their time in the run, a median a pass).
 
     A profile that recorded none (one not made by ``kvsim profile``): over the first check, so
     only the move during the run shows.
     """
     if before.profiled_s and after.profiled_s:
-        return MachineSpeed(before.machine_ratio, after.machine_ratio)
-    return MachineSpeed(1.0, float(np.median(np.asarray(after.measured_s) / np.asarray(before.measured_s))))
+        return MachineSpeed(before.machine_ratio, after.machine_ratio, tuple(passes))
+    return MachineSpeed(1.0, float(np.median(np.asarray(after.measured_s) / np.asarray(before.measured_s))), tuple(passes))
 
 
 def errors_at_speeds(engines: list[TimedSteps], real_summary: dict, speeds: tuple[float, ...], at_speed: AtSpeed,

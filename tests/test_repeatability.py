@@ -100,6 +100,8 @@ def test_the_machines_speed_reads_the_profiled_times_not_the_prediction():
     during = dataclasses.replace(speed, passes=(0.95, 0.86))  # the run's steps timed again read 14 % faster than in the run
     assert during.moved == pytest.approx(0.2) and dataclasses.replace(speed, after=1.0, passes=(0.95, 0.86)).moved == pytest.approx(0.14)
     assert during.speeds == speed.speeds  # the model is scaled to the ends' speeds only
+    assert speed.speeds_at_fit(None) == speed.speeds_at_fit(1.0) == speed.speeds
+    assert speed.speeds_at_fit(1.1) == pytest.approx((1.0, 1.1, 1.2, 1.1, 1.21, 1.32))  # and where the fit landed
     unrecorded = machine_speed(SpeedCheck(["a"], [1.0], [0.5]), SpeedCheck(["a"], [1.3], [0.5]))
     assert (unrecorded.before, unrecorded.after) == (1.0, pytest.approx(1.3))  # only the move during the run shows
 

@@ -7,7 +7,6 @@ calibrated for this machine (profiled on the spot and cached when none fits), an
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -278,10 +277,9 @@ def judge(validation: dict, engines: list[TimedSteps], passes: list[list[list[fl
     where the profile's fit landed against its own reference steps (``device``'s ratio; a biased copy keeps the
     original's). ``own``: a check's (spread, error at the machine's speed) measured its own way."""
     again = real_vs_real(engines, passes, real_summary, replay)
-    moved = replace(machine_speed(before, after), passes=tuple(again["pass_speed"]))
+    moved = machine_speed(before, after, again["pass_speed"])
     fit = device.reference_fit_ratio
-    speeds = moved.speeds if fit in (None, 1.0) else (*moved.speeds, *(s * fit for s in moved.speeds))
-    explained = errors_at_speeds(engines, real_summary, speeds, at_speed)
+    explained = errors_at_speeds(engines, real_summary, moved.speeds_at_fit(fit), at_speed)
     for name, (spread, error) in (own or {}).items():
         again["spread"][name], explained[name] = spread, error
     validation["timing"].update(speed_check=after.to_dict(), speed_check_before=before.to_dict())
