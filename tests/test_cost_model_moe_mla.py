@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvsim.sim.perf.cost_model import CostModel, StepFeatures
-from kvsim.sim.perf.device import load_device
+from kvsim.sim.perf.device import load_device, save_device
 from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.memory import plan_memory
 from kvsim.sim.perf.model_spec import load_model
@@ -102,3 +102,28 @@ def test_mla_and_int8_kv_hold_more_tokens_in_the_same_memory() -> None:
     int8 = plan_memory(lite, DEVICE, kv_dtype="int8", max_model_len=32768)
     assert plan.bytes_per_block == 128 * 27 * 576 * 2 and int8.bytes_per_block * 2 == plan.bytes_per_block
     assert int8.num_blocks > 1.9 * plan.num_blocks
+
+
+def test_a_moe_table_inherits_the_keys_it_leaves_out_from_gemm(tmp_path) -> None:
+    """ascend-910b3 sets only the MoE layer's kernel count and half_tokens: the efficiencies and
+    launch cost stay the GEMM's, and a device without the table prices MoE as GEMM with the generic count."""
+    moe, gemm = DEVICE.operators["moe"], DEVICE.operators["gemm"]
+    assert (moe.compute_efficiency, moe.memory_efficiency, moe.call_s) == (gemm.compute_efficiency, gemm.memory_efficiency, gemm.call_s)
+    assert moe.launches == 15 and moe.shape > 0
+    plain = load_device("h100-sxm")
+    assert plain.operators["moe"] == plain.operators["gemm"] and plain.operators["moe"].launches is None
+    path = save_device(DEVICE, tmp_path / "d.toml")
+    assert load_device(path) == DEVICE
+    bad = tmp_path / "bad.toml"
+    bad.write_text(path.read_text().replace("launches = 15", "launches = 1.5"))
+    with pytest.raises(ValueError, match=r"operators\.moe\.launches must be an integer"):
+        load_device(bad)
+
+
+def test_the_moe_layers_kernel_count_is_what_eager_dispatch_pays() -> None:
+    """In eager mode a small decode step is dispatch-bound: each MoE layer's extra kernels cost one dispatch each."""
+    model = load_model("qwen3-30b-a3b")
+    generic = dataclasses.replace(DEVICE, operators={**DEVICE.operators, "moe": dataclasses.replace(DEVICE.operators["moe"], launches=None)})
+    counted = CostModel(model, DEVICE, 128).operator_work(_step(0, decode_seqs=4))["moe"].calls
+    assert counted == 15 * model.num_moe_layers
+    assert CostModel(model, generic, 128).operator_work(_step(0, decode_seqs=4))["moe"].calls == 6 * model.num_moe_layers

@@ -106,7 +106,7 @@ OPERATORS: tuple[str, ...] = tuple(OPERATOR_KEYS)
 MATRIX_OPERATORS = frozenset({"gemm", "moe", "attn_prefill", "attn_decode", "lm_head"})  # the rest use vector_flops
 QUANTIZED_OPERATORS = frozenset({"gemm", "moe"})  # run in int8 under W8A8 (ModelSpec.matmul_dtype)
 W8A8_QUANT_FLOPS = 3  # scale, round, clamp per quantised activation
-MOE_LAUNCHES = 6  # per MoE layer: gating top-k, token permute, two grouped matmuls, SwiGLU, unpermute
+MOE_LAUNCHES = 6  # per MoE layer: gating top-k, token permute, two grouped matmuls, SwiGLU, unpermute ([operators.moe] launches overrides)
 MLA_DECODE_LAUNCHES = 3  # per layer: q absorbed into the latent, attention over latents, output up-projection
 MLA_PREFILL_LAUNCHES = 2  # per layer: cached latents up-projected to K and V, then attention
 STEP_OPERATORS: tuple[str, ...] = tuple(op for op in OPERATORS if op != "swap")
@@ -251,6 +251,7 @@ class CostModel:
         self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
         self._half_tokens = device.operators["gemm"].shape
         self._moe_half_tokens = device.operators["moe"].shape
+        self._moe_launches = device.operators["moe"].launches or MOE_LAUNCHES
         self._gemv_rows = device.gemv_rows
         self._row_count_s = device.row_count_s
         self._half_context = device.operators["attn_decode"].shape
@@ -371,7 +372,7 @@ class CostModel:
         return (
             2 * (copies + self._moe_half_tokens * touched) * Lm * Pe,
             touched * Lm * Pe * self._w + self._a * copies * Lm * self._expert_act_elems,
-            MOE_LAUNCHES * Lm * on_T,
+            self._moe_launches * Lm * on_T,
         )
 
     def _context_rows(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:

@@ -67,7 +67,7 @@ MATRIX_DTYPES = ("fp16", "bf16", "fp32", "int8")
 # ``launch_s`` is optional everywhere it appears and defaults to the device's launch_overhead_s.
 OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
-    "moe": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
+    "moe": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens", "launches"),
     "elementwise": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "kv_write": ("memory_efficiency", "launch_s"),
     "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s", "score_bytes"),
@@ -94,7 +94,8 @@ CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s", "token_s")
 OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq", "host_token", "decode_chain"})
 # Operators a profile may leave out, priced then as the operator named: an MoE layer's grouped
 # expert matmuls run on the matrix units as the dense GEMMs do. A profile measured on an MoE model
-# (kvsim profile) or fitted on MoE serving figures sets its own.
+# (kvsim profile) or fitted on MoE serving figures sets its own table; keys that table leaves out
+# are the named operator's (a device file may set only the grouped matmul's half_tokens).
 INHERITED_OPERATORS = {"moe": "gemm"}
 
 _SCALAR_FIELDS: dict[str, type] = {
@@ -125,12 +126,15 @@ class OperatorCoefficients:
     step (``step_s``), for ``host_seq`` one sequence of a step (``seq_s``), for ``host_token``
     one token (``token_s``). An efficiency is None where the operator's formula does not read
     it. ``shape`` is the value of the operator's shape key (:data:`SHAPE_KEYS`), 0 without one.
+    ``launches`` (moe only): the kernels one MoE layer launches, where an engine's MoE path is known
+    to launch another number than the cost model's generic count (None: that count).
     """
 
     call_s: float
     compute_efficiency: float | None = None
     memory_efficiency: float | None = None
     shape: float = 0.0
+    launches: int | None = None
 
 
 @dataclass(frozen=True)
@@ -311,7 +315,8 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines += ["", f"[operators.{op}]"]
         for key in keys:
             value = coeffs.call_s if key in CALL_KEYS else coeffs.shape if key in SHAPE_KEYS else getattr(coeffs, key)
-            lines.append(f"{key} = {toml_value(value)}")
+            if value is not None:
+                lines.append(f"{key} = {toml_value(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -353,7 +358,8 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
     operators: dict[str, OperatorCoefficients] = {}
     for op in OPERATOR_KEYS:  # an inherited operator comes after the one it inherits from
         inherit = INHERITED_OPERATORS.get(op)
-        operators[op] = operators[inherit] if inherit and op not in ops else _operator(ops, op, values["launch_overhead_s"], path)
+        parent = operators[inherit] if inherit else None
+        operators[op] = parent if parent and op not in ops else _operator(ops, op, values["launch_overhead_s"], path, parent)
     values["operators"] = operators
     if "engine" in data:
         values["engine"] = parse_engine(_table(data, "engine", path), path)
@@ -379,7 +385,9 @@ def _row_counts(table: dict, path: Path) -> dict[int, float]:
     return terms
 
 
-def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> OperatorCoefficients:
+def _operator(ops: dict, op: str, default_launch_s: float, path: Path,
+              parent: OperatorCoefficients | None = None) -> OperatorCoefficients:
+    """One ``[operators.X]`` table; with ``parent`` (an inherited operator) the keys it leaves out are the parent's."""
     if op in OPTIONAL_OPERATORS and op not in ops:
         return OperatorCoefficients(call_s=0.0)
     prefix = f"operators.{op}."
@@ -387,13 +395,22 @@ def _operator(ops: dict, op: str, default_launch_s: float, path: Path) -> Operat
     keys = OPERATOR_KEYS[op]
     _reject_unknown(table, set(keys), path, prefix)
     call_key = next(k for k in keys if k in CALL_KEYS)
-    if call_key == "launch_s" and call_key not in table:
-        call_s = default_launch_s
-    else:
+    if call_key in table or not (parent or call_key == "launch_s"):
         call_s = _number(table, call_key, float, path, prefix, allow_zero=True)
-    effs = {k: _number(table, k, float, path, prefix) for k in ("compute_efficiency", "memory_efficiency") if k in keys}
-    shape = next((_number(table, k, float, path, prefix, allow_zero=True) for k in SHAPE_KEYS if k in keys and k in table), 0.0)
-    return OperatorCoefficients(call_s=call_s, shape=shape, **effs)
+    else:
+        call_s = parent.call_s if parent else default_launch_s
+    effs = {k: _number(table, k, float, path, prefix) if k in table or parent is None else getattr(parent, k)
+            for k in ("compute_efficiency", "memory_efficiency") if k in keys}
+    shape_key = next((k for k in SHAPE_KEYS if k in keys), None)
+    if shape_key in table:
+        shape = _number(table, shape_key, float, path, prefix, allow_zero=True)
+    else:
+        shape = parent.shape if parent else 0.0
+    if "launches" in table:
+        launches = _number(table, "launches", int, path, prefix)
+    else:
+        launches = parent.launches if parent else None
+    return OperatorCoefficients(call_s=call_s, shape=shape, launches=launches, **effs)
 
 
 def _table(data: dict, key: str, path: Path, prefix: str = "") -> dict:
