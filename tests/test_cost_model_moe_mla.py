@@ -123,7 +123,7 @@ def test_a_moe_table_inherits_the_keys_it_leaves_out_from_gemm(tmp_path) -> None
 def test_the_moe_layers_kernel_count_is_what_eager_dispatch_pays() -> None:
     """In eager mode a small decode step is dispatch-bound: each MoE layer's extra kernels cost one dispatch each."""
     model = load_model("qwen3-30b-a3b")
-    generic = dataclasses.replace(DEVICE, operators={**DEVICE.operators, "moe": dataclasses.replace(DEVICE.operators["moe"], launches=None)})
+    generic = DEVICE.with_operators({"moe": dataclasses.replace(DEVICE.operators["moe"], launches=None)})
     counted = CostModel(model, DEVICE, 128).operator_work(_step(0, decode_seqs=4))["moe"].calls
     assert counted == 15 * model.num_moe_layers
     assert CostModel(model, generic, 128).operator_work(_step(0, decode_seqs=4))["moe"].calls == 6 * model.num_moe_layers

@@ -339,6 +339,18 @@ def test_the_fit_runs_to_a_fixed_point_and_says_so() -> None:
     assert again.converged and len(again.moves) == 1 and again.moves[0][1] == 0.0
 
 
+def test_a_fit_from_a_parameter_the_device_file_leaves_unset_runs_to_its_fixed_point() -> None:
+    """h100-sxm had no admit_s / stream_s before rows fitted them: a move from 0 is infinite, not a crash."""
+    device = load_device("ascend-910b3")
+    device = replace(device, engine=replace(device.engine, stream_s=0.0))
+    row = _serving_row(engine_mode="eager", workload="burst", metric="ttft_p99", num_prompts=32, output_len=64)
+    measured = predict_row(row, set_parameter(device, "engine.stream_s", 1e-3))
+    result = fit_to_fixed_point([replace(row, split="fit", fits="engine.stream_s", measured=measured)], {"ascend-910b3": device})
+    assert result.moves[0] == ("ascend-910b3:engine.stream_s", float("inf")) and result.converged
+    assert result.to_dict()["largest_move_per_pass"][0]["relative_move"] is None  # JSON has no infinity
+    assert get_parameter(result.devices["ascend-910b3"], "engine.stream_s") == pytest.approx(1e-3, rel=0.02)
+
+
 def test_a_fit_cut_off_before_its_fixed_point_says_it_is_not_one() -> None:
     rows, _ = _coupled_fit_rows()
     result = fit_to_fixed_point(rows, {"ascend-910b3": load_device("ascend-910b3")}, tolerance=1e-3, max_passes=2)
@@ -352,6 +364,8 @@ def test_a_fit_cut_off_before_its_fixed_point_says_it_is_not_one() -> None:
     [
         ("engine.v0_seq_s", 3e-4, dict(engine_core="v0", metric="itl_median", num_prompts=32)),
         ("engine.stream_s", 1e-3, dict(workload="burst", metric="ttft_p99", num_prompts=32, output_len=64)),
+        ("operators.moe.half_tokens", 1500.0, dict(model="qwen3-30b-a3b", parallelism="TP2", tensor_parallel_size=2,
+                                                   workload="burst", num_prompts=64, output_len=64)),
     ],
 )
 def test_the_third_pass_parameters_are_recovered_from_their_figure(name: str, value: float, changes: dict) -> None:

@@ -108,13 +108,14 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "engine.admit_s": (1e-5, 0.2),
     "engine.v0_seq_s": (1e-7, 1e-2),
     "engine.stream_s": (1e-7, 1e-2),
+    "operators.moe.half_tokens": (1.0, 1e5),
 }
 # Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
 # row is still reported as a fit row, never as accuracy.
 HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS"}
 LENGTH_SOURCES = ("auto", "sharegpt", "sharegpt-scaled", "lognormal")  # how ShareGPT rows get their lengths (module docstring)
 # The tokenizer vLLM's benchmark counted a model's ShareGPT lengths with (traces/tokenizers.py).
-SHAREGPT_TOKENIZERS = {"qwen2.5-7b": "qwen2.5", "qwen3-8b": "qwen3"}
+SHAREGPT_TOKENIZERS = {"qwen2.5-7b": "qwen2.5", "qwen3-8b": "qwen3", "qwen3-30b-a3b": "qwen3", "qwen3-235b-a22b": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -571,7 +572,7 @@ class FixedPoint:
 
     def to_dict(self) -> dict:
         return {"converged": self.converged, "passes": len(self.moves), "tolerance": self.tolerance,
-                "largest_move_per_pass": [{"parameter": n, "relative_move": m} for n, m in self.moves]}
+                "largest_move_per_pass": [{"parameter": n, "relative_move": m if math.isfinite(m) else None} for n, m in self.moves]}
 
 
 def fit_to_fixed_point(
@@ -591,11 +592,18 @@ def fit_to_fixed_point(
     for _ in range(max_passes):
         before = {(d, n): get_parameter(devices[d], n) for d, n in fitted}
         devices = fit_parameters(rows, devices, steps, passes=1, lengths=lengths)
-        move = {f"{d}:{n}": abs(get_parameter(devices[d], n) / before[d, n] - 1) for d, n in fitted}
+        move = {f"{d}:{n}": _relative_move(before[d, n], get_parameter(devices[d], n)) for d, n in fitted}
         moves.append(max(move.items(), key=lambda kv: kv[1], default=("", 0.0)))
         if moves[-1][1] <= tolerance:
             break
     return FixedPoint(devices, moves, tolerance)
+
+
+def _relative_move(before: float, after: float) -> float:
+    """How far a parameter moved, relative; from 0 (a device file that does not set it) any move is infinite."""
+    if before == 0:
+        return 0.0 if after == 0 else math.inf
+    return abs(after / before - 1)
 
 
 def bundled_devices_for(rows: list[Row]) -> dict[str, DeviceProfile]:
