@@ -395,10 +395,12 @@ def _operator(ops: dict, op: str, default_launch_s: float, path: Path,
     keys = OPERATOR_KEYS[op]
     _reject_unknown(table, set(keys), path, prefix)
     call_key = next(k for k in keys if k in CALL_KEYS)
-    if call_key in table or not (parent or call_key == "launch_s"):
+    if call_key not in table and parent:
+        call_s = parent.call_s
+    elif call_key not in table and call_key == "launch_s":
+        call_s = default_launch_s
+    else:  # given, or required (a missing one is named)
         call_s = _number(table, call_key, float, path, prefix, allow_zero=True)
-    else:
-        call_s = parent.call_s if parent else default_launch_s
     effs = {k: _number(table, k, float, path, prefix) if k in table or parent is None else getattr(parent, k)
             for k in ("compute_efficiency", "memory_efficiency") if k in keys}
     shape_key = next((k for k in SHAPE_KEYS if k in keys), None)
