@@ -436,7 +436,7 @@ def test_a_tensor_parallel_validation_replays_the_groups_decisions_and_fits_its_
     fitted = group.topology
     assert fitted.intra_latency_s == pytest.approx(links["latency_s"]) and fitted.intra_bandwidth == pytest.approx(links["bandwidth"])
     assert validation["profile"] == str(tmp_path / "profile-for-group.toml")
-    assert links["compute_factor"] > 0 and f"x{links['compute_factor']:g}" in group.source
+    assert f"x{links['memory_factor']:g}, compute x{links['compute_factor']:g}" in group.source
     kv = next(c for c in validation["checks"] if c["name"] == "kv_pool_bytes_rel_error")
     assert kv["value"] == 0.0  # one rank's pool: half the KV heads of every block
     assert "the 2 ranks' all-reduces, fitted after the run" in format_checks(validation)

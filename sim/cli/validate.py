@@ -372,9 +372,11 @@ def format_checks(validation: dict) -> str:
                      f"|error| {links['all_reduce_median_abs_error']:.1%}, at most {links['all_reduce_max_abs_error']:.1%}; the "
                      f"logits' all-gather (1-32 rows) {links['all_gather_median_abs_error']:.1%}, at most "
                      f"{links['all_gather_max_abs_error']:.1%}")
-        lines.append(f"a rank's compute beside its peers' took {links['compute_factor']:.2f}x what one device's did, each against "
-                     "the profile's prediction (the reference steps, less the group's collectives): the simulation's operators "
-                     "are slowed by it")
+        steps = ", ".join(f"{label} {step['factor']:.2f}x" for label, step in links["reference_steps"].items())
+        lines.append(f"a rank's work beside its peers' took, over what one device's did ({steps}; the reference steps less the "
+                     f"group's collectives, each against the profile's prediction): memory-bound work and fixed costs "
+                     f"{links['memory_factor']:.2f}x, compute-bound {links['compute_factor']:.2f}x, the factors the simulation's "
+                     "operators take")
     transfers = validation.get("transfers")
     if transfers is not None:  # a P/D pair's (sim/cli/validate_pair.py)
         run, link = transfers["in_run"], transfers["link"]

@@ -249,23 +249,28 @@ def engine_as_run(device: DeviceProfile, enforce_eager: bool | None = None, asyn
 
 
 def scaled_profile(device: DeviceProfile, factor: float = 1.0, row_count_terms: bool = True,
-                   why: str = "biased for a check of the checker") -> DeviceProfile:
+                   why: str = "biased for a check of the checker", compute_factor: float | None = None) -> DeviceProfile:
     """A copy of a profile whose every operator's predicted time is ``factor`` times as long
     (efficiencies divided by it; fixed costs, row-count terms and the engine's dispatch multiplied),
-    without its row-count terms if asked. ``kvsim validate`` uses it twice: a deliberately wrong
-    model that proves the verdict can fail (``--perturb-profile``, ``--no-row-count-terms``), and
-    the model at the speed the machine was measured at (its verdict weighs a miss against that)."""
-    if not (factor > 0 and factor != float("inf")):
-        raise ValueError(f"--perturb-profile must be a finite number > 0, got {factor}")
+    without its row-count terms if asked. ``kvsim validate`` uses it three times: a deliberately wrong
+    model that proves the verdict can fail (``--perturb-profile``, ``--no-row-count-terms``), the model
+    at the speed the machine was measured at (its verdict weighs a miss against that), and a TP rank
+    beside its peers, whose compute-bound work slows by less than the rest (``compute_factor``: the
+    compute efficiencies' own divisor; ``factor`` where None)."""
+    compute = factor if compute_factor is None else compute_factor
+    for value, flag in ((factor, "--perturb-profile"), (compute, "compute_factor")):
+        if not (value > 0 and value != float("inf")):
+            raise ValueError(f"{flag} must be a finite number > 0, got {value}")
 
     def scaled(c: OperatorCoefficients) -> OperatorCoefficients:
         return replace(c, call_s=c.call_s * factor,
-                       compute_efficiency=None if c.compute_efficiency is None else c.compute_efficiency / factor,
+                       compute_efficiency=None if c.compute_efficiency is None else c.compute_efficiency / compute,
                        memory_efficiency=None if c.memory_efficiency is None else c.memory_efficiency / factor)
 
     terms = {rows: seconds * factor for rows, seconds in device.row_count_s.items()} if row_count_terms else {}
     engine = device.engine if device.engine is None else replace(device.engine, dispatch_s=device.engine.dispatch_s * factor)
-    source = f"{device.source}; {why} (x{factor:g}{'' if row_count_terms else ', no row-count terms'})"
+    split = "" if compute_factor is None else f", compute x{compute:g}"
+    source = f"{device.source}; {why} (x{factor:g}{split}{'' if row_count_terms else ', no row-count terms'})"
     return replace(device, operators={op: scaled(c) for op, c in device.operators.items()}, row_count_s=terms,
                    engine=engine, source=source)
 
