@@ -1,8 +1,12 @@
 """The collectives a tensor-parallel group runs, timed on this host and fitted to the simulator's link model.
 
-Every rank runs the same sequence (rank 0 times it): for each size, ``repeats`` times a stretch of
-compute (a GEMM of about a millisecond, as a layer's) and then one all-reduce or all-gather, timed
-from the compute's end to the collective's: the median of those. Timed as a step meets them (the
+Every rank runs the same sequence (rank 0 times it): ``repeats`` rounds, each visiting every size in
+turn with a stretch of compute (a GEMM of about a millisecond, as a layer's) and then one all-reduce
+or all-gather, timed from the compute's end to the collective's: a size's time is its median over
+the rounds. Rounds, not a size's repeats back to back, so a spell of the machine's falls on every
+size alike (and on the fit and check sets alike, which are timed in the same rounds): two sets
+timed one after the other disagreed by up to 2.6x at a size (a 3 KB all-reduce, TP2 on the 2-core
+VM), more than any link model can answer for. Timed as a step meets them (the
 wait for a peer still computing included), not after a barrier: on the 2-core development VM a
 3 KB gloo all-reduce took 0.7 ms after a barrier and 1.2 ms after compute, the figure the TP2
 steps showed (each rank's main thread and gloo's threads then contend for the cores). The sizes
@@ -55,27 +59,21 @@ def step_sizes(spec: ModelSpec, tp: int) -> list[tuple[str, int]]:
 
 
 def time_collectives(group: TensorParallelGroup, sizes: list[tuple[str, int]], repeats: int) -> list[CollectiveTiming]:
-    """Each (kind, bytes) after a stretch of compute, ``repeats`` times; the median seconds from the compute's
-    end to the collective's (module docstring). Every rank must call this."""
+    """Each (kind, bytes) after a stretch of compute, once a round for ``repeats`` rounds; the median seconds from
+    the compute's end to the collective's (module docstring). Every rank must call this."""
     rows, weight = torch.ones(16, 768), torch.ones(768, 1024)
-
-    def compute() -> None:
-        rows @ weight
-
-    out = []
-    for kind, size in sizes:
-        values = size // 4 // (group.size if kind == "all_gather" else 1)
-        x = torch.ones(max(1, values), dtype=torch.float32)
-        collective = group.all_reduce if kind == "all_reduce" else group.all_gather_last
-        dist.barrier()
-        times = []
-        for _ in range(repeats):
-            compute()
+    inputs = [(group.all_reduce if kind == "all_reduce" else group.all_gather_last,
+               torch.ones(max(1, size // 4 // (group.size if kind == "all_gather" else 1)), dtype=torch.float32))
+              for kind, size in sizes]
+    times: list[list[float]] = [[] for _ in sizes]
+    dist.barrier()
+    for _ in range(repeats):
+        for (collective, x), own in zip(inputs, times):
+            rows @ weight
             start = time.perf_counter()
             collective(x)
-            times.append(time.perf_counter() - start)
-        out.append(CollectiveTiming(kind, size, statistics.median(times)))
-    return out
+            own.append(time.perf_counter() - start)
+    return [CollectiveTiming(kind, size, statistics.median(own)) for (kind, size), own in zip(sizes, times)]
 
 
 def fit_topology(timings: list[CollectiveTiming], ranks: int, base: Topology) -> Topology:
@@ -107,10 +105,12 @@ def predicted_s(topology: Topology, ranks: int, timing: CollectiveTiming) -> flo
 
 
 def measure_twice(timer, spec: ModelSpec, ranks: int, repeats: int = COLLECTIVE_REPEATS) -> dict[str, list[dict]]:
-    """A fit set and, right after it, a check set of the group's step-sized collectives (``timer``:
-    ``TensorParallelExecutor.time_collectives``), as JSON-ready rows: the fit never sees the rows it is checked on."""
+    """A fit set and a check set of the group's step-sized collectives (``timer``:
+    ``TensorParallelExecutor.time_collectives``), timed in the same rounds, as JSON-ready rows: the fit never
+    sees the rows it is checked on, and both meet the machine's same moments."""
     sizes = step_sizes(spec, ranks)
-    return {name: [vars(t) for t in timer(sizes, repeats)] for name in ("fit", "check")}
+    both = timer(sizes + sizes, repeats)
+    return {"fit": [vars(t) for t in both[: len(sizes)]], "check": [vars(t) for t in both[len(sizes) :]]}
 
 
 def fitted_and_checked(measured: dict[str, list[dict]], ranks: int, base: Topology) -> tuple[Topology, list[dict]]:

@@ -38,7 +38,7 @@ def profile_for_group(profile_path: Path, collectives: dict, config: RunConfig, 
     the run's steps:
 
     - its ``[topology]`` fitted on the group's collectives (realexec/collective_bench.py), and checked
-      on a second set measured after the first;
+      on a second set timed in the same rounds as the first;
     - its operators slowed as a rank's work slows beside its peers': the speed check's reference steps
       on a TP group, less the fitted collectives, each over the same step of the rank's model alone on
       one device (same clock, rounds interleaved with the group's) against the profile's prediction of

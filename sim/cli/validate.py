@@ -368,9 +368,10 @@ def format_checks(validation: dict) -> str:
     links = validation["timing"].get("collectives")
     if links is not None:
         lines.append(f"the {links['ranks']} ranks' all-reduces, fitted after the run: {links['latency_s'] * 1e6:.0f} us latency, "
-                     f"{links['bandwidth'] / 1e9:.2f} GB/s; against a second measurement (1-512 tokens' hidden states): median "
-                     f"|error| {links['all_reduce_median_abs_error']:.1%}, at most {links['all_reduce_max_abs_error']:.1%}; the "
-                     f"logits' all-gather (1-32 rows) {links['all_gather_median_abs_error']:.1%}, at most "
+                     f"{links['bandwidth'] / 1e9:.2f} GB/s; against a second set timed in the same rounds (1-512 tokens' hidden "
+                     f"states): median |error| {links['all_reduce_median_abs_error']:.1%}, at most "
+                     f"{links['all_reduce_max_abs_error']:.1%}; the logits' all-gather (1-32 rows) "
+                     f"{links['all_gather_median_abs_error']:.1%}, at most "
                      f"{links['all_gather_max_abs_error']:.1%}")
         steps = ", ".join(f"{label} {step['factor']:.2f}x" for label, step in links["reference_steps"].items())
         lines.append(f"a rank's work beside its peers' took, over what one device's did ({steps}; the reference steps less the "
