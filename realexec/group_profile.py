@@ -26,6 +26,10 @@ from kvsim.sim.run.config import RunConfig, resolve
 # Rounds of the group's reference steps and the rank's alone: a ratio of two medians is twice as noisy as one
 # (the speed check's 5 rounds moved the factor 0.91-1.34 between runs on the 2-core VM).
 GROUP_REFERENCE_ROUNDS = 15
+# Forward passes each run of a group's reference step takes the median of, as the run's steps are timed (the
+# executor's timing repeats): a TP step's first pass also waits for the workers to receive the plan and build
+# its inputs, which later passes do not (the group and its rank alone are timed alike).
+GROUP_STEP_PASSES = 3
 # Bounds of either slowdown factor, and the Gauss-Newton iterations that fit them (two unknowns, three steps).
 FACTOR_BOUNDS = (0.25, 4.0)
 FIT_ITERATIONS = 20
@@ -62,7 +66,8 @@ def profile_for_group(profile_path: Path, collectives: dict, config: RunConfig, 
     executor = TensorParallelExecutor(group.model, backend, ranks, expert_parallel=config.enable_expert_parallel, **sizing)
     try:
         (measured, samples), (single, single_samples) = interleaved_reference_times(
-            [executor, Executor(one_device.model, backend, **sizing)], config.seed, GROUP_REFERENCE_ROUNDS)  # one rank's model, alone
+            [executor, Executor(one_device.model, backend, **sizing)],  # the group, and one rank's model alone
+            config.seed, GROUP_REFERENCE_ROUNDS, GROUP_STEP_PASSES)
     finally:
         executor.close()
     comm = [cost.collective_seconds(s.features)[0] for s in samples]

@@ -308,17 +308,18 @@ class OperatorBenches:
 
         return Sample("swap", "swap out" if out else "swap in", _only("swap_blocks", blocks), case)
 
-    def step(self, shape: StepShape) -> Sample:
+    def step(self, shape: StepShape, passes: int = 1) -> Sample:
         """A whole step through the executor: what the simulator's step time must match.
 
         Both runs of an instance read the same blocks (fresh requests, as a sampled token makes
         a plan single-use), as consecutive decode steps of the same requests do. Each run is
-        one forward pass: the case's median over rounds is its estimate.
+        the median of ``passes`` forward passes (``Executor.step``'s repeats; one by default):
+        the case's median over rounds is its estimate.
         """
 
         def case() -> Run:
             tables = self.builder.pool.tables(shape, self.rng)
-            return lambda: self.ex.step(self.builder.plan(shape, tables), repeats=1).duration_s
+            return lambda: self.ex.step(self.builder.plan(shape, tables), repeats=passes).duration_s
 
         return Sample("steps", f"steps {step_kind(shape)}", self._features(shape), case)
 

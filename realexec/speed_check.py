@@ -105,14 +105,15 @@ def reference_times(
     return [float(m) for m in np.median(np.array(medians), axis=0)], features
 
 
-def interleaved_reference_times(executors: Sequence[Executor], seed: int = 0,
-                                repeats: int = REPEATS) -> list[tuple[list[float], list[Sample]]]:
+def interleaved_reference_times(executors: Sequence[Executor], seed: int = 0, repeats: int = REPEATS,
+                                passes: int = 1) -> list[tuple[list[float], list[Sample]]]:
     """Each executor's reference steps (its median seconds over ``repeats`` rounds, its samples), timed in interleaved
     rounds: every executor's steps meet the machine's same moments, so their ratios hold where the machine drifts.
-    Each executor needs ``reference_blocks`` blocks."""
+    A run of a step is the median of ``passes`` forward passes (``OperatorBenches.step``). Each executor needs
+    ``reference_blocks`` blocks."""
     rng = np.random.default_rng(seed)
     benches = [OperatorBenches(executor, rng, seed) for executor in executors]
-    samples = [[own.step(shape) for _, shape in REFERENCE_SHAPES] for own in benches]
+    samples = [[own.step(shape, passes) for _, shape in REFERENCE_SHAPES] for own in benches]
     medians = measure([s for own in samples for s in own], repeats, rng).median
     n = len(REFERENCE_SHAPES)
     return [([float(m) for m in medians[i * n : (i + 1) * n]], own) for i, own in enumerate(samples)]
