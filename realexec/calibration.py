@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvsim.realexec.backends import KernelBackend
@@ -87,8 +87,14 @@ def calibrated_profile(
 def rank_model_file(model: str, layout: ParallelLayout) -> str:
     """The model one rank of ``layout`` holds (``sim.parallel.layout.rank_model``) as a model file in the cache, named
     for the model, the layout and its content: what a tensor-parallel validation profiles on one device, so the
-    profile's coefficients and its whole-step terms are fitted on the shapes a rank runs."""
-    spec = rank_model(load_model(model), layout)
+    profile's coefficients and its whole-step terms are fitted on the shapes a rank runs. Under expert parallelism a
+    rank's experts receive k / EP of a token's k expert copies (uniform routing), so the file's top-k is that (at
+    least 1), not the rank model's min(k, local experts): profiled at top-2 of its 4 experts, small-moe's EP2 rank
+    ran twice the expert work its group's ranks do, and its profile put the difference on the wrong operators."""
+    full = load_model(model)
+    spec = rank_model(full, layout)
+    if spec.is_moe and layout.enable_expert_parallel:
+        spec = replace(spec, num_experts_per_tok=max(1, round(full.num_experts_per_tok / layout.expert_parallel_size)))
     digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
     suffix = f"tp{layout.tensor_parallel_size}{'-ep' if layout.enable_expert_parallel else ''}"
     path = cache_dir().parent / "models" / f"{Path(model).stem}-{suffix}-{digest}.toml"

@@ -127,3 +127,21 @@ def test_the_moe_layers_kernel_count_is_what_eager_dispatch_pays() -> None:
     counted = CostModel(model, DEVICE, 128).operator_work(_step(0, decode_seqs=4))["moe"].calls
     assert counted == 15 * model.num_moe_layers
     assert CostModel(model, generic, 128).operator_work(_step(0, decode_seqs=4))["moe"].calls == 6 * model.num_moe_layers
+
+
+def test_an_expert_parallel_ranks_elementwise_work_is_its_share_of_the_expert_copies() -> None:
+    """Under EP a rank activates k / EP of a token's k expert copies (uniform routing), not the top-k of its local
+    experts that its rank model keeps: Qwen3-30B-A3B at EP8 runs 1 of each token's 8 copies on a rank."""
+    from kvsim.sim.parallel.layout import ParallelLayout
+    from kvsim.sim.parallel.rank_cost import ParallelCostModel
+
+    model = load_model("qwen3-30b-a3b")
+    rank = ParallelCostModel(model, DEVICE, ParallelLayout(tensor_parallel_size=8, enable_expert_parallel=True), 128).rank
+    local_top_k = CostModel(rank.model, DEVICE, 128)  # the rank's spec on its own: top-8 of its 16 experts
+    assert (rank.model.num_experts, rank.model.num_experts_per_tok, rank.routing.busiest_rank(1.0)[0]) == (16, 8, 1.0)
+    tokens = 1000.0
+    saved = local_top_k.operator_work(_step(tokens))["elementwise"].bytes - rank.operator_work(_step(tokens))["elementwise"].bytes
+    per_copy = 3 * model.num_moe_layers * rank.model.moe_intermediate_size * 2  # in, activated, out; bf16
+    assert saved == pytest.approx(tokens * (8 - 1) * per_copy)
+    one_device = CostModel(model, DEVICE, 128)
+    assert one_device.routing.busiest_rank(1.0)[0] == 8.0  # one device: every copy

@@ -231,6 +231,9 @@ class CostModel:
         k = int(m.qk_norm)
         self._moe_layers = 0
         self._mla = m.is_mla  # read every step (_context_rows): a field, not the property
+        if m.is_moe and routing is None:
+            routing = ExpertRouting(m.num_experts, m.num_experts_per_tok)
+        self.routing = routing
         if m.is_moe or m.is_mla or m.quantization:
             self._init_general_layers()
         else:  # a dense Llama-style model: every layer the same (the module docstring's formulas, verbatim)
@@ -243,9 +246,6 @@ class CostModel:
         self._kv_token_layer = m.kv_bytes_per_token(self.kv_dtype) / L  # c
         self._kv_in = m.kv_entry_size  # values a new token's K and V (or latent) hand the cache write
         self._block_bytes = m.bytes_per_block(block_size, self.kv_dtype)
-        if m.is_moe and routing is None:
-            routing = ExpertRouting(m.num_experts, m.num_experts_per_tok)
-        self.routing = routing
         self._rates = {op: self._unit_costs(op) for op in OPERATORS}
         self._rate_rows = tuple(self._rates[op] for op in OPERATORS)
         self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
@@ -273,14 +273,17 @@ class CostModel:
         self._gemm_launches = sum(n * len(linears) for n, linears in per_layer)
         k = int(m.qk_norm)
         g = m.q_size + (m.kv_entry_size if m.is_mla else m.kv_size)  # what RoPE and the q/k norms touch
+        # Expert copies of a token this rank activates: top-k on one device; under expert parallelism the
+        # busiest rank's share (k / EP uniform), not the rank model's min(k, local experts).
+        copies = float(self.routing.busiest_rank(1.0)[0]) if m.is_moe else 0.0
         mlp_width = dense_layers * m.intermediate_size + moe_layers * (
-            m.num_experts_per_tok * m.moe_intermediate_size + m.shared_expert_intermediate_size)
+            copies * m.moe_intermediate_size + m.shared_expert_intermediate_size)
         self._elem_moved = L * (8 * h + (2 + 2 * k) * g) + 3 * mlp_width + 2 * moe_layers * m.num_experts + 6 * h
         self._elem_flops = L * (8 * h + (3 + 4 * k) * g) + 5 * mlp_width + 5 * moe_layers * m.num_experts + 10 * h
         if m.quantization:  # W8A8: every quantised linear's input is read in the activation dtype, written in int8
             inputs = sum(n * i for n, linears in per_layer[:2] for _, i in linears) + moe_layers * (
                 sum(i for _, i in m.mlp_linears(m.shared_expert_intermediate_size, h)) + h
-                + m.num_experts_per_tok * m.moe_intermediate_size)
+                + copies * m.moe_intermediate_size)
             self._elem_moved += (a + 1) * inputs
             self._elem_flops += W8A8_QUANT_FLOPS * inputs
         self._moe_layers = moe_layers
