@@ -49,7 +49,7 @@ def profile_for_group(profile_path: Path, collectives: dict, config: RunConfig, 
       it (the profile's own miss on a step is the machine's state, which the verdict weighs; what is
       left is the group's). On the 2-core development VM a rank's decode step took 5.5 ms beside its
       peer and 5.0 ms alone (the cores share one memory system; an NPU's devices do not). That
-      slowdown is not one number: in three dense TP2 runs the decodes took 1.10-1.43x beside the
+      slowdown is not one number: in three dense TP2 runs the decodes took 1.10-1.37x beside the
       peer and the 256-token prefill 1.00-1.14x, and one factor (the median of the three steps, a
       decode's) priced every prefill at a decode's slowdown. So two are fitted (``group_factors``):
       compute efficiencies divide by one, memory efficiencies and fixed costs scale by the other.
