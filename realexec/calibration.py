@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvsim.realexec.backends import KernelBackend
 from kvsim.sim.parallel.layout import ParallelLayout, rank_model
+from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.model_spec import load_model, save_model
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
@@ -88,13 +89,15 @@ def rank_model_file(model: str, layout: ParallelLayout) -> str:
     """The model one rank of ``layout`` holds (``sim.parallel.layout.rank_model``) as a model file in the cache, named
     for the model, the layout and its content: what a tensor-parallel validation profiles on one device, so the
     profile's coefficients and its whole-step terms are fitted on the shapes a rank runs. Under expert parallelism a
-    rank's experts receive k / EP of a token's k expert copies (uniform routing), so the file's top-k is that (at
-    least 1), not the rank model's min(k, local experts): profiled at top-2 of its 4 experts, small-moe's EP2 rank
-    ran twice the expert work its group's ranks do, and its profile put the difference on the wrong operators."""
+    rank's experts receive a share of a token's k expert copies (``ExpertRouting.busiest_rank``, as the cost model
+    prices them: k / EP under uniform routing), so the file's top-k is that (at least 1), not the rank model's
+    min(k, local experts): profiled at top-2 of its 4 experts, small-moe's EP2 rank ran twice the expert work its
+    group's ranks do, and its profile put the difference on the wrong operators."""
     full = load_model(model)
     spec = rank_model(full, layout)
     if spec.is_moe and layout.enable_expert_parallel:
-        spec = replace(spec, num_experts_per_tok=max(1, round(full.num_experts_per_tok / layout.expert_parallel_size)))
+        routing = ExpertRouting(full.num_experts, full.num_experts_per_tok, ep_size=layout.expert_parallel_size)
+        spec = replace(spec, num_experts_per_tok=max(1, round(float(routing.busiest_rank(1.0)[0]))))
     digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
     suffix = f"tp{layout.tensor_parallel_size}{'-ep' if layout.enable_expert_parallel else ''}"
     path = cache_dir().parent / "models" / f"{Path(model).stem}-{suffix}-{digest}.toml"
