@@ -383,6 +383,20 @@ def test_single_device_memory_rows_match_vllms_logged_block_counts_within_3_perc
         assert abs(predict_row(r, load_device(r.device)) / r.measured - 1) <= 0.03, r.id
 
 
+def test_the_32b_h100_rows_run_at_a_length_one_h100s_pool_holds(published) -> None:
+    """Qwen3-32B's 61 GiB of weights leave one H100 a pool smaller than the checkpoint's 40,960 tokens
+    (kvsim memory refuses it), and the GPUStack page's 32K requests ran one at a time: its rows are
+    replayed at max_model_len 32768, which holds a 32,100-token request and not two."""
+    rows = [r for r in published.rows if r.source == "gpustack-qwen3-32b-h100"]
+    assert len(rows) == 10 and {r.max_model_len for r in rows} == {32768}
+    memory = ["memory", "--model", "qwen3-32b", "--device", "h100-sxm", "--block-size", "16",
+              "--max-num-batched-tokens", "8192", "--max-num-seqs", "1024"]
+    refused = CliRunner().invoke(main, memory)
+    assert refused.exit_code == 1 and "fewer than one max_model_len (40960) sequence" in refused.output
+    pool = _resolved(rows[0], load_device("h100-sxm")).memory
+    assert 32100 <= pool.num_blocks * 16 < 2 * 32100
+
+
 def test_multi_device_rows_replay_with_their_layout_and_quantization(published) -> None:
     """A row's parallel flags and quantization reach the RunConfig it replays: the TP4 memory row
     is sized per rank (one of Qwen3-235B's 4 KV heads: 94 layers x 2 x 128 x 2 bytes a token) with

@@ -21,6 +21,7 @@ CARDS = {
     "qwen3-30b-a3b": (30.5e9, 3.3e9, 0.1e9),  # https://huggingface.co/Qwen/Qwen3-30B-A3B (30.5B, 3.3B activated)
     "mixtral-8x7b": (46.7e9, 12.9e9, 0.1e9),  # https://mistral.ai/news/mixtral-of-experts (46.7B, 12.9B per token)
     "qwen3-32b": (32.8e9, None, 0.1e9),  # https://huggingface.co/Qwen/Qwen3-32B (32.8B)
+    "qwen3-14b": (14.8e9, None, 0.1e9),  # https://huggingface.co/Qwen/Qwen3-14B (14.8B)
     "qwen2.5-72b": (72.7e9, None, 0.1e9),  # https://huggingface.co/Qwen/Qwen2.5-72B-Instruct (72.7B)
     "llama-3.1-70b": (70.6e9, None, 0.1e9),  # https://huggingface.co/meta-llama/Llama-3.1-70B (70.6B params)
     # https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite (15.7B total). Its card's 2.4B activated is not

@@ -115,7 +115,8 @@ PARAMETERS: dict[str, tuple[float, float]] = {
 HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS"}
 LENGTH_SOURCES = ("auto", "sharegpt", "sharegpt-scaled", "lognormal")  # how ShareGPT rows get their lengths (module docstring)
 # The tokenizer vLLM's benchmark counted a model's ShareGPT lengths with (traces/tokenizers.py).
-SHAREGPT_TOKENIZERS = {"qwen2.5-7b": "qwen2.5", "qwen3-8b": "qwen3", "qwen3-30b-a3b": "qwen3", "qwen3-235b-a22b": "qwen3"}
+SHAREGPT_TOKENIZERS = {"qwen2.5-7b": "qwen2.5", "qwen3-8b": "qwen3", "qwen3-14b": "qwen3", "qwen3-32b": "qwen3",
+                       "qwen3-30b-a3b": "qwen3", "qwen3-235b-a22b": "qwen3"}
 
 
 @dataclass(frozen=True)
