@@ -63,3 +63,24 @@ def test_a_sweep_point_with_clients_gets_the_bench_figures_and_capacity_refuses_
     result = CliRunner().invoke(main, ["capacity", str(grid), "--out", str(tmp_path / "cap"), "--quiet"])
     assert result.exit_code == 2
     assert "api_server / max_concurrency: capacity searches open-loop arrival rates" in result.output
+
+
+def test_v1_rows_replay_with_prefix_caching_and_v0_rows_without() -> None:
+    assert ROWS["gsq14-random32k-total"].block_manager == "prefix"  # vLLM V1's default
+    assert ROWS["va776-qps1-ttft"].block_manager == "paged"  # V0's
+    assert dataclasses.replace(ROWS["gsq14-random32k-total"], enable_prefix_caching=False).block_manager == "paged"
+
+
+def test_prefix_caching_keeps_a_preempted_requests_blocks(tmp_path: Path) -> None:
+    """Qwen3-14B's 32K burst on one H100: the pool holds 8 of the 100 prompts, so requests admitted
+    chunk by chunk get preempted; with V1's prefix caching a re-admitted request finds the blocks it
+    had computed, without it every preemption computes them again and preempts the next in turn."""
+    row = dataclasses.replace(ROWS["gsq14-random32k-total"], num_prompts=30)
+    trace = save_trace(row_trace(row, "lognormal"), tmp_path / "row.jsonl")
+    preemptions = {}
+    for manager in ("prefix", "paged"):
+        command = [manager if word == row.block_manager else word for word in row_command(row, str(trace))]
+        result = CliRunner().invoke(main, [*command[1:], "--out", str(tmp_path / manager), "--quiet"])
+        assert result.exit_code == 0, result.output
+        preemptions[manager] = json.loads((tmp_path / manager / "summary.json").read_text())["preemptions"]
+    assert preemptions["paged"] > 5 * max(preemptions["prefix"], 1)

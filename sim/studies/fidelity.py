@@ -148,6 +148,7 @@ class Row:
     scheduler: str = "fcfs"  # vLLM V1's; "vllm-v0" = prefill-first (V0, vllm-ascend's AscendScheduler)
     engine_core: str = "v1"  # "v0": vLLM's V0 LLMEngine, which pays [engine] v0_seq_s per sequence per step
     watermark: float = 0.0  # fraction of KV blocks admission keeps free (V0 and AscendScheduler: 0.01)
+    enable_prefix_caching: bool | None = None  # vLLM's switch; None: the engine generation's default (see block_manager)
     num_prompts: int = 0
     input_len: int = 0  # fixed lengths (random dataset), or
     output_len: int = 0
@@ -177,6 +178,14 @@ class Row:
                               self.enable_expert_parallel)
 
     @property
+    def block_manager(self) -> str:
+        """The KV block manager the row's engine ran: vLLM V1 turns prefix caching on by default
+        (vllm-ascend's V1 too), V0 leaves it off. It matters beyond shared prompts: a preempted
+        request's computed blocks stay cached, so its re-admission does not compute them again."""
+        on = self.engine_core == "v1" if self.enable_prefix_caching is None else self.enable_prefix_caching
+        return "prefix" if on else "paged"
+
+    @property
     def run(self) -> Row:
         """The measured run this figure comes from: the row with only what names the figure blanked.
 
@@ -201,7 +210,8 @@ class Result:
             "id": r.id, "source": r.source, "split": r.split, "metric": r.metric, "measured": r.measured,
             "predicted": self.predicted, "signed_error": self.signed_error, "fits": r.fits, "model": r.model,
             "device": r.device, "engine": r.engine, "engine_mode": r.engine_mode, "engine_core": r.engine_core,
-            "scheduler": r.scheduler, "parallelism": r.parallelism, "quantization": r.quantization or None,
+            "scheduler": r.scheduler, "block_manager": r.block_manager, "parallelism": r.parallelism,
+            "quantization": r.quantization or None,
             "tensor_parallel_size": r.tensor_parallel_size, "pipeline_parallel_size": r.pipeline_parallel_size,
             "data_parallel_size": r.data_parallel_size, "enable_expert_parallel": r.enable_expert_parallel,
             "workload": r.workload, "num_prompts": r.num_prompts, "input_len": r.input_len or None,
@@ -426,7 +436,7 @@ def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
         trace="(fidelity row)", model=row.model, device=row.device, block_size=row.block_size,
         memory_utilization=row.memory_utilization, max_num_seqs=row.max_num_seqs,
         max_num_batched_tokens=row.max_num_batched_tokens, max_model_len=row.max_model_len or None,
-        block_manager="paged", scheduler=row.scheduler, watermark=row.watermark, seed=row.seed, engine_core=row.engine_core,
+        block_manager=row.block_manager, scheduler=row.scheduler, watermark=row.watermark, seed=row.seed, engine_core=row.engine_core,
         quantization=row.quantization or None, tensor_parallel_size=row.tensor_parallel_size,
         pipeline_parallel_size=row.pipeline_parallel_size, data_parallel_size=row.data_parallel_size,
         enable_expert_parallel=row.enable_expert_parallel,
@@ -458,7 +468,7 @@ def row_command(row: Row, trace_file: str) -> list[str] | None:
     if row.workload == "memory":
         return None
     command = ["kvsim", "simulate", "--trace", trace_file, "--model", row.model, "--device", row.device,
-               "--block-manager", "paged", "--block-size", str(row.block_size),
+               "--block-manager", row.block_manager, "--block-size", str(row.block_size),
                "--gpu-memory-utilization", f"{row.memory_utilization:g}", "--max-num-seqs", str(row.max_num_seqs),
                "--max-num-batched-tokens", str(row.max_num_batched_tokens), "--scheduler", row.scheduler,
                "--watermark", f"{row.watermark:g}", "--seed", str(row.seed)]  # fmt: skip
