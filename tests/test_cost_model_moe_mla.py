@@ -106,12 +106,17 @@ def test_mla_and_int8_kv_hold_more_tokens_in_the_same_memory() -> None:
 
 def test_a_moe_table_inherits_the_keys_it_leaves_out_from_gemm(tmp_path) -> None:
     """ascend-910b3 sets only the MoE layer's kernel count and half_tokens: the efficiencies and
-    launch cost stay the GEMM's, and a device without the table prices MoE as GEMM with the generic count."""
+    launch cost stay the GEMM's; h100-sxm sets only the efficiencies; a device without the table
+    prices MoE as GEMM with the generic count."""
     moe, gemm = DEVICE.operators["moe"], DEVICE.operators["gemm"]
     assert (moe.compute_efficiency, moe.memory_efficiency, moe.call_s) == (gemm.compute_efficiency, gemm.memory_efficiency, gemm.call_s)
     assert moe.launches == 15 and moe.shape > 0
-    plain = load_device("h100-sxm")
+    plain = load_device("h200")
     assert plain.operators["moe"] == plain.operators["gemm"] and plain.operators["moe"].launches is None
+    h100 = load_device("h100-sxm")  # sets the efficiencies only: its GEMM's are a dense serving fit
+    moe, gemm = h100.operators["moe"], h100.operators["gemm"]
+    assert (moe.compute_efficiency, moe.memory_efficiency) == (0.80, 0.90) != (gemm.compute_efficiency, gemm.memory_efficiency)
+    assert (moe.call_s, moe.shape, moe.launches) == (gemm.call_s, gemm.shape, None)
     path = save_device(DEVICE, tmp_path / "d.toml")
     assert load_device(path) == DEVICE
     bad = tmp_path / "bad.toml"
