@@ -19,8 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvsim.realexec.backends import KernelBackend
-from kvsim.sim.parallel.layout import ParallelLayout, rank_model
-from kvsim.sim.perf.expert_routing import ExpertRouting
+from kvsim.sim.parallel.layout import ParallelLayout, rank_model, rank_routing
 from kvsim.sim.perf.model_spec import load_model, save_model
 
 # Part of the fingerprint: bump it when how ``kvsim profile`` measures changes, so profiles cached
@@ -96,8 +95,8 @@ def rank_model_file(model: str, layout: ParallelLayout) -> str:
     full = load_model(model)
     spec = rank_model(full, layout)
     if spec.is_moe and layout.enable_expert_parallel:
-        routing = ExpertRouting(full.num_experts, full.num_experts_per_tok, ep_size=layout.expert_parallel_size)
-        spec = replace(spec, num_experts_per_tok=max(1, round(float(routing.busiest_rank(1.0)[0]))))
+        copies = rank_routing(full, layout).busiest_rank(1.0)[0]
+        spec = replace(spec, num_experts_per_tok=max(1, round(float(copies))))
     digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
     suffix = f"tp{layout.tensor_parallel_size}{'-ep' if layout.enable_expert_parallel else ''}"
     path = cache_dir().parent / "models" / f"{Path(model).stem}-{suffix}-{digest}.toml"

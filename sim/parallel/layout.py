@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.model_spec import ModelSpec
 from kvsim.sim.perf.topology import Topology
 
@@ -125,3 +126,12 @@ def rank_model(model: ModelSpec, layout: ParallelLayout) -> ModelSpec:
     if model.is_moe:
         changes.update(dense_layers=layers - moe_layers, shared_expert_intermediate_size=model.shared_expert_intermediate_size // tp)
     return replace(model, **changes)
+
+
+def rank_routing(model: ModelSpec, layout: ParallelLayout, base: ExpertRouting | None = None) -> ExpertRouting:
+    """How a MoE model's tokens reach one rank's experts under ``layout``: ``base`` (default: uniform
+    top-k of the whole model's experts) over the layout's EP ranks, the tokens of its DP members
+    pooled where experts are shared across them."""
+    base = base or ExpertRouting(model.num_experts, model.num_experts_per_tok)
+    return replace(base, ep_size=layout.expert_parallel_size,
+                   dp_size=layout.data_parallel_size if layout.enable_expert_parallel else 1)

@@ -22,7 +22,7 @@ Collectives are not overlapped with compute: their whole time is exposed (the su
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from kvsim.policies.plan import StepPlan
 from kvsim.sim.parallel.collectives import (
@@ -33,7 +33,7 @@ from kvsim.sim.parallel.collectives import (
     reduce_scatter_s,
     send_recv_s,
 )
-from kvsim.sim.parallel.layout import ParallelLayout, rank_model
+from kvsim.sim.parallel.layout import ParallelLayout, rank_model, rank_routing
 from kvsim.sim.perf.cost_model import CostModel, StepFeatures, features_from_plan
 from kvsim.sim.perf.device import DeviceProfile
 from kvsim.sim.perf.expert_routing import ExpertRouting
@@ -82,9 +82,7 @@ class ParallelCostModel:
         self.model, self.device, self.layout, self.block_size = model, device, layout, block_size
         self.rank_spec = rank_model(model, layout)
         if model.is_moe:
-            base = routing or ExpertRouting(model.num_experts, model.num_experts_per_tok)
-            routing = replace(base, ep_size=layout.expert_parallel_size,
-                              dp_size=layout.data_parallel_size if layout.enable_expert_parallel else 1)
+            routing = rank_routing(model, layout, routing)
         self.rank = CostModel(self.rank_spec, device, block_size, kv_dtype, routing=routing)
         self.routing = routing
         self.max_num_batched_tokens = max_num_batched_tokens
