@@ -26,13 +26,13 @@ all-reduce is, so its fixed cost comes out about half what it measures (tens of 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from kvsim.realexec.backends.base import KernelBackend
 from kvsim.realexec.tensor_parallel import TensorParallelGroup
 from kvsim.sim.parallel.collectives import all_gather_s, all_reduce_s, make_group
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
@@ -58,21 +58,23 @@ def step_sizes(spec: ModelSpec, tp: int) -> list[tuple[str, int]]:
             + [("all_gather", n * vocab * 4) for n in SAMPLED_ROWS])
 
 
-def time_collectives(group: TensorParallelGroup, sizes: list[tuple[str, int]], repeats: int) -> list[CollectiveTiming]:
+def time_collectives(group: TensorParallelGroup, backend: KernelBackend, sizes: list[tuple[str, int]],
+                     repeats: int) -> list[CollectiveTiming]:
     """Each (kind, bytes) after a stretch of compute, once a round for ``repeats`` rounds; the median seconds from
-    the compute's end to the collective's (module docstring). Every rank must call this."""
-    rows, weight = torch.ones(16, 768), torch.ones(768, 1024)
+    the compute's end to the collective's (module docstring), on ``backend``'s device and clock (a tensor-parallel
+    rank's: the wall clock on the cpu backend, device events on an accelerator). Every rank must call this."""
+    device = backend.device
+    rows, weight = torch.ones(16, 768, device=device), torch.ones(768, 1024, device=device)
     inputs = [(group.all_reduce if kind == "all_reduce" else group.all_gather_last,
-               torch.ones(max(1, size // 4 // (group.size if kind == "all_gather" else 1)), dtype=torch.float32))
+               torch.ones(max(1, size // 4 // (group.size if kind == "all_gather" else 1)), dtype=torch.float32,
+                          device=device))
               for kind, size in sizes]
     times: list[list[float]] = [[] for _ in sizes]
     dist.barrier()
     for _ in range(repeats):
         for (collective, x), own in zip(inputs, times):
             rows @ weight
-            start = time.perf_counter()
-            collective(x)
-            own.append(time.perf_counter() - start)
+            own.append(backend.elapsed(lambda: collective(x))[1])  # noqa: B023 (called at once)
     return [CollectiveTiming(kind, size, statistics.median(own)) for (kind, size), own in zip(sizes, times)]
 
 

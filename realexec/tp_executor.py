@@ -2,11 +2,19 @@
 
 As vLLM's multiprocessing executor runs a TP group: one engine core (this process schedules),
 every rank holding its shard of the weights and of each KV block (its heads) and running the same
-plan, the ranks joined by a ``torch.distributed`` gloo group, their forward pass's all-reduces and
-all-gathers through shared memory or gloo's (realexec/tensor_parallel.py). Rank 0 hands each worker the
-requests and plans over a pipe before running them itself, as vLLM broadcasts its scheduler
-output; the step's time is rank 0's, on the wall clock: a rank's CPU time would leave out the time
-it waits on the others inside a collective, which is the collective's cost.
+plan, the ranks joined by a ``torch.distributed`` group, their forward pass's all-reduces and
+all-gathers through it (realexec/tensor_parallel.py). Rank 0 hands each worker the requests and
+plans over a pipe before running them itself, as vLLM broadcasts its scheduler output; the step's
+time is rank 0's.
+
+Which group, and which clock, is the backend's: on the cpu backend the ranks are processes sharing
+the host's cores, joined by gloo (or shared memory), and time on the wall clock (a rank's CPU time
+would leave out the time it waits on the others inside a collective, which is the collective's
+cost); on cuda and npu rank r runs on device r, joined by NCCL or HCCL (the backend's
+``process_group``), and times on its device's events, which a collective's wait is inside. The
+accelerator ranks run eagerly (a collective inside a captured graph is not built). They are tested
+through the torch_npu stand-in, whose "hccl" is gloo on the host: no multi-device machine was
+available to run them.
 """
 
 from __future__ import annotations
@@ -14,12 +22,14 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from kvsim.policies.plan import StepPlan
 from kvsim.policies.request import Request
+from kvsim.realexec.backends import backend_class
 from kvsim.realexec.backends.base import KernelBackend
 from kvsim.realexec.collective_bench import CollectiveTiming, time_collectives
 from kvsim.realexec.executor import Executor
@@ -27,7 +37,7 @@ from kvsim.realexec.tensor_parallel import SharedBuffers, join_group, leave_grou
 from kvsim.sim.perf.model_spec import ModelSpec
 from kvsim.sim.perf.step_timer import StepTiming
 
-BACKENDS = ("cpu",)  # gloo; NCCL (cuda) and HCCL (npu) ranks are not built yet
+BACKENDS = ("cpu", "cuda", "npu")
 
 
 @dataclass(frozen=True)
@@ -38,19 +48,41 @@ class RankSetup:
     size: int
     port: int
     executor_args: dict[str, Any]
-    buffers: SharedBuffers | None  # the shared-memory transport's (None: gloo's collectives)
+    buffers: SharedBuffers | None  # the shared-memory transport's (None: the process group's collectives)
     expert_parallel: bool
+    rank_backend: Callable[[int], KernelBackend]  # rank -> its backend (a module-level function: it pickles)
 
 
-def tensor_parallel_backend(name: str) -> KernelBackend:
-    """The backend a tensor-parallel rank times on: the cpu backend on the wall clock (module docstring)."""
+def rank_backend(name: str, rank: int) -> KernelBackend:
+    """Rank ``rank``'s backend: the cpu backend on the wall clock, or device ``rank`` of an accelerator, eager
+    (module docstring)."""
+    if name == "cpu":
+        from kvsim.realexec.backends.cpu import CpuBackend
+
+        transport()  # a bad KVSIM_TP_TRANSPORT is named before any process starts
+        return CpuBackend(wall_clock=True)
+    return backend_class(name)(f"{name}:{rank}")
+
+
+def require_devices(backend: KernelBackend, size: int) -> None:
+    """A group of ``size`` ranks needs as many devices where a rank takes one (``ValueError`` naming the flag)."""
+    if backend.name not in BACKENDS:
+        raise ValueError(f"--tensor-parallel-size: the real executor runs tensor parallelism on the "
+                         f"{', '.join(BACKENDS)} backends, not {backend.name}")
+    count = backend.device_count()
+    if count is not None and count < size:
+        raise ValueError(f"--tensor-parallel-size {size}: the {backend.name} backend sees {count} device"
+                         f"{'' if count == 1 else 's'}, and each rank takes one")
+
+
+def tensor_parallel_backend(name: str, size: int = 2) -> KernelBackend:
+    """Rank 0's backend of a group of ``size`` ranks on the named backend (module docstring)."""
     if name not in BACKENDS:
         raise ValueError(f"--tensor-parallel-size: the real executor runs tensor parallelism on the "
-                         f"{', '.join(BACKENDS)} backend (gloo) only; the {name} backend runs one device")
-    from kvsim.realexec.backends.cpu import CpuBackend
-
-    transport()  # a bad KVSIM_TP_TRANSPORT is named before any process starts
-    return CpuBackend(wall_clock=True)
+                         f"{', '.join(BACKENDS)} backends, not {name}")
+    backend = rank_backend(name, 0)
+    require_devices(backend, size)
+    return backend
 
 
 def free_port() -> int:
@@ -62,8 +94,8 @@ def free_port() -> int:
 
 def _serve(rank: int, setup: RankSetup, conn: Connection) -> None:
     """A worker rank: build the rank's executor, then do what rank 0 sends, in its order, until told to stop."""
-    backend = tensor_parallel_backend("cpu")
-    group = join_group(rank, setup.size, setup.port, setup.buffers, setup.expert_parallel)
+    backend = setup.rank_backend(rank)
+    group = join_group(rank, setup.size, setup.port, backend, setup.buffers, setup.expert_parallel)
     try:
         executor = Executor(setup.spec, backend, tp=group, **setup.executor_args)
         while True:
@@ -71,7 +103,7 @@ def _serve(rank: int, setup: RankSetup, conn: Connection) -> None:
             if method == "stop":
                 return
             if method == "time_collectives":
-                time_collectives(group, *args)
+                time_collectives(group, backend, *args)
             else:
                 getattr(executor, method)(*args)
     finally:
@@ -80,21 +112,24 @@ def _serve(rank: int, setup: RankSetup, conn: Connection) -> None:
 
 class TensorParallelExecutor(Executor):
     """Rank 0 of a TP group of ``size`` ranks on this host: the step timer the engine drives.
-    ``expert_parallel``: the group's ranks hold whole experts (realexec/tensor_parallel.py)."""
+    ``backend``: rank 0's; ``worker_backend``: how a worker builds its own (default: :func:`rank_backend`
+    for ``backend``'s name). ``expert_parallel``: the group's ranks hold whole experts
+    (realexec/tensor_parallel.py)."""
 
     def __init__(self, spec: ModelSpec, backend: KernelBackend, size: int, num_blocks: int, block_size: int,
                  num_host_blocks: int = 0, seed: int = 0, weights_path: str | Path | None = None,
                  kv_dtype: str | None = None, check: bool = False, timing_repeats: int | None = None,
-                 keep_plans: bool = False, expert_parallel: bool = False) -> None:
+                 keep_plans: bool = False, expert_parallel: bool = False,
+                 worker_backend: Callable[[int], KernelBackend] | None = None) -> None:
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, not {size}")
-        if backend.name not in BACKENDS:
-            raise ValueError(f"tensor parallelism runs on the {', '.join(BACKENDS)} backend, not {backend.name}")
+        require_devices(backend, size)
         args = dict(num_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, seed=seed,
                     weights_path=weights_path, kv_dtype=kv_dtype, check=check, keep_plans=keep_plans,
                     timing_repeats=backend.timing_repeats if timing_repeats is None else timing_repeats)
-        setup = RankSetup(spec, size, free_port(), args, SharedBuffers.make(size) if transport() == "shm" else None,
-                          expert_parallel)
+        shared = backend.name == "cpu" and transport() == "shm"
+        setup = RankSetup(spec, size, free_port(), args, SharedBuffers.make(size) if shared else None, expert_parallel,
+                          worker_backend or partial(rank_backend, backend.name))
         import torch.multiprocessing  # its pickler hands shared tensors to the workers by file descriptor
 
         context = torch.multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads or gloo state
@@ -107,7 +142,8 @@ class TensorParallelExecutor(Executor):
             self._pipes.append(ours)
             self._workers.append(worker)
         try:
-            super().__init__(spec, backend, tp=join_group(0, size, setup.port, setup.buffers, expert_parallel), **args)
+            super().__init__(spec, backend, tp=join_group(0, size, setup.port, backend, setup.buffers, expert_parallel),
+                             **args)
         except BaseException:
             self.close()
             raise
@@ -131,7 +167,7 @@ class TensorParallelExecutor(Executor):
     def time_collectives(self, sizes: list[tuple[str, int]], repeats: int) -> list[CollectiveTiming]:
         """The group's collectives at these (kind, bytes), timed on every rank together (realexec/collective_bench.py)."""
         self._send("time_collectives", sizes, repeats)
-        return time_collectives(self.model.tp, sizes, repeats)
+        return time_collectives(self.model.tp, self.backend, sizes, repeats)
 
     def close(self) -> None:
         """Stop the workers and leave the group (idempotent)."""

@@ -169,11 +169,16 @@ def test_an_unknown_transport_is_named_before_any_process_starts(monkeypatch) ->
         tensor_parallel_backend("cpu")
 
 
-def test_tensor_parallelism_runs_on_the_cpu_backend_only() -> None:
-    with pytest.raises(ValueError, match="cpu backend"):
-        tensor_parallel_backend("cuda")
-    with pytest.raises(ValueError, match="cpu backend"):
-        TensorParallelExecutor(TINY, SimpleNamespace(name="npu"), 2, num_blocks=4, block_size=BS)
+def test_a_group_takes_one_device_a_rank_and_a_backend_without_collectives_none() -> None:
+    """Refused before any process starts: more ranks than the backend sees devices, a backend no group is built on."""
+    from torch_npu_standin import standin_npu_rank
+
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3: the npu backend sees 2 devices, and each rank takes one"):
+        TensorParallelExecutor(TINY, standin_npu_rank(0), 3, num_blocks=4, block_size=128)
+    with pytest.raises(ValueError, match="cpu, cuda, npu backends, not tpu"):
+        tensor_parallel_backend("tpu")
+    with pytest.raises(ValueError, match="cpu, cuda, npu backends, not tpu"):
+        TensorParallelExecutor(TINY, SimpleNamespace(name="tpu"), 2, num_blocks=4, block_size=BS)
 
 
 def test_the_link_fit_recovers_a_known_topology_and_checks_on_rows_it_did_not_see() -> None:

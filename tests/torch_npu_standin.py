@@ -37,6 +37,10 @@ Unlike a device, a capture here also computes (the executor's forward pass is id
 changes nothing it can observe); an update block's kernel does not run (its contract is checked when the
 next replay runs it).
 
+Tensor parallelism: ``make_torch_npu_standin(devices=N)`` sees N devices, and registers "hccl" with
+``torch.distributed`` as torch_npu's import does, as a gloo group on the host (``standin_npu_rank`` builds a
+worker rank's backend).
+
 Where the FIA documentation contradicts itself, the more specific paragraph wins and the choice
 is noted at the rule. In particular the TND composite limits (Q_D = K_D = 192, bf16 only, Q_N =
 K_N) describe the non-paged MLA path: vllm-ascend runs TND with page attention, GQA and D=128.
@@ -57,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
@@ -1882,13 +1887,15 @@ def _fia_out(runtime: _GraphRuntime, fia: Callable[..., tuple[torch.Tensor, torc
     return out_variant
 
 
-def _npu_runtime(calls: list[str], graphs: _GraphRuntime) -> types.SimpleNamespace:
-    """``torch_npu.npu``: one visible device whose memory is the host's (no device allocator to query), and its graph API."""
+def _npu_runtime(calls: list[str], graphs: _GraphRuntime, devices: int) -> types.SimpleNamespace:
+    """``torch_npu.npu``: ``devices`` visible devices whose memory is the host's (no device allocator to query), and
+    its graph API."""
     return types.SimpleNamespace(
         Event=_Event,
         is_available=lambda: True,
-        device_count=lambda: 1,
+        device_count=lambda: devices,
         current_device=lambda: 0,
+        set_device=lambda device: None,
         synchronize=lambda device=None: calls.append("npu.synchronize"),
         memory_allocated=lambda device=None: 0,
         get_cann_version=lambda module="CANN": STANDIN_CANN_VERSION,
@@ -1910,8 +1917,29 @@ def _npu_runtime(calls: list[str], graphs: _GraphRuntime) -> types.SimpleNamespa
     )
 
 
-def make_torch_npu_standin() -> types.ModuleType:
-    """A fresh ``torch_npu`` stand-in; ``delattr`` an op to mimic a version that lacks it."""
+def _gloo_group(store: Any, rank: int, size: int, timeout: Any) -> Any:
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _register_hccl() -> None:
+    """torch_npu's import registers HCCL as ``torch.distributed``'s "hccl" backend (``torch_npu/distributed``);
+    the stand-in's "hccl" is gloo on the host, so a tensor-parallel group of stand-in ranks runs its collectives
+    for real, between processes."""
+    if "hccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("hccl", _gloo_group, devices=["cpu"])
+
+
+def standin_npu_rank(rank: int) -> Any:
+    """Rank ``rank``'s npu backend in a tensor-parallel group on a two-device stand-in, every rank in the host's
+    memory: what a worker process builds (a module does not pickle), as a real rank builds ``NpuBackend(f"npu:{rank}")``."""
+    from kvsim.realexec.backends.npu import NpuBackend
+
+    return NpuBackend("cpu", torch_npu_module=make_torch_npu_standin(devices=2))
+
+
+def make_torch_npu_standin(devices: int = 1) -> types.ModuleType:
+    """A fresh ``torch_npu`` stand-in seeing ``devices`` NPUs; ``delattr`` an op to mimic a version that lacks it."""
+    _register_hccl()
     ops = _Ops()
     graphs = _GraphRuntime()
     module = types.ModuleType("torch_npu", __doc__)
@@ -1925,7 +1953,7 @@ def make_torch_npu_standin() -> types.ModuleType:
     module._npu_fused_infer_attention_score_get_max_workspace = graphs.get_max_workspace
     module.atb = types.ModuleType("torch_npu.atb")
     module.atb.npu_paged_cache_load = _Kernel(graphs, LOAD, ops.npu_paged_cache_load)
-    module.npu = _npu_runtime(ops.calls, graphs)
+    module.npu = _npu_runtime(ops.calls, graphs, devices)
     # torch_npu loads NNAL's libatb.so on the first ATB call (op_plugin/atb/_atb_ops.py); nothing to load here.
     atb_ops = types.SimpleNamespace(_register_atb_extensions=lambda: None)
     module.op_plugin = types.SimpleNamespace(atb=types.SimpleNamespace(_atb_ops=atb_ops))

@@ -151,6 +151,9 @@ class KernelBackend(ABC):
     # engine's (no block table names it); -1 where the backend's write kernel skips such slots (vLLM's
     # PAD_SLOT_ID) and would leave the repeated slot a shared one gets undefined (the npu scatter).
     graph_pad_slot: ClassVar[int | None] = None
+    # The ``torch.distributed`` backend a tensor-parallel group of this backend's ranks joins
+    # (realexec/tp_executor.py): gloo between processes on the host, the device's collective library.
+    process_group: ClassVar[str] = "gloo"
 
     def new_graph_pool(self) -> Any:
         """A new memory pool for one executor's graphs (``realexec.graphs.StepGraphs`` makes one).
@@ -165,6 +168,15 @@ class KernelBackend(ABC):
     def new_graph(self, pool: Any) -> Any:
         """An empty ``realexec.graphs.StepGraph`` to capture one step's forward pass in, in ``pool``."""
         raise NotImplementedError(f"the {self.name} backend captures no graphs")
+
+    def device_count(self) -> int | None:
+        """Devices this backend sees, each a tensor-parallel rank's; None where ranks are processes sharing one (cpu)."""
+        return None
+
+    def make_current(self) -> None:
+        """Make this backend's device the process's current one, which a collective library binds its communicator to
+        (nothing to do where ranks share the host)."""
+        return None
 
     def host_time(self) -> float:
         """Seconds on the clock host overhead (building inputs, Python) is timed with."""

@@ -65,6 +65,7 @@ class CudaStepGraph:
 class CudaBackend(TorchBackend):
     name = "cuda"
     supports_graphs = True
+    process_group = "nccl"
 
     def __init__(self, device: str | None = None, paged_kernel: str = "auto") -> None:
         """``paged_kernel``: "auto" (FlashInfer if importable, else Triton), "flashinfer" (required), "triton" or "torch"."""
@@ -170,6 +171,12 @@ class CudaBackend(TorchBackend):
             kv_data_type=key_cache.dtype,
         )
         self._planned_for = (weakref.ref(meta), problem)
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def make_current(self) -> None:
+        torch.cuda.set_device(self.device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

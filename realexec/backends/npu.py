@@ -126,6 +126,7 @@ class NpuBackend(KernelBackend):
     attention_dtypes = NPU_COMPUTE_DTYPES  # FIA/PA queries: float16, bfloat16 (or int8, not used)
     supports_graphs = True  # ACLGraph (npu_graphs.py)
     graph_pad_slot = -1  # vLLM's PAD_SLOT_ID: the scatter skips it (a repeated real slot is undefined)
+    process_group = "hccl"  # registered with torch.distributed by torch_npu's import
 
     def __init__(self, device: str | None = None, torch_npu_module: Any = None) -> None:
         self.torch_npu = torch_npu_module if torch_npu_module is not None else import_torch_npu()
@@ -513,6 +514,12 @@ class NpuBackend(KernelBackend):
 
     def swap(self, src_caches: KVCaches, dst_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:
         swap_blocks(src_caches, dst_caches, pairs, non_blocking=True)
+
+    def device_count(self) -> int:
+        return int(self.torch_npu.npu.device_count())
+
+    def make_current(self) -> None:
+        self.torch_npu.npu.set_device(self.device)
 
     def synchronize(self) -> None:
         self.torch_npu.npu.synchronize(self.device)

@@ -61,27 +61,27 @@ REAL_DEFAULTS = RunConfig(
 
 
 def open_backend(name: str, enforce_eager: bool = False, tensor_parallel_size: int = 1, pair: bool = False) -> KernelBackend:
-    """The backend by name (a tensor-parallel rank's, on the wall clock, for TP > 1); one that cannot
-    run here, or cannot run a P/D ``pair``, is the user's choice to change (exit 2, its reason)."""
+    """The backend by name (for TP > 1 rank 0's, realexec/tp_executor.py); one that cannot run here, or
+    cannot run a P/D ``pair`` or a group of this size, is the user's choice to change (exit 2, its reason)."""
     if pair and name not in PAIR_BACKENDS:
         raise UserError(f"--backend {name}: the real P/D pair runs on the {', '.join(PAIR_BACKENDS)} backend (two processes "
                         "on one host); on an accelerator it is not built")
     try:
         if tensor_parallel_size > 1:
-            return tensor_parallel_backend(name)
+            return tensor_parallel_backend(name, tensor_parallel_size)
         return get_backend(name, enforce_eager=enforce_eager)
     except (BackendUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
 
 
 def require_executor_setup(config: RunConfig) -> None:
-    """What the real executor runs: one device or a tensor-parallel group on the cpu backend (its experts
-    split over the TP ranks with --enable-expert-parallel), vLLM V1's synchronous steps. Pipeline and
+    """What the real executor runs: one device or a tensor-parallel group (its experts split over the TP
+    ranks with --enable-expert-parallel), vLLM V1's synchronous steps. Pipeline and
     data parallelism, async scheduling, the V0 engine, the benchmark client and KV tiers are the
     simulator's alone for now."""
     if config.pipeline_parallel_size > 1 or config.data_parallel_size > 1:
         raise UserError("--pipeline-parallel-size, --data-parallel-size: the real executor runs one device or a "
-                        "tensor-parallel group (--tensor-parallel-size, cpu backend); these layouts are simulated only "
+                        "tensor-parallel group (--tensor-parallel-size); these layouts are simulated only "
                         "(kvsim simulate, sweep, capacity, memory)")
     if config.enable_expert_parallel and config.tensor_parallel_size < 2:
         raise UserError("--enable-expert-parallel: the real executor spreads experts over its tensor-parallel ranks; "
