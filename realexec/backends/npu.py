@@ -127,6 +127,7 @@ class NpuBackend(KernelBackend):
     supports_graphs = True  # ACLGraph (npu_graphs.py)
     graph_pad_slot = -1  # vLLM's PAD_SLOT_ID: the scatter skips it (a repeated real slot is undefined)
     process_group = "hccl"  # registered with torch.distributed by torch_npu's import
+    supports_expert_parallel = False  # the all-gather MoE chain runs every expert (``moe_experts``)
 
     def __init__(self, device: str | None = None, torch_npu_module: Any = None) -> None:
         self.torch_npu = torch_npu_module if torch_npu_module is not None else import_torch_npu()
