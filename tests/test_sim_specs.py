@@ -92,6 +92,15 @@ def test_bundled_devices_load_with_sane_figures() -> None:
     assert load_device("h200").hbm_bandwidth > load_device("h100-sxm").hbm_bandwidth
 
 
+def test_the_h200_carries_the_h100s_fitted_host_and_server_times() -> None:
+    """h200.toml says its host and API-server times are the H100's fitted ones (same software and host, no H200 row
+    fits them): a refit of the H100 must be copied across, or the H200 answers with stale values."""
+    h100, h200 = load_device("h100-sxm"), load_device("h200")
+    for field in ("request_s", "admit_s", "stream_s"):
+        assert getattr(h200.engine, field) == getattr(h100.engine, field), field
+    assert h200.operators["host_step"].call_s == h100.operators["host_step"].call_s
+
+
 CONFIDENCE_WORDS = ("high", "medium", "low", "estimate", "fitted")
 
 
