@@ -91,12 +91,13 @@ def rank_model_file(model: str, layout: ParallelLayout) -> str:
     rank's experts receive a share of a token's k expert copies (``ExpertRouting.busiest_rank``, as the cost model
     prices them: k / EP under uniform routing), so the file's top-k is that (at least 1), not the rank model's
     min(k, local experts): profiled at top-2 of its 4 experts, small-moe's EP2 rank ran twice the expert work its
-    group's ranks do, and its profile put the difference on the wrong operators."""
+    group's ranks do, and its profile put the difference on the wrong operators. Its router scores its own experts
+    alone: a model on one device whose router scored all E would keep only the pairs of its first E / EP experts."""
     full = load_model(model)
     spec = rank_model(full, layout)
     if spec.is_moe and layout.enable_expert_parallel:
         copies = rank_routing(full, layout).busiest_rank(1.0)[0]
-        spec = replace(spec, num_experts_per_tok=max(1, round(float(copies))))
+        spec = replace(spec, num_experts_per_tok=max(1, round(float(copies))), router_experts=0)
     digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
     suffix = f"tp{layout.tensor_parallel_size}{'-ep' if layout.enable_expert_parallel else ''}"
     path = cache_dir().parent / "models" / f"{Path(model).stem}-{suffix}-{digest}.toml"

@@ -236,9 +236,6 @@ def shard_weights(spec: ModelSpec, weights: Iterator[tuple[str, torch.Tensor]], 
                 continue  # another rank's expert
             if expert:
                 name = f"{expert[1]}{int(expert[2]) - first}{expert[3]}"
-            elif name.endswith("mlp.gate.weight"):  # the router scores every expert on every rank
-                out[name] = full
-                continue
         part = shard(spec, name, full, group)
         if tuple(part.shape) != expected[name]:
             raise ValueError(f"tensor-parallel shard of {name!r}: shape {tuple(part.shape)}, the rank's model "

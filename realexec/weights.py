@@ -48,7 +48,7 @@ def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes.update(_attention_shapes(spec, p + "self_attn."))
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if spec.is_moe and i >= spec.dense_layers:
-            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            shapes[p + "mlp.gate.weight"] = (spec.scored_experts, h)
             for e in range(spec.num_experts):
                 shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", spec.moe_intermediate_size, h))
             shapes.update(_mlp_shapes(p + "mlp.shared_experts.", spec.shared_expert_intermediate_size, h))

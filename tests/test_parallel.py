@@ -65,6 +65,18 @@ def test_mla_latent_is_not_split_by_tp_and_ep_spreads_whole_experts() -> None:
     assert rank.weight_bytes() == pytest.approx(ds.weight_bytes() / 16, rel=0.12)  # attention is TP8-split, not 16
 
 
+def test_an_expert_parallel_rank_holds_the_whole_router_and_scores_every_expert() -> None:
+    """vLLM's FusedMoE with an expert map: a rank runs its E / EP experts' pairs, but its router (replicated) scores
+    all E for every token, so the router's weights and its GEMM are the whole model's on every rank."""
+    full = load_model("qwen3-30b-a3b")
+    rank = rank_model(full, ParallelLayout(4, enable_expert_parallel=True))
+    assert rank.num_experts == full.num_experts // 4 and rank.scored_experts == full.num_experts
+    assert rank.param_counts().router == full.param_counts().router
+    moe_linears = rank.per_token_linears()[-1][1]
+    assert (full.num_experts, full.hidden_size) in moe_linears
+    assert rank_model(full, ParallelLayout(4)).scored_experts == full.num_experts  # TP alone keeps every expert
+
+
 @pytest.mark.parametrize(
     ("model", "layout", "named"),
     [

@@ -211,8 +211,10 @@ def test_a_ranks_model_file_reads_back_as_the_rank_model(tmp_path, monkeypatch, 
     layout = ParallelLayout(tensor_parallel_size=2, enable_expert_parallel=ep)
     path = rank_model_file(model, layout)
     rank = rank_model(load_model(model), layout)
-    if ep:  # a rank's experts see k / EP of a token's expert copies: the profiled top-k
-        assert load_model(path) == replace(rank, num_experts_per_tok=load_model(model).num_experts_per_tok // 2)
+    if ep:  # a rank's experts see k / EP of a token's expert copies, the profiled top-k, routed over its own experts
+        assert rank.scored_experts == load_model(model).num_experts
+        assert load_model(path) == replace(rank, num_experts_per_tok=load_model(model).num_experts_per_tok // 2,
+                                           router_experts=0)
     else:
         assert load_model(path) == rank
     assert f"{model}-tp2{'-ep' if ep else ''}-" in path and rank_model_file(model, layout) == path

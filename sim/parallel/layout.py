@@ -118,9 +118,10 @@ def rank_model(model: ModelSpec, layout: ParallelLayout) -> ModelSpec:
         "logits_vocab_size": model.vocab_size,  # the LM head is split, its logits gathered on every rank (vLLM V1)
         "intermediate_size": model.intermediate_size // tp,
     }
-    if model.is_moe and layout.enable_expert_parallel:  # whole experts, E / ep of them (the routing is priced apart)
-        experts = model.num_experts // ep
-        changes.update(num_experts=experts, num_experts_per_tok=min(model.num_experts_per_tok, experts))
+    if model.is_moe and layout.enable_expert_parallel:  # whole experts, E / ep of them (the routing is priced apart),
+        experts = model.num_experts // ep  # and the whole router: every rank scores every expert
+        changes.update(num_experts=experts, num_experts_per_tok=min(model.num_experts_per_tok, experts),
+                       router_experts=model.num_experts)
     elif model.is_moe:  # every expert, its columns split by TP
         changes.update(moe_intermediate_size=model.moe_intermediate_size // tp)
     if model.is_moe:

@@ -278,8 +278,8 @@ class CostModel:
         copies = float(self.routing.busiest_rank(1.0)[0]) if m.is_moe else 0.0
         mlp_width = dense_layers * m.intermediate_size + moe_layers * (
             copies * m.moe_intermediate_size + m.shared_expert_intermediate_size)
-        self._elem_moved = L * (8 * h + (2 + 2 * k) * g) + 3 * mlp_width + 2 * moe_layers * m.num_experts + 6 * h
-        self._elem_flops = L * (8 * h + (3 + 4 * k) * g) + 5 * mlp_width + 5 * moe_layers * m.num_experts + 10 * h
+        self._elem_moved = L * (8 * h + (2 + 2 * k) * g) + 3 * mlp_width + 2 * moe_layers * m.scored_experts + 6 * h
+        self._elem_flops = L * (8 * h + (3 + 4 * k) * g) + 5 * mlp_width + 5 * moe_layers * m.scored_experts + 10 * h
         if m.quantization:  # W8A8: every quantised linear's input is read in the activation dtype, written in int8
             inputs = sum(n * i for n, linears in per_layer[:2] for _, i in linears) + moe_layers * (
                 sum(i for _, i in m.mlp_linears(m.shared_expert_intermediate_size, h)) + h

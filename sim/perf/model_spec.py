@@ -97,6 +97,9 @@ class ModelSpec:
     # The vocabulary the sampler's logits span when it differs from vocab_size: a tensor-parallel
     # rank holds vocab_size / tp of the LM head but gathers every logit (vLLM V1). 0: vocab_size.
     logits_vocab_size: int = 0
+    # The experts the router scores when it differs from num_experts: an expert-parallel rank holds
+    # E / ep experts but scores all E (vLLM's FusedMoE with an expert map). 0: num_experts.
+    router_experts: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -186,6 +189,11 @@ class ModelSpec:
         return self.logits_vocab_size or self.vocab_size
 
     @property
+    def scored_experts(self) -> int:
+        """The router's columns: every expert of the model, also on a rank that holds some of them."""
+        return self.router_experts or self.num_experts
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -230,7 +238,7 @@ class ModelSpec:
         dense MLP in dense layers, the shared experts and router in MoE layers; the routed experts and
         MLA's kv_b_proj left out (the cost model prices those by what a step touches)."""
         h = self.hidden_size
-        router = [(self.num_experts, h)] if self.is_moe else []
+        router = [(self.scored_experts, h)] if self.is_moe else []
         return [(self.num_layers, self.attention_linears()),
                 (self.num_dense_mlp_layers, self.mlp_linears(self.intermediate_size, h)),
                 (self.num_moe_layers, self.mlp_linears(self.shared_expert_intermediate_size, h) + router)]
@@ -259,7 +267,7 @@ class ModelSpec:
             shared_experts=moe_layers * 3 * h * self.shared_expert_intermediate_size,
             routed_experts=moe_layers * self.num_experts * self.expert_params(),
             active_routed_experts=moe_layers * self.num_experts_per_tok * self.expert_params(),
-            router=moe_layers * self.num_experts * h,
+            router=moe_layers * self.scored_experts * h,
             norms=L * layer_norms + h,
         )
 
