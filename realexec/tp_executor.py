@@ -64,12 +64,17 @@ def rank_backend(name: str, rank: int) -> KernelBackend:
     return backend_class(name)(f"{name}:{rank}")
 
 
-def require_devices(backend: KernelBackend, size: int, expert_parallel: bool = False) -> None:
-    """A group of ``size`` ranks needs as many devices where a rank takes one, and experts split over them a
-    backend that runs a rank's share (``ValueError`` naming the flag)."""
-    if backend.name not in BACKENDS:
+def require_backend(name: str) -> None:
+    """A backend tensor-parallel ranks are built for (``ValueError`` naming the flag)."""
+    if name not in BACKENDS:
         raise ValueError(f"--tensor-parallel-size: the real executor runs tensor parallelism on the "
-                         f"{', '.join(BACKENDS)} backends, not {backend.name}")
+                         f"{', '.join(BACKENDS)} backends, not {name}")
+
+
+def require_devices(backend: KernelBackend, size: int, expert_parallel: bool = False) -> None:
+    """A group of ``size`` ranks needs a backend they are built for, as many devices where a rank takes one, and
+    for experts split over them a backend that runs a rank's share (``ValueError`` naming the flag)."""
+    require_backend(backend.name)
     if expert_parallel and not backend.supports_expert_parallel:
         raise ValueError(f"--enable-expert-parallel: the {backend.name} backend's MoE layers run every expert on each "
                          "rank; expert parallelism in the real executor runs on the cpu and cuda backends")
@@ -81,9 +86,7 @@ def require_devices(backend: KernelBackend, size: int, expert_parallel: bool = F
 
 def tensor_parallel_backend(name: str, size: int = 2, expert_parallel: bool = False) -> KernelBackend:
     """Rank 0's backend of a group of ``size`` ranks on the named backend (module docstring)."""
-    if name not in BACKENDS:
-        raise ValueError(f"--tensor-parallel-size: the real executor runs tensor parallelism on the "
-                         f"{', '.join(BACKENDS)} backends, not {name}")
+    require_backend(name)
     backend = rank_backend(name, 0)
     require_devices(backend, size, expert_parallel)
     return backend
