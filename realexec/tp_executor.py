@@ -71,24 +71,21 @@ def require_backend(name: str) -> None:
                          f"{', '.join(BACKENDS)} backends, not {name}")
 
 
-def require_devices(backend: KernelBackend, size: int, expert_parallel: bool = False) -> None:
-    """A group of ``size`` ranks needs a backend they are built for, as many devices where a rank takes one, and
-    for experts split over them a backend that runs a rank's share (``ValueError`` naming the flag)."""
+def require_devices(backend: KernelBackend, size: int) -> None:
+    """A group of ``size`` ranks needs a backend they are built for, and as many devices where a rank takes one
+    (``ValueError`` naming the flag)."""
     require_backend(backend.name)
-    if expert_parallel and not backend.supports_expert_parallel:
-        raise ValueError(f"--enable-expert-parallel: the {backend.name} backend's MoE layers run every expert on each "
-                         "rank; expert parallelism in the real executor runs on the cpu and cuda backends")
     count = backend.device_count()
     if count is not None and count < size:
         raise ValueError(f"--tensor-parallel-size {size}: the {backend.name} backend sees {count} device"
                          f"{'' if count == 1 else 's'}, and each rank takes one")
 
 
-def tensor_parallel_backend(name: str, size: int = 2, expert_parallel: bool = False) -> KernelBackend:
+def tensor_parallel_backend(name: str, size: int = 2) -> KernelBackend:
     """Rank 0's backend of a group of ``size`` ranks on the named backend (module docstring)."""
     require_backend(name)
     backend = rank_backend(name, 0)
-    require_devices(backend, size, expert_parallel)
+    require_devices(backend, size)
     return backend
 
 
@@ -130,7 +127,7 @@ class TensorParallelExecutor(Executor):
                  worker_backend: Callable[[int], KernelBackend] | None = None) -> None:
         if size < 2:
             raise ValueError(f"a tensor-parallel group needs at least 2 ranks, not {size}")
-        require_devices(backend, size, expert_parallel)
+        require_devices(backend, size)
         args = dict(num_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, seed=seed,
                     weights_path=weights_path, kv_dtype=kv_dtype, check=check, keep_plans=keep_plans,
                     timing_repeats=backend.timing_repeats if timing_repeats is None else timing_repeats)

@@ -50,13 +50,13 @@ def pressure_trace():
     return replace(base, n_samples=np.asarray([2 if i % 4 == 1 else 1 for i in range(len(base))], dtype=np.int64))
 
 
-def run_paged(backend, mode: str, block_size: int, kv_dtype: str | None = None, make_executor=Executor):
+def run_paged(backend, mode: str, block_size: int, kv_dtype: str | None = None, make_executor=Executor, spec=SPEC):
     trace = pressure_trace()
     config = EngineConfig(num_blocks=40 if block_size == 16 else 6, block_size=block_size, num_host_blocks=64,
                           max_model_len=512, max_num_batched_tokens=48, max_num_seqs=8, scheduler="fcfs",
                           block_manager="prefix", preemption_mode=mode, batch_blocks_within_pool=backend.name == "npu")
     engine = EngineCore(config)
-    executor = make_executor(SPEC, backend, num_blocks=config.num_blocks, block_size=block_size,
+    executor = make_executor(spec, backend, num_blocks=config.num_blocks, block_size=block_size,
                              num_host_blocks=config.num_host_blocks, seed=5, kv_dtype=kv_dtype, check=True,
                              timing_repeats=1)  # the tokens are checked, not the times
     simulate(trace, engine, executor, SimOptions(check=True))
@@ -74,13 +74,14 @@ BF16_LOGIT_SLACK = 0.05
 def assert_matches_dense(engine, executor, logit_slack: float = 0.0, model=None):
     """Every request finished, each generated token greedy (within ``logit_slack``) under a dense, cache-free pass
     of ``model`` (the executor's own by default; a tensor-parallel rank's holds a shard)."""
+    model = model or executor.model
     for request in engine.requests.values():
         assert request.status is Status.FINISHED, request.request_id
         root = request.parent or request
-        prompt = prompt_tokens(root, SPEC.vocab_size, seed=5)
+        prompt = prompt_tokens(root, model.spec.vocab_size, seed=5)
         generated = executor.tokens(request.request_id)
         assert len(generated) == request.output_tokens, request.request_id
-        gaps = greedy_gaps(model or executor.model, prompt, generated, executor.kv_dtype)
+        gaps = greedy_gaps(model, prompt, generated, executor.kv_dtype)
         assert max(gaps) <= logit_slack, (request.request_id, gaps)
 
 
@@ -119,16 +120,20 @@ def test_npu_backend_through_the_standin_equals_dense_run(mode):
     assert_matches_dense(engine, executor, BF16_LOGIT_SLACK)
 
 
-def test_an_npu_tensor_parallel_group_through_the_standin_equals_dense_run():
+@pytest.mark.parametrize("model, expert_parallel", [("tiny", False), ("small-moe", True)])
+def test_an_npu_tensor_parallel_group_through_the_standin_equals_dense_run(model: str, expert_parallel: bool):
     """Two npu ranks in two processes, joined by "hccl" (the stand-in's is gloo on the host), each making its device
-    current and holding half the KV heads, run the paged pressure trace through the documented kernel calls; every
-    token is the whole model's greedy choice. Preemption by swap moves both ranks' blocks."""
-    group = partial(TensorParallelExecutor, size=2, worker_backend=standin_npu_rank)
-    _, engine, executor = run_paged(standin_npu_rank(0), "swap", block_size=128, kv_dtype="bf16", make_executor=group)
+    current and holding half the KV heads (and with expert parallelism half the experts, through vllm-ascend's
+    expert-map chain), run the paged pressure trace through the documented kernel calls; every token is the whole
+    model's greedy choice. Preemption by swap moves both ranks' blocks."""
+    spec = load_model(model)
+    group = partial(TensorParallelExecutor, size=2, worker_backend=standin_npu_rank, expert_parallel=expert_parallel)
+    _, engine, executor = run_paged(standin_npu_rank(0), "swap", block_size=128, kv_dtype="bf16", make_executor=group,
+                                    spec=spec)
     try:
-        assert dist.get_backend() == "hccl" and executor.kv_caches[0][0].shape[2] == SPEC.num_kv_heads // 2
+        assert dist.get_backend() == "hccl" and executor.kv_caches[0][0].shape[2] == spec.num_kv_heads // 2
         assert engine.counters.swap_preemptions > 0
-        assert_matches_dense(engine, executor, BF16_LOGIT_SLACK, model=DecoderModel.build(SPEC, seed=5))
+        assert_matches_dense(engine, executor, BF16_LOGIT_SLACK, model=DecoderModel.build(spec, seed=5))
         timed = executor.time_collectives([("all_reduce", 4096), ("all_gather", 8192)], 3)  # on the devices' events
         assert [t.kind for t in timed] == ["all_reduce", "all_gather"] and all(t.median_s > 0 for t in timed)
     finally:

@@ -381,7 +381,7 @@ VIOLATIONS: list[tuple[str, Callable[[], Call]]] = [
     ("swiglu.dtype", lambda: swiglu(x=torch.ones(4, 64, dtype=torch.int32))),
     ("swiglu.halves", lambda: swiglu(x=_bf16(4, 63))),
     ("unpermute.tokens", _with(unpermute, lambda a: a | {"permuted_tokens": a["permuted_tokens"].half()})),
-    ("unpermute.indices", lambda: unpermute(sorted_indices=torch.zeros(10, dtype=torch.int32))),  # not a permutation
+    ("unpermute.indices", lambda: unpermute(sorted_indices=torch.full((10,), 10, dtype=torch.int32))),  # past the rows
     ("unpermute.indices", _with(unpermute, lambda a: a | {"sorted_indices": a["sorted_indices"][:9]})),
     ("unpermute.probs", _with(unpermute, lambda a: a | {"probs": a["probs"].float()})),
     ("unpermute.probs", lambda: unpermute(probs=_bf16(5, 3))),
@@ -575,6 +575,20 @@ def test_moe_ops_compute_the_routed_experts() -> None:
     expected = ((torch.nn.functional.silu(gate) * up)[:, :, None, :] @ w2[ids.long()]).squeeze(2)
     expected = (expected * weights[..., None]).sum(1)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=1e-2 * float(expected.abs().max()))  # bf16 tokens
+
+
+def test_routing_over_an_expert_range_routes_those_experts_pairs_alone() -> None:
+    """An expert-parallel rank's call: the range's pairs first, by expert; the others' gather index -1 and their rows
+    undefined (NaN here, so a caller that reads them shows it); counts of the range's experts alone."""
+    x = _bf16(5, HID)
+    rows, row_idx, counts, _ = routing(x=x, active_expert_range=[1, 3]).run()
+    flat = IDS.flatten().long()
+    mine = ((flat >= 1) & (flat < 3)).nonzero().flatten()
+    assert counts.tolist() == [int((flat == 1).sum()), int((flat == 2).sum())]
+    assert bool((row_idx[(flat < 1) | (flat >= 3)] == -1).all()) and sorted(row_idx[mine].tolist()) == list(range(len(mine)))
+    for pair in mine.tolist():
+        assert torch.equal(rows[int(row_idx[pair])], x[pair // TOP_K])
+    assert bool(rows[len(mine):].isnan().all())
 
 
 def test_fia_v2_mla_decode_computes_latent_attention() -> None:

@@ -169,6 +169,27 @@ def test_npu_moe_runs_vllm_ascends_ops_and_matches_the_portable_experts(npu) -> 
     torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-2 * float(expected.abs().max()))
 
 
+def test_an_expert_parallel_npu_rank_runs_its_experts_pairs_and_the_ranks_add_up_to_the_layer(npu) -> None:
+    """vllm-ascend's all-gather chain with an expert map: each half of the experts on its own rank (the other pairs at
+    weight 0, ``active_expert_range`` its experts); each rank's part is the portable path's, and the parts add up."""
+    backend, standin = npu
+    model = DecoderModel.build(dataclasses.replace(MOE, weight_dtype="bf16", kv_dtype="bf16"), seed=SEED)
+    moe = model.layers[1].moe
+    hidden = torch.randn(6, MOE.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
+    logits = hidden @ moe.router.T
+    half = MOE.num_experts // 2
+    parts = []
+    for first in (0, half):
+        rank = dataclasses.replace(moe, w13=moe.w13[first : first + half], w2=moe.w2[first : first + half], first_expert=first)
+        standin.calls.clear()
+        parts.append(backend.moe_experts(hidden, logits, rank, 2).float())
+        assert standin.calls == NPU_MOE_OPS
+        expected = routed_experts(hidden, logits, rank, 2).float()
+        torch.testing.assert_close(parts[-1], expected, rtol=0, atol=2e-2 * float(expected.abs().max()))
+    whole = routed_experts(hidden, logits, moe, 2).float()
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=4e-2 * float(whole.abs().max()))
+
+
 def _mla_step(backend, latent: int, rope: int, heads: int = 3, nope: int = 32, v: int = 32):
     """Caches holding random latents for a mixed step (two decodes, a chunk over a cached prefix), and its query."""
     gen = torch.Generator().manual_seed(6)

@@ -170,15 +170,11 @@ def test_an_unknown_transport_is_named_before_any_process_starts(monkeypatch) ->
 
 
 def test_a_group_takes_one_device_a_rank_and_a_backend_without_collectives_none() -> None:
-    """Refused before any process starts: more ranks than the backend sees devices, experts split on a backend that
-    runs them all, a backend no group is built on."""
+    """Refused before any process starts: more ranks than the backend sees devices, a backend no group is built on."""
     from torch_npu_standin import standin_npu_rank
 
     with pytest.raises(ValueError, match="--tensor-parallel-size 3: the npu backend sees 2 devices, and each rank takes one"):
         TensorParallelExecutor(TINY, standin_npu_rank(0), 3, num_blocks=4, block_size=128)
-    with pytest.raises(ValueError, match="--enable-expert-parallel: the npu backend's MoE layers run every expert"):
-        TensorParallelExecutor(load_model("small-moe"), standin_npu_rank(0), 2, num_blocks=4, block_size=128,
-                               expert_parallel=True)
     with pytest.raises(ValueError, match="cpu, cuda, npu backends, not tpu"):
         tensor_parallel_backend("tpu")
     with pytest.raises(ValueError, match="cpu, cuda, npu backends, not tpu"):

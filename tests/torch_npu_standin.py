@@ -1321,7 +1321,11 @@ class _Ops:
         active_expert_range: Sequence[int] = (),
         row_idx_type: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows sorted by expert (stable), each row's position among them (gather index), tokens per expert (count)."""
+        """Rows sorted by expert (stable), each row's position among them (gather index), tokens per expert (count).
+
+        With ``active_expert_range`` [start, end) short of every expert, only the pairs of those experts are routed:
+        they fill the first rows of ``expanded_x`` (the rest NaN: "其余由row_idx_type决定", nothing said for
+        the gather type), the other pairs' gather index is -1, and the counts are those of experts start..end-1."""
         self.calls.append(ROUTING)
         _require(x.dim() == 2 and x.dtype in (*HALF_TYPES, torch.float32, torch.int8), "routing.x", f"x {tuple(x.shape)} {x.dtype}")
         _require(0 < expert_num <= 10240, "routing.expert_num", f"expert_num={expert_num}")
@@ -1343,14 +1347,17 @@ class _Ops:
         rows = expert_idx.numel()
         if expert_tokens_num_type != 1 or quant_mode != -1 or row_idx_type != 0 or scale is not None or offset is not None:
             raise NotModelled("init routing v2 is modelled in count mode, unquantised, with gather row indices")
-        if list(active_expert_range) != [0, expert_num] or active_num not in (-1, 0, rows):
-            raise NotModelled("init routing v2 is modelled with every expert and every row active")
+        if active_num not in (-1, 0, rows):
+            raise NotModelled("init routing v2 is modelled with every row active")
+        start, end = active_expert_range
         flat = expert_idx.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        expanded_row_idx = torch.empty(rows, dtype=torch.int32, device=x.device)
-        expanded_row_idx[order] = torch.arange(rows, dtype=torch.int32, device=x.device)
-        counts = torch.bincount(flat, minlength=expert_num).to(torch.int64)
-        expanded_x = x.index_select(0, order // expert_idx.shape[1])
+        active = (flat >= start) & (flat < end)
+        order = torch.argsort(torch.where(active, flat, end), stable=True)[: int(active.sum())]
+        expanded_row_idx = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+        expanded_row_idx[order] = torch.arange(len(order), dtype=torch.int32, device=x.device)
+        counts = torch.bincount(flat[active] - start, minlength=end - start).to(torch.int64)
+        expanded_x = x.new_full((rows, x.shape[1]), float("nan") if x.is_floating_point() else 0)
+        expanded_x[: len(order)] = x.index_select(0, order // expert_idx.shape[1])
         return expanded_x, expanded_row_idx, counts, torch.zeros(rows, dtype=torch.float32, device=x.device)
 
     def npu_grouped_matmul(
@@ -1430,9 +1437,9 @@ class _Ops:
         rows = permuted_tokens.shape[0]
         _require(
             sorted_indices.dim() == 1 and len(sorted_indices) == rows and sorted_indices.dtype in (torch.int32, torch.int64)
-            and torch.equal(torch.sort(sorted_indices.long()).values, torch.arange(rows, device=sorted_indices.device)),
+            and bool(((sorted_indices >= 0) & (sorted_indices < rows)).all()),
             "unpermute.indices",
-            f"sorted_indices {tuple(sorted_indices.shape)} {sorted_indices.dtype} for {rows} permuted rows (a permutation)",
+            f"sorted_indices {tuple(sorted_indices.shape)} {sorted_indices.dtype} for {rows} permuted rows (rows of it)",
         )
         if probs is None:
             raise NotModelled("npu_moe_token_unpermute without probs is not modelled")

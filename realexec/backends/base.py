@@ -154,8 +154,6 @@ class KernelBackend(ABC):
     # The ``torch.distributed`` backend a tensor-parallel group of this backend's ranks joins
     # (realexec/tp_executor.py): gloo between processes on the host, the device's collective library.
     process_group: ClassVar[str] = "gloo"
-    # Whether its MoE layers run a rank's share of the experts (--enable-expert-parallel over TP ranks).
-    supports_expert_parallel: ClassVar[bool] = True
 
     def new_graph_pool(self) -> Any:
         """A new memory pool for one executor's graphs (``realexec.graphs.StepGraphs`` makes one).

@@ -127,7 +127,6 @@ class NpuBackend(KernelBackend):
     supports_graphs = True  # ACLGraph (npu_graphs.py)
     graph_pad_slot = -1  # vLLM's PAD_SLOT_ID: the scatter skips it (a repeated real slot is undefined)
     process_group = "hccl"  # registered with torch.distributed by torch_npu's import
-    supports_expert_parallel = False  # the all-gather MoE chain runs every expert (``moe_experts``)
 
     def __init__(self, device: str | None = None, torch_npu_module: Any = None) -> None:
         self.torch_npu = torch_npu_module if torch_npu_module is not None else import_torch_npu()
@@ -376,28 +375,47 @@ class NpuBackend(KernelBackend):
         - ``npu_moe_token_unpermute(permuted_tokens=, sorted_indices=abs(expanded_row_idx), probs=topk_weights)``
           (token_dispatcher.py token_combine, device_op.py). Its documentation takes bfloat16 tokens and
           probabilities only, so an fp16 model's rows are combined in bfloat16.
+
+        An expert-parallel rank (``w13`` holds E / EP experts from ``moe.first_expert``) runs the same chain as
+        vllm-ascend's all-gather dispatcher with an expert map: the other ranks' pairs get weight 0
+        (``topk_weights * mask``) and ``active_expert_range`` keeps the rank's own, which come first in the
+        routed rows, with -1 as the others' row index. The grouped matmuls take exactly those rows: their
+        documentation has the counts sum to x's rows (vllm-ascend passes every row). The rows after them, whose
+        content the routing documentation leaves undefined, are zeros for the unpermute, where the others'
+        pairs point (``abs(-1)``) at weight 0. That count is read on the host, so these steps do not go into
+        a graph (tensor-parallel ranks run eagerly, realexec/tp_executor.py).
         """
-        if moe.w13.shape[0] != router_logits.shape[1]:
-            raise ValueError("the npu backend runs every expert on one device; expert parallelism (an expert map "
-                             "over HCCL ranks) is not built for it")
         tnpu, num_tokens = self.torch_npu, hidden.shape[0]
         w13, w2 = self._grouped_weights(moe)
-        num_experts = w13.shape[0]
+        num_experts, here, first = router_logits.shape[1], w13.shape[0], moe.first_expert
         weights, ids, _ = tnpu.npu_moe_gating_top_k_softmax(router_logits.contiguous(), k=top_k)
         weights = weights / weights.sum(dim=-1, keepdim=True)
+        if here < num_experts:  # expert parallel: this rank's pairs alone
+            weights = weights * ((ids >= first) & (ids < first + here))
         rows, expanded_row_idx, counts, _ = tnpu.npu_moe_init_routing_v2(
             hidden.contiguous(), ids, active_num=num_tokens * top_k, expert_num=num_experts, expert_tokens_num_type=1,
-            expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1,
+            expert_tokens_num_flag=True, active_expert_range=[first, first + here], quant_mode=-1,
         )
         counts = counts.to(torch.int64)
-        gate_up = tnpu.npu_grouped_matmul(x=[rows], weight=[w13], split_item=2, group_list_type=1, group_type=0,
-                                          group_list=counts)[0]
-        down = tnpu.npu_grouped_matmul(x=[tnpu.npu_swiglu(gate_up)], weight=[w2], split_item=2, group_list_type=1,
-                                       group_type=0, group_list=counts)[0]
+        if here == num_experts:
+            down = self._expert_mlps(rows, counts, w13, w2)
+        else:
+            mine = int(counts.sum())
+            down = rows.new_zeros(rows.shape[0], w2.shape[2])
+            if mine:
+                down[:mine] = self._expert_mlps(rows[:mine], counts, w13, w2)
         combined = tnpu.npu_moe_token_unpermute(permuted_tokens=down.to(torch.bfloat16),
                                                 sorted_indices=torch.abs(expanded_row_idx),
                                                 probs=weights.to(torch.bfloat16))
         return combined.to(hidden.dtype)
+
+    def _expert_mlps(self, rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Each expert's rows (``counts`` of them, in order) through its gate/up matmul, SwiGLU and down matmul."""
+        tnpu = self.torch_npu
+        gate_up = tnpu.npu_grouped_matmul(x=[rows], weight=[w13], split_item=2, group_list_type=1, group_type=0,
+                                          group_list=counts)[0]
+        return tnpu.npu_grouped_matmul(x=[tnpu.npu_swiglu(gate_up)], weight=[w2], split_item=2, group_list_type=1,
+                                       group_type=0, group_list=counts)[0]
 
     def _grouped_weights(self, moe: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's expert weights as grouped matmul takes them, [E, in, out], transposed once per layer."""

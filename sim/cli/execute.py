@@ -60,8 +60,7 @@ REAL_DEFAULTS = RunConfig(
 )
 
 
-def open_backend(name: str, enforce_eager: bool = False, tensor_parallel_size: int = 1, pair: bool = False,
-                 expert_parallel: bool = False) -> KernelBackend:
+def open_backend(name: str, enforce_eager: bool = False, tensor_parallel_size: int = 1, pair: bool = False) -> KernelBackend:
     """The backend by name (for TP > 1 rank 0's, realexec/tp_executor.py); one that cannot run here, or
     cannot run a P/D ``pair`` or a group of this size, is the user's choice to change (exit 2, its reason)."""
     if pair and name not in PAIR_BACKENDS:
@@ -69,7 +68,7 @@ def open_backend(name: str, enforce_eager: bool = False, tensor_parallel_size: i
                         "on one host); on an accelerator it is not built")
     try:
         if tensor_parallel_size > 1:
-            return tensor_parallel_backend(name, tensor_parallel_size, expert_parallel)
+            return tensor_parallel_backend(name, tensor_parallel_size)
         return get_backend(name, enforce_eager=enforce_eager)
     except (BackendUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
@@ -204,8 +203,7 @@ def execute(backend: str, weights: Path | None, check: bool, out_dir: Path, quie
         trace = load_run_trace(config)
         if config.disaggregated and weights is not None:
             raise UserError("--weights: the real P/D pair runs seeded random weights")
-        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size, config.disaggregated,
-                               config.enable_expert_parallel)
+        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size, config.disaggregated)
     try:
         if config.disaggregated:
             _, summary = execute_pair(config, kernels, out_dir, trace, check=check, decisions=decisions)

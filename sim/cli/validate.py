@@ -82,8 +82,7 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: 
         config = run_config_from(options, base=REAL_DEFAULTS)
         require_executor_setup(config)
         trace = load_run_trace(config)
-        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size, config.disaggregated,
-                               config.enable_expert_parallel)
+        kernels = open_backend(backend, bool(config.enforce_eager), config.tensor_parallel_size, config.disaggregated)
     try:
         check = None  # the speed check that let this machine's profile stand: the run's reading before it
         if profile_path is None:
