@@ -132,6 +132,45 @@ def test_dp_runs_each_member_on_its_share_padded_up_and_pp_passes_every_stage() 
     assert single.step_total(_decode(64)) < pp2.step_total(_decode(64)) < 1.2 * single.step_total(_decode(64))
 
 
+def _prefill(tokens: float, prompt: float = 2000.0) -> StepFeatures:
+    prompts = tokens / prompt
+    values = dict.fromkeys(FEATURES, 0.0)
+    values.update(num_tokens=tokens, num_seqs=prompts, num_sampled=prompts, prefill_tokens=tokens,
+                  attn_pairs=prompts * prompt * (prompt + 1) / 2, prefill_ctx_tokens=tokens, blocks_touched=tokens / 64,
+                  padded_attn_pairs=prompts * prompt * (prompt + 1) / 2, padded_prefill_ctx_tokens=tokens,
+                  padded_blocks_touched=tokens / 64, prefill_max_tokens=prompt)
+    return StepFeatures(**values)
+
+
+def test_dual_batch_overlap_splits_past_vllms_thresholds_hides_the_exchange_and_pays_the_weights_twice() -> None:
+    """vLLM's --enable-dbo on DeepSeek-V3 at DP8 x EP8 on H200: a member's step of at least 32 decodes (512 tokens with
+    a prefill) runs as two micro-batches whose DeepEP all-to-all hides behind the other's compute; fewer run whole.
+    The overlap wins on a prefill, where the exchange is large, and loses on decodes, whose micro-batches each read
+    the weights."""
+    from kvsim.sim.parallel.rank_cost import DualBatchOverlap
+
+    h200, model = load_device("h200"), load_model("deepseek-v3", quantization="w8a8")
+    dbo = DualBatchOverlap()
+    assert (dbo.splits(_decode(31)), dbo.splits(_decode(32)), dbo.splits(_prefill(510)), dbo.splits(_prefill(512))) == (
+        False, True, False, True)
+    layout = ParallelLayout(1, 1, 8, True)
+    plain, overlapped = (ParallelCostModel(model, h200, layout, 64, overlap=o) for o in (None, dbo))
+    assert overlapped._priced(_decode(8 * 31)) == plain._priced(_decode(8 * 31))  # below the threshold: one batch
+    step, exposed, method = overlapped._priced(_prefill(8 * 8000))
+    whole, whole_exposed, _ = plain._priced(_prefill(8 * 8000))
+    assert method == "all-to-all, two micro-batches" and exposed < 0.01 * step < whole_exposed and step < whole
+    decode, _, _ = overlapped._priced(_decode(8 * 64))
+    assert decode > plain._priced(_decode(8 * 64))[0]
+
+
+def test_dual_batch_overlap_needs_expert_parallelism_and_is_off_on_ascend(tmp_path: Path) -> None:
+    base = ["--model", "deepseek-v3", "-dp", "8", "--enable-dbo", "--max-requests", "3", "--out", str(tmp_path / "run")]
+    for extra, named in (([], "enable_dbo = True: needs enable_expert_parallel"),
+                         (["--enable-expert-parallel", "--device", "ascend-910c"], "vllm-ascend turns dual batch overlap off")):
+        result = CliRunner().invoke(main, ["simulate", *base, *extra])
+        assert result.exit_code == 2 and named in result.output and len(result.output.strip().splitlines()) == 1
+
+
 def test_ep_all_to_all_is_chosen_as_vllm_ascend_does_and_counted() -> None:
     model = load_model("deepseek-v3", quantization="w8a8_dynamic")
     cost = ParallelCostModel(model, A2, ParallelLayout(8, 1, 2, True), 128)

@@ -88,6 +88,8 @@ def require_executor_setup(config: RunConfig) -> None:
                         "add --tensor-parallel-size 2 or more")
     if config.tensor_parallel_size > 1:
         resolve(config)  # vLLM's layout rules (heads, columns, experts over the ranks): the user's to fix, before any process starts
+    if config.enable_dbo:
+        raise UserError("--enable-dbo: the real executor runs each step as one batch; dual batch overlap is simulated only")
     if config.async_scheduling or config.engine_core != "v1":
         raise UserError("--async-scheduling, --engine-core v0: the real executor runs vLLM V1's synchronous steps; "
                         "these are simulated only")

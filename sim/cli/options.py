@@ -49,6 +49,14 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"type": int, "help": "Replicas that each run their own batch (MoE layers run together across them)."}),
     ((_switch("enable-expert-parallel"),), "enable_expert_parallel",
      {"help": "Spread the routed experts over TP x DP devices instead of splitting each by TP. [default: off]"}),
+    ((_switch("enable-dbo"),), "enable_dbo",
+     {"help": "vLLM's dual batch overlap: steps of enough tokens run as two micro-batches, one's expert all-to-all "
+              "(DeepEP) beside the other's compute; needs --enable-expert-parallel, not on Ascend (vllm-ascend turns it "
+              "off). [default: off]"}),
+    (("--dbo-decode-token-threshold",), "dbo_decode_token_threshold",
+     {"type": int, "help": "With --enable-dbo: the fewest tokens a batch of decodes alone is split at. [default: 32]"}),
+    (("--dbo-prefill-token-threshold",), "dbo_prefill_token_threshold",
+     {"type": int, "help": "With --enable-dbo: the fewest tokens a batch with a prefill is split at. [default: 512]"}),
     ((_switch("enforce-eager"),), "enforce_eager",
      {"help": "vLLM's switch: every step dispatched kernel by kernel, no captured graphs (simulate: the device's "
               "engine runs eagerly; execute / validate: the executor captures none). [default: the device's]"}),

@@ -16,7 +16,8 @@ and the imbalance enters as the busiest rank:
   ``pp`` times a stage's time plus ``pp - 1`` hand-overs of its hidden states. A stage's time
   includes the engine's host work of a step, so PP counts it once a stage: an upper bound.
 
-Collectives are not overlapped with compute: their whole time is exposed (the summary gives their share).
+Collectives are not overlapped with compute (their whole time is exposed; the summary gives their
+share), except under vLLM's dual batch overlap (``--enable-dbo``, :class:`DualBatchOverlap`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvsim.sim.parallel.collectives import (
     send_recv_s,
 )
 from kvsim.sim.parallel.layout import ParallelLayout, rank_model, rank_routing
-from kvsim.sim.perf.cost_model import CostModel, StepFeatures, features_from_plan
+from kvsim.sim.perf.cost_model import HOST_OPERATORS, CostModel, StepFeatures, features_from_plan
 from kvsim.sim.perf.device import DeviceProfile
 from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
@@ -47,6 +48,23 @@ _FEATURES = tuple(f.name for f in fields(StepFeatures))
 # vllm-ascend's MC2 limits on Atlas A2 (ascend_forward_context.py select_moe_comm_method): experts per
 # device at most 24, EP at least 16, tokens within capacity min(ceil(max_tokens / tp), 512) x tp.
 MC2_MAX_EXPERTS_PER_RANK, MC2_MIN_EP, MC2_TOKEN_CAP = 24, 16, 512
+
+
+def share_of(f: StepFeatures, parts: int) -> StepFeatures:
+    """One of ``parts`` equal shares of a step: token and sequence counts rounded up (the largest share, as vLLM
+    pads DP members to the group's largest batch), the longest prompt and context the same in every share."""
+    if parts == 1:
+        return f
+    values = {}
+    for name in _FEATURES:
+        value = getattr(f, name)
+        if name in _LONGEST:
+            values[name] = value
+        elif name in _COUNTED:
+            values[name] = float(math.ceil(value / parts))
+        else:
+            values[name] = value / parts
+    return StepFeatures(**values)
 
 
 def moe_comm_method(device: DeviceProfile, layout: ParallelLayout, model: ModelSpec, tokens: float, max_tokens: int) -> str:
@@ -64,6 +82,28 @@ def moe_comm_method(device: DeviceProfile, layout: ParallelLayout, model: ModelS
     return "all-gather"
 
 
+@dataclass(frozen=True)
+class DualBatchOverlap:
+    """vLLM's dual batch overlap (``--enable-dbo``; vllm/config/parallel.py, vllm/v1/worker/ubatching.py): a step of
+    at least the threshold's tokens (``dbo_decode_token_threshold`` for a batch of decodes alone, else
+    ``dbo_prefill_token_threshold``; vLLM's defaults 32 and 512) runs as two micro-batches, each on its own
+    thread, one's expert dispatch and combine on the communication stream while the other computes. vLLM
+    takes it only with the DeepEP all-to-all backends, so the MoE exchange is an all-to-all of the routed
+    copies. Priced as two micro-batches sharing the compute stream and the links: each micro-batch's
+    compute (with its tensor-parallel collectives, which stay in line) ``u`` and its exchange ``x``
+    overlap all but the pipeline's fill, ``max(2u, 2x) + min(u, x) / phases`` (two exchanges a MoE
+    layer), plus the step's host time once. A micro-batch reads the weights the whole batch would:
+    decode steps pay them twice, which is what can make the overlap lose."""
+
+    decode_token_threshold: int = 32
+    prefill_token_threshold: int = 512
+
+    def splits(self, f: StepFeatures) -> bool:
+        """Whether vLLM runs this (data-parallel member's) step as two micro-batches."""
+        decode_only = f.prefill_tokens == 0
+        return f.num_tokens >= (self.decode_token_threshold if decode_only else self.prefill_token_threshold)
+
+
 @dataclass
 class CollectiveTotals:
     """Seconds of exposed collectives and of whole steps, summed over a run."""
@@ -77,9 +117,11 @@ class ParallelCostModel:
     """The cost model of one rank of a layout, plus collectives: what CostModelTimer reads."""
 
     def __init__(self, model: ModelSpec, device: DeviceProfile, layout: ParallelLayout, block_size: int,
-                 kv_dtype: str | None = None, routing: ExpertRouting | None = None, max_num_batched_tokens: int = 2048) -> None:
+                 kv_dtype: str | None = None, routing: ExpertRouting | None = None, max_num_batched_tokens: int = 2048,
+                 overlap: DualBatchOverlap | None = None) -> None:
         layout.check(model, device.topology, device.name)
         self.model, self.device, self.layout, self.block_size = model, device, layout, block_size
+        self.overlap = overlap
         self.rank_spec = rank_model(model, layout)
         if model.is_moe:
             routing = rank_routing(model, layout, routing)
@@ -96,60 +138,73 @@ class ParallelCostModel:
     # --- the slot CostModelTimer fills ------------------------------------------------------------
     def member_features(self, f: StepFeatures) -> StepFeatures:
         """One DP member's share of the group's step (module docstring)."""
-        dp = self.layout.data_parallel_size
-        if dp == 1:
-            return f
-        values = {}
-        for name in _FEATURES:
-            value = getattr(f, name)
-            if name in _LONGEST:
-                values[name] = value
-            elif name in _COUNTED:
-                values[name] = float(math.ceil(value / dp))
-            else:
-                values[name] = value / dp
-        return StepFeatures(**values)
+        return share_of(f, self.layout.data_parallel_size)
 
     def collective_seconds(self, f: StepFeatures) -> tuple[float, str]:
         """Exposed collective time of one rank's step (one pipeline stage), and the MoE method used."""
-        spec, layout = self.rank_spec, self.layout
-        tokens = f.num_tokens
-        if tokens <= 0:
+        if f.num_tokens <= 0:
             return 0.0, "none"
+        method = moe_comm_method(self.device, self.layout, self.model, f.num_tokens, self.max_num_batched_tokens)
+        return self._tensor_parallel_seconds(f) + self._moe_exchange_seconds(f, method), method
+
+    def _tensor_parallel_seconds(self, f: StepFeatures) -> float:
+        """The TP group's all-reduces of the hidden states and the logits' all-gather (module docstring)."""
+        if self._tp_group is None:
+            return 0.0
+        spec = self.rank_spec
+        reduce = all_reduce_s(self._tp_group, f.num_tokens * spec.hidden_size * DTYPE_BYTES[spec.activation_dtype])
+        seconds = reduce  # the vocabulary-parallel embedding's rows, summed (vLLM's VocabParallelEmbedding)
+        seconds += spec.num_layers * reduce  # after attention
+        seconds += spec.num_dense_mlp_layers * reduce  # after a dense MLP
+        return seconds + all_gather_s(self._tp_group, f.num_sampled * self.model.vocab_size * LOGIT_BYTES)
+
+    def _moe_exchange_seconds(self, f: StepFeatures, method: str) -> float:
+        """The MoE layers' token exchange by ``method`` (:func:`moe_comm_method`)."""
+        spec, moe_layers = self.rank_spec, self.rank_spec.num_moe_layers
+        if not moe_layers:
+            return 0.0
         a = DTYPE_BYTES[spec.activation_dtype]
-        hidden = tokens * spec.hidden_size * a
-        seconds = 0.0
-        if self._tp_group is not None:
-            reduce = all_reduce_s(self._tp_group, hidden)
-            seconds += reduce  # the vocabulary-parallel embedding's rows, summed (vLLM's VocabParallelEmbedding)
-            seconds += spec.num_layers * reduce  # after attention
-            seconds += spec.num_dense_mlp_layers * reduce  # after a dense MLP
-            seconds += all_gather_s(self._tp_group, f.num_sampled * self.model.vocab_size * LOGIT_BYTES)
-        method = moe_comm_method(self.device, layout, self.model, tokens, self.max_num_batched_tokens)
-        moe_layers = spec.num_moe_layers
-        if moe_layers:
-            if method == "all-reduce":
-                seconds += moe_layers * (all_reduce_s(self._tp_group, hidden) if self._tp_group else 0.0)
-            elif method == "all-gather":  # every rank gathers the group's tokens, then scatters the sums back
-                gathered = hidden * layout.data_parallel_size  # TP ranks of a member hold the same tokens
-                seconds += moe_layers * (all_gather_s(self._ep_group, gathered) + reduce_scatter_s(self._ep_group, gathered))
-            else:  # mc2 / all-to-all: only the routed copies move, dispatched in int8 under W8A8
-                copies = tokens * self.model.num_experts_per_tok * spec.hidden_size
-                dispatch, combine = copies * (1 if spec.quantization else a), copies * a
-                seconds += moe_layers * (all_to_all_s(self._ep_group, dispatch) + all_to_all_s(self._ep_group, combine))
-        return seconds, method
+        hidden = f.num_tokens * spec.hidden_size * a
+        if method == "all-reduce":
+            return moe_layers * (all_reduce_s(self._tp_group, hidden) if self._tp_group else 0.0)
+        if method == "all-gather":  # every rank gathers the group's tokens, then scatters the sums back
+            gathered = hidden * self.layout.data_parallel_size  # TP ranks of a member hold the same tokens
+            return moe_layers * (all_gather_s(self._ep_group, gathered) + reduce_scatter_s(self._ep_group, gathered))
+        # mc2 / all-to-all: only the routed copies move, dispatched in int8 under W8A8
+        copies = f.num_tokens * self.model.num_experts_per_tok * spec.hidden_size
+        dispatch, combine = copies * (1 if spec.quantization else a), copies * a
+        return moe_layers * (all_to_all_s(self._ep_group, dispatch) + all_to_all_s(self._ep_group, combine))
+
+    def _overlapped(self, member: StepFeatures) -> tuple[float, float]:
+        """(seconds, exposed collective seconds) of a member's step as two overlapped micro-batches
+        (:class:`DualBatchOverlap`)."""
+        half = share_of(member, 2)
+        split = self.rank.step_split(half, one_step=True)
+        host_half = sum(split[op] for op in HOST_OPERATORS)
+        compute = sum(split.values()) - host_half
+        tp = self._tensor_parallel_seconds(half)
+        exchange = self._moe_exchange_seconds(half, "all-to-all")
+        work = compute + tp
+        full = self.rank.step_split(member, one_step=True)
+        host = sum(full[op] for op in HOST_OPERATORS)
+        seconds = host + max(2 * work, 2 * exchange) + min(work, exchange) / (2 * self.rank_spec.num_moe_layers)
+        return seconds, seconds - host - 2 * compute
 
     def _priced(self, f: StepFeatures) -> tuple[float, float, str]:
         """(step seconds, exposed collective seconds, MoE method) of the group's step ``f``."""
         member = self.member_features(f)
-        compute = self.rank.step_total(member)
-        comm, method = self.collective_seconds(member)
+        if self.overlap is not None and member.num_tokens and self.overlap.splits(member):
+            stage, comm = self._overlapped(member)
+            method = "all-to-all, two micro-batches"
+        else:
+            comm, method = self.collective_seconds(member)
+            stage = self.rank.step_total(member) + comm
         pp = self.layout.pipeline_parallel_size
         handover = 0.0
         if pp > 1 and member.num_tokens:
             sent = member.num_tokens * self.rank_spec.hidden_size * DTYPE_BYTES[self.rank_spec.activation_dtype]
             handover = send_recv_s(self.device.topology, sent, self._pp_across_nodes)
-        return pp * (compute + comm) + (pp - 1) * handover, pp * comm + (pp - 1) * handover, method
+        return pp * stage + (pp - 1) * handover, pp * comm + (pp - 1) * handover, method
 
     def step_time(self, plan: StepPlan) -> float:
         """Seconds for one plan, as ``CostModel.step_time``; a prediction only (the run's totals stay as they are)."""

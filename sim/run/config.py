@@ -27,7 +27,7 @@ from kvsim.policies.kv_store import StoreSpec
 from kvsim.policies.kv_tiers import TierConfig, TierSpec
 from kvsim.sim.parallel.layout import ParallelLayout
 from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
-from kvsim.sim.parallel.rank_cost import ParallelCostModel
+from kvsim.sim.parallel.rank_cost import DualBatchOverlap, ParallelCostModel
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import ENGINE_CORES, DeviceProfile, engine_as_run, load_device
 from kvsim.sim.perf.expert_routing import ExpertRouting
@@ -55,6 +55,11 @@ class RunConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # vLLM's dual batch overlap (sim/parallel/rank_cost.py DualBatchOverlap): steps of at least these many tokens
+    # (a batch of decodes alone / one with a prefill) run as two micro-batches whose expert exchange overlaps compute
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
     # How the serving engine runs (sim/perf/device.py engine_as_run): vLLM's --enforce-eager and
     # --async-scheduling (None: the device's [engine]), and the engine generation ("v0": vLLM's V0
     # LLMEngine, whose host time per sequence the device's [engine] v0_seq_s prices)
@@ -208,6 +213,10 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("tensor_parallel_size", "must be >= 1", c.tensor_parallel_size >= 1),
         ("pipeline_parallel_size", "must be >= 1", c.pipeline_parallel_size >= 1),
         ("data_parallel_size", "must be >= 1", c.data_parallel_size >= 1),
+        ("dbo_decode_token_threshold", "must be >= 1", c.dbo_decode_token_threshold >= 1),
+        ("dbo_prefill_token_threshold", "must be >= 1", c.dbo_prefill_token_threshold >= 1),
+        ("enable_dbo", "needs enable_expert_parallel: vLLM overlaps the experts' DeepEP all-to-all",
+         not c.enable_dbo or c.enable_expert_parallel),
         ("instances", "must be >= 1", c.instances >= 1),
         ("max_concurrency", "must be >= 0 (0: no limit)", c.max_concurrency >= 0),
         ("prefill_instances", "must be >= 0 (0: no P/D pools)", c.prefill_instances >= 0),
@@ -307,8 +316,10 @@ class ResolvedRun:
         collectives under a parallel layout: sim/parallel/rank_cost.py)."""
         if self.layout.is_single_device:
             return CostModel(self.model, self.device, self.config.block_size, self.memory.kv_dtype, routing=self.routing())
-        return ParallelCostModel(self.model, self.device, self.layout, self.config.block_size, self.memory.kv_dtype,
-                                 routing=self.routing(), max_num_batched_tokens=self.config.max_num_batched_tokens)
+        c = self.config
+        overlap = DualBatchOverlap(c.dbo_decode_token_threshold, c.dbo_prefill_token_threshold) if c.enable_dbo else None
+        return ParallelCostModel(self.model, self.device, self.layout, c.block_size, self.memory.kv_dtype,
+                                 routing=self.routing(), max_num_batched_tokens=c.max_num_batched_tokens, overlap=overlap)
 
     def routing(self) -> ExpertRouting | None:
         """The routing assumption of an MoE model (None for a dense one)."""
@@ -347,6 +358,9 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
     model = load_model(config.model, quantization=config.quantization)
     device = engine_as_run(load_device(config.device, search_dirs=search_dirs), config.enforce_eager,
                            config.async_scheduling, config.engine_core)
+    if config.enable_dbo and device.name.startswith("ascend"):
+        raise ValueError(f"enable_dbo: vllm-ascend turns dual batch overlap off on Ascend devices "
+                         f"(vllm_ascend/platform.py resets it to False); device {device.name} runs without it")
     layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size,
                             config.enable_expert_parallel)
     memory = plan_rank_memory(  # one rank's pool; a DP group's engine holds every member's (module docstring of rank_cost)
