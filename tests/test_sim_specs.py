@@ -101,6 +101,14 @@ def test_the_h200_carries_the_h100s_fitted_host_and_server_times() -> None:
     assert h200.operators["host_step"].call_s == h100.operators["host_step"].call_s
 
 
+@pytest.mark.parametrize("sibling", ["ascend-910b1", "ascend-910b2", "ascend-910b4", "ascend-910c"])
+def test_the_other_ascend_parts_carry_the_910b3s_fitted_engine_times(sibling: str) -> None:
+    """Their files say dispatch_s, request_s and admit_s are the 910B3's fitted values (same vllm-ascend, no row of
+    their own): a refit of the 910B3 must reach them (they held an older fit's values until round 3's sixteenth session)."""
+    b3, other = load_device("ascend-910b3").engine, load_device(sibling).engine
+    assert (other.dispatch_s, other.request_s, other.admit_s) == (b3.dispatch_s, b3.request_s, b3.admit_s)
+
+
 CONFIDENCE_WORDS = ("high", "medium", "low", "estimate", "fitted")
 
 
