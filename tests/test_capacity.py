@@ -124,3 +124,20 @@ def test_a_clusters_capacity_is_searched_on_the_cluster():
     met, missed = pair.bracket
     assert met == pair.capacity_rps and probe(two, met, slo).met and not probe(two, missed, slo).met
     assert not probe(one, pair.capacity_rps, slo).met  # one instance misses what two serve
+
+
+def test_every_bundled_capacity_example_loads_and_resolves():
+    """examples/capacity_*.toml as a user runs them: the file loads and every grid point is a configuration kvsim
+    resolves (the DeepSeek DBO study's points with and without the overlap, among them)."""
+    from pathlib import Path
+
+    from kvsim.cli.capacity import load_capacity_file
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("capacity_*.toml"))
+    assert len(examples) >= 4
+    for path in examples:
+        points, _ = load_capacity_file(path, {})
+        for _, _, config in points:
+            assert resolve(config).cost_model() is not None
+    dbo = load_capacity_file(examples[0].parent / "capacity_deepseek_dbo.toml", {})[0]
+    assert [config.enable_dbo for _, _, config in dbo] == [False, True]
