@@ -25,9 +25,10 @@ one rank by, so the two worlds agree on what a rank holds (``shard_weights`` che
 
 On an accelerator the ranks join the device's collective library's group (the backend's
 ``process_group``: NCCL for cuda, HCCL for npu, torch_npu's registration), one device a rank, and
-its collectives run on the devices. On the cpu backend they join a gloo group. Its collectives run over loopback TCP on gloo's
-own threads; on the 2-core development VM a 3 KB all-reduce then took 0.7-2.5 ms, its median moving
-2x from one set of runs to the next, as the ranks' main threads and gloo's contend for two cores.
+its collectives run on the devices. On the cpu backend they join a gloo group, whose collectives
+run over loopback TCP on gloo's own threads; on the 2-core development VM a 3 KB all-reduce then
+took 0.7-2.5 ms, its median moving 2x from one set of runs to the next, as the ranks' main threads
+and gloo's contend for two cores.
 vLLM's CPU backend all-reduces through shared memory instead (``CpuCommunicator``'s shm path on
 x86), and so does :class:`SharedMemoryGroup`, the default: each rank writes its tensor into its
 slot of a shared buffer, raises its sequence number, waits (spinning, yielding the core) for the
