@@ -40,6 +40,7 @@ REMOVED_CONFIG_KEYS = ("exact",)  # RunConfig.exact (macro-stepping off): gone w
 ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_parallel_size": 1,
                      "pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False,
                      "enable_dbo": False, "dbo_decode_token_threshold": 32, "dbo_prefill_token_threshold": 512,
+                     "all2all_backend": "allgather_reducescatter",
                      "enforce_eager": None, "async_scheduling": None, "engine_core": "v1", "api_server": False,
                      "max_concurrency": 0, "instances": 1,
                      "router": "round-robin", "router_params": {}, "router_staleness_s": 0.0, "autoscaler": "",

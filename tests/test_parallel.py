@@ -142,11 +142,25 @@ def _prefill(tokens: float, prompt: float = 2000.0) -> StepFeatures:
     return StepFeatures(**values)
 
 
+def test_the_all2all_backend_sets_a_gpu_ep_groups_exchange_and_ascend_keeps_its_own() -> None:
+    """vLLM's default gathers every token to every EP rank; DeepEP sends the routed copies, fewer bytes on a prefill.
+    On Ascend vllm-ascend's rule chooses (MC2 here), whatever the GPU setting would be."""
+    h200, model = load_device("h200"), load_model("deepseek-v3", quantization="w8a8")
+    layout = ParallelLayout(1, 1, 8, True)
+    gather, deepep = (ParallelCostModel(model, h200, layout, 64, all2all_backend=b)
+                      for b in ("allgather_reducescatter", "deepep_high_throughput"))
+    (_, gathered, how), (_, sent, how_deepep) = gather._priced(_prefill(64000)), deepep._priced(_prefill(64000))
+    assert (how, how_deepep) == ("all-gather", "all-to-all") and sent < gathered
+    ascend = ParallelCostModel(load_model("deepseek-v3", quantization="w8a8_dynamic"), A2, ParallelLayout(8, 1, 2, True), 128,
+                               all2all_backend="deepep_low_latency")
+    assert ascend.collective_seconds(ascend.member_features(_decode(64)))[1] == "mc2"
+
+
 def test_dual_batch_overlap_splits_past_vllms_thresholds_hides_the_exchange_and_pays_the_weights_twice() -> None:
-    """vLLM's --enable-dbo on DeepSeek-V3 at DP8 x EP8 on H200: a member's step of at least 32 decodes (512 tokens with
-    a prefill) runs as two micro-batches whose DeepEP all-to-all hides behind the other's compute; fewer run whole.
-    The overlap wins on a prefill, where the exchange is large, and loses on decodes, whose micro-batches each read
-    the weights."""
+    """vLLM's --enable-dbo on DeepSeek-V3 at DP8 x EP8 on H200 with DeepEP: a member's step of at least 32 decodes
+    (512 tokens with a prefill) runs as two micro-batches whose all-to-all hides behind the other's compute; fewer run
+    whole. Against the same all-to-all without the overlap, it wins on a prefill, where the exchange is large, and
+    loses on decodes, whose micro-batches each read the weights."""
     from kvsim.sim.parallel.rank_cost import DualBatchOverlap
 
     h200, model = load_device("h200"), load_model("deepseek-v3", quantization="w8a8")
@@ -154,7 +168,8 @@ def test_dual_batch_overlap_splits_past_vllms_thresholds_hides_the_exchange_and_
     assert (dbo.splits(_decode(31)), dbo.splits(_decode(32)), dbo.splits(_prefill(510)), dbo.splits(_prefill(512))) == (
         False, True, False, True)
     layout = ParallelLayout(1, 1, 8, True)
-    plain, overlapped = (ParallelCostModel(model, h200, layout, 64, overlap=o) for o in (None, dbo))
+    plain, overlapped = (ParallelCostModel(model, h200, layout, 64, overlap=o, all2all_backend="deepep_low_latency")
+                         for o in (None, dbo))
     assert overlapped._priced(_decode(8 * 31)) == plain._priced(_decode(8 * 31))  # below the threshold: one batch
     step, exposed, method = overlapped._priced(_prefill(8 * 8000))
     whole, whole_exposed, _ = plain._priced(_prefill(8 * 8000))
@@ -163,10 +178,16 @@ def test_dual_batch_overlap_splits_past_vllms_thresholds_hides_the_exchange_and_
     assert decode > plain._priced(_decode(8 * 64))[0]
 
 
-def test_dual_batch_overlap_needs_expert_parallelism_and_is_off_on_ascend(tmp_path: Path) -> None:
-    base = ["--model", "deepseek-v3", "-dp", "8", "--enable-dbo", "--max-requests", "3", "--out", str(tmp_path / "run")]
-    for extra, named in (([], "enable_dbo = True: needs enable_expert_parallel"),
-                         (["--enable-expert-parallel", "--device", "ascend-910c"], "vllm-ascend turns dual batch overlap off")):
+def test_dual_batch_overlap_needs_deepep_which_needs_expert_parallelism_and_neither_runs_on_ascend(tmp_path: Path) -> None:
+    base = ["--model", "deepseek-v3", "-dp", "8", "--max-requests", "3", "--out", str(tmp_path / "run")]
+    deepep = ["--all2all-backend", "deepep_low_latency"]
+    for extra, named in (
+        (["--enable-dbo", "--enable-expert-parallel"], "enable_dbo = True: needs all2all_backend deepep_high_throughput"),
+        (deepep, "all2all_backend = 'deepep_low_latency': needs enable_expert_parallel"),
+        (["--enable-dbo", "--enable-expert-parallel", *deepep, "--device", "ascend-910c"],
+         "vllm-ascend turns dual batch overlap off"),
+        (["--enable-expert-parallel", *deepep, "--device", "ascend-910c"], "vllm-ascend chooses the MoE exchange itself"),
+    ):
         result = CliRunner().invoke(main, ["simulate", *base, *extra])
         assert result.exit_code == 2 and named in result.output and len(result.output.strip().splitlines()) == 1
 

@@ -19,6 +19,7 @@ from kvsim.realexec.executor import Executor
 from kvsim.realexec.pd_pair import BACKENDS as PAIR_BACKENDS
 from kvsim.realexec.pd_pair import execute_pair
 from kvsim.realexec.tp_executor import TensorParallelExecutor, tensor_parallel_backend
+from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS
 from kvsim.sim.run.config import RunConfig, load_run_trace, resolve
 from kvsim.sim.run.outputs import format_summary
 from kvsim.sim.run.runner import run_trace
@@ -88,8 +89,9 @@ def require_executor_setup(config: RunConfig) -> None:
                         "add --tensor-parallel-size 2 or more")
     if config.tensor_parallel_size > 1:
         resolve(config)  # vLLM's layout rules (heads, columns, experts over the ranks): the user's to fix, before any process starts
-    if config.enable_dbo:
-        raise UserError("--enable-dbo: the real executor runs each step as one batch; dual batch overlap is simulated only")
+    if config.enable_dbo or config.all2all_backend != ALL2ALL_BACKENDS[0]:
+        raise UserError("--enable-dbo, --all2all-backend: the real executor runs each step as one batch and adds its "
+                        "expert-parallel ranks' parts with an all-reduce; both are simulated only")
     if config.async_scheduling or config.engine_core != "v1":
         raise UserError("--async-scheduling, --engine-core v0: the real executor runs vLLM V1's synchronous steps; "
                         "these are simulated only")

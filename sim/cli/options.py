@@ -17,6 +17,7 @@ import click
 
 from kvsim.cli.aliases import AliasedOption
 from kvsim.cli.errors import user_errors
+from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS
 from kvsim.sim.perf.model_spec import QUANTIZATIONS
 from kvsim.sim.run.config import CLUSTER_BACKENDS, KV_DTYPES, RunConfig, load_run_config
 
@@ -49,10 +50,15 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
      {"type": int, "help": "Replicas that each run their own batch (MoE layers run together across them)."}),
     ((_switch("enable-expert-parallel"),), "enable_expert_parallel",
      {"help": "Spread the routed experts over TP x DP devices instead of splitting each by TP. [default: off]"}),
+    (("--all2all-backend",), "all2all_backend",
+     {"type": click.Choice(list(ALL2ALL_BACKENDS)),
+      "help": "vLLM's switch: how an expert-parallel group's MoE layers exchange tokens on a GPU (every token gathered "
+              "and the sums scattered back, or DeepEP's all-to-all of the routed copies); Ascend devices choose their "
+              "own. [default: allgather_reducescatter]"}),
     ((_switch("enable-dbo"),), "enable_dbo",
      {"help": "vLLM's dual batch overlap: steps of enough tokens run as two micro-batches, one's expert all-to-all "
-              "(DeepEP) beside the other's compute; needs --enable-expert-parallel, not on Ascend (vllm-ascend turns it "
-              "off). [default: off]"}),
+              "beside the other's compute; needs a DeepEP --all2all-backend (hence --enable-expert-parallel), not on "
+              "Ascend (vllm-ascend turns it off). [default: off]"}),
     (("--dbo-decode-token-threshold",), "dbo_decode_token_threshold",
      {"type": int, "help": "With --enable-dbo: the fewest tokens a batch of decodes alone is split at. [default: 32]"}),
     (("--dbo-prefill-token-threshold",), "dbo_prefill_token_threshold",

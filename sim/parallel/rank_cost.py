@@ -67,9 +67,16 @@ def share_of(f: StepFeatures, parts: int) -> StepFeatures:
     return StepFeatures(**values)
 
 
-def moe_comm_method(device: DeviceProfile, layout: ParallelLayout, model: ModelSpec, tokens: float, max_tokens: int) -> str:
+# vLLM's --all2all-backend values kvsim prices (vllm/config/parallel.py): its default gathers every token to every
+# EP rank and scatters the sums back; DeepEP's kernels send each token's routed copies to their experts' ranks.
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency")
+
+
+def moe_comm_method(device: DeviceProfile, layout: ParallelLayout, model: ModelSpec, tokens: float, max_tokens: int,
+                    all2all_backend: str = ALL2ALL_BACKENDS[0]) -> str:
     """How MoE layers move tokens: vllm-ascend's rule on Ascend (see the constants above; A3 uses
-    all-to-all), vLLM's default all-gather + reduce-scatter elsewhere; all-reduce without EP."""
+    all-to-all), elsewhere vLLM's ``all2all_backend`` (all-gather + reduce-scatter, or DeepEP's
+    all-to-all); all-reduce without EP."""
     if not layout.enable_expert_parallel:
         return "all-reduce"
     tp, ep = layout.tensor_parallel_size, layout.expert_parallel_size
@@ -79,7 +86,8 @@ def moe_comm_method(device: DeviceProfile, layout: ParallelLayout, model: ModelS
         capacity = min(math.ceil(max_tokens / tp), MC2_TOKEN_CAP) * tp
         if model.num_experts // ep <= MC2_MAX_EXPERTS_PER_RANK and ep >= MC2_MIN_EP and tokens <= capacity:
             return "mc2"
-    return "all-gather"
+        return "all-gather"
+    return "all-gather" if all2all_backend == ALL2ALL_BACKENDS[0] else "all-to-all"
 
 
 @dataclass(frozen=True)
@@ -88,8 +96,8 @@ class DualBatchOverlap:
     at least the threshold's tokens (``dbo_decode_token_threshold`` for a batch of decodes alone, else
     ``dbo_prefill_token_threshold``; vLLM's defaults 32 and 512) runs as two micro-batches, each on its own
     thread, one's expert dispatch and combine on the communication stream while the other computes. vLLM
-    takes it only with the DeepEP all-to-all backends, so the MoE exchange is an all-to-all of the routed
-    copies. Priced as two micro-batches sharing the compute stream and the links: each micro-batch's
+    takes it only with a DeepEP ``--all2all-backend`` (vllm/config/vllm.py asserts it), so the MoE exchange
+    is an all-to-all of the routed copies. Priced as two micro-batches sharing the compute stream and the links: each micro-batch's
     compute (with its tensor-parallel collectives, which stay in line) ``u`` and its exchange ``x``
     overlap all but the pipeline's fill, ``max(2u, 2x) + min(u, x) / phases`` (two exchanges a MoE
     layer), plus the step's host time once. A micro-batch reads the weights the whole batch would:
@@ -118,10 +126,10 @@ class ParallelCostModel:
 
     def __init__(self, model: ModelSpec, device: DeviceProfile, layout: ParallelLayout, block_size: int,
                  kv_dtype: str | None = None, routing: ExpertRouting | None = None, max_num_batched_tokens: int = 2048,
-                 overlap: DualBatchOverlap | None = None) -> None:
+                 overlap: DualBatchOverlap | None = None, all2all_backend: str = ALL2ALL_BACKENDS[0]) -> None:
         layout.check(model, device.topology, device.name)
         self.model, self.device, self.layout, self.block_size = model, device, layout, block_size
-        self.overlap = overlap
+        self.overlap, self.all2all_backend = overlap, all2all_backend
         self.rank_spec = rank_model(model, layout)
         if model.is_moe:
             routing = rank_routing(model, layout, routing)
@@ -144,7 +152,8 @@ class ParallelCostModel:
         """Exposed collective time of one rank's step (one pipeline stage), and the MoE method used."""
         if f.num_tokens <= 0:
             return 0.0, "none"
-        method = moe_comm_method(self.device, self.layout, self.model, f.num_tokens, self.max_num_batched_tokens)
+        method = moe_comm_method(self.device, self.layout, self.model, f.num_tokens, self.max_num_batched_tokens,
+                                 self.all2all_backend)
         return self._tensor_parallel_seconds(f) + self._moe_exchange_seconds(f, method), method
 
     def _tensor_parallel_seconds(self, f: StepFeatures) -> float:

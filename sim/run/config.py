@@ -27,7 +27,7 @@ from kvsim.policies.kv_store import StoreSpec
 from kvsim.policies.kv_tiers import TierConfig, TierSpec
 from kvsim.sim.parallel.layout import ParallelLayout
 from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
-from kvsim.sim.parallel.rank_cost import DualBatchOverlap, ParallelCostModel
+from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS, DualBatchOverlap, ParallelCostModel
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import ENGINE_CORES, DeviceProfile, engine_as_run, load_device
 from kvsim.sim.perf.expert_routing import ExpertRouting
@@ -60,6 +60,8 @@ class RunConfig:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
+    # vLLM's --all2all-backend: how an EP group's MoE layers exchange tokens on a GPU (sim/parallel/rank_cost.py)
+    all2all_backend: str = ALL2ALL_BACKENDS[0]
     # How the serving engine runs (sim/perf/device.py engine_as_run): vLLM's --enforce-eager and
     # --async-scheduling (None: the device's [engine]), and the engine generation ("v0": vLLM's V0
     # LLMEngine, whose host time per sequence the device's [engine] v0_seq_s prices)
@@ -215,8 +217,11 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("data_parallel_size", "must be >= 1", c.data_parallel_size >= 1),
         ("dbo_decode_token_threshold", "must be >= 1", c.dbo_decode_token_threshold >= 1),
         ("dbo_prefill_token_threshold", "must be >= 1", c.dbo_prefill_token_threshold >= 1),
-        ("enable_dbo", "needs enable_expert_parallel: vLLM overlaps the experts' DeepEP all-to-all",
-         not c.enable_dbo or c.enable_expert_parallel),
+        ("all2all_backend", f"must be one of {', '.join(ALL2ALL_BACKENDS)}", c.all2all_backend in ALL2ALL_BACKENDS),
+        ("all2all_backend", "needs enable_expert_parallel: it moves the experts' tokens",
+         c.all2all_backend == ALL2ALL_BACKENDS[0] or c.enable_expert_parallel),
+        ("enable_dbo", "needs all2all_backend deepep_high_throughput or deepep_low_latency, as vLLM asserts "
+                       "(vllm/config/vllm.py)", not c.enable_dbo or c.all2all_backend.startswith("deepep")),
         ("instances", "must be >= 1", c.instances >= 1),
         ("max_concurrency", "must be >= 0 (0: no limit)", c.max_concurrency >= 0),
         ("prefill_instances", "must be >= 0 (0: no P/D pools)", c.prefill_instances >= 0),
@@ -319,7 +324,8 @@ class ResolvedRun:
         c = self.config
         overlap = DualBatchOverlap(c.dbo_decode_token_threshold, c.dbo_prefill_token_threshold) if c.enable_dbo else None
         return ParallelCostModel(self.model, self.device, self.layout, c.block_size, self.memory.kv_dtype,
-                                 routing=self.routing(), max_num_batched_tokens=c.max_num_batched_tokens, overlap=overlap)
+                                 routing=self.routing(), max_num_batched_tokens=c.max_num_batched_tokens, overlap=overlap,
+                                 all2all_backend=c.all2all_backend)
 
     def routing(self) -> ExpertRouting | None:
         """The routing assumption of an MoE model (None for a dense one)."""
@@ -361,6 +367,9 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
     if config.enable_dbo and device.name.startswith("ascend"):
         raise ValueError(f"enable_dbo: vllm-ascend turns dual batch overlap off on Ascend devices "
                          f"(vllm_ascend/platform.py resets it to False); device {device.name} runs without it")
+    if config.all2all_backend != ALL2ALL_BACKENDS[0] and device.name.startswith("ascend"):
+        raise ValueError(f"all2all_backend = {config.all2all_backend!r}: on Ascend devices vllm-ascend chooses the MoE "
+                         f"exchange itself (MC2, all-gather or all-to-all); device {device.name} takes no all2all backend")
     layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size,
                             config.enable_expert_parallel)
     memory = plan_rank_memory(  # one rank's pool; a DP group's engine holds every member's (module docstring of rank_cost)
