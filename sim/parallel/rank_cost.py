@@ -184,27 +184,28 @@ class ParallelCostModel:
         dispatch, combine = copies * (1 if spec.quantization else a), copies * a
         return moe_layers * (all_to_all_s(self._ep_group, dispatch) + all_to_all_s(self._ep_group, combine))
 
-    def _overlapped(self, member: StepFeatures) -> tuple[float, float]:
-        """(seconds, exposed collective seconds) of a member's step as two overlapped micro-batches
-        (:class:`DualBatchOverlap`)."""
+    def _overlapped(self, member: StepFeatures) -> tuple[float, float, str]:
+        """(seconds, exposed collective seconds, MoE method) of a member's step as two overlapped micro-batches
+        (:class:`DualBatchOverlap`; the run's all2all backend, a DeepEP one, sets the exchange)."""
         half = share_of(member, 2)
         split = self.rank.step_split(half, one_step=True)
         host_half = sum(split[op] for op in HOST_OPERATORS)
         compute = sum(split.values()) - host_half
         tp = self._tensor_parallel_seconds(half)
-        exchange = self._moe_exchange_seconds(half, "all-to-all")
+        method = moe_comm_method(self.device, self.layout, self.model, half.num_tokens, self.max_num_batched_tokens,
+                                 self.all2all_backend)
+        exchange = self._moe_exchange_seconds(half, method)
         work = compute + tp
         full = self.rank.step_split(member, one_step=True)
         host = sum(full[op] for op in HOST_OPERATORS)
         seconds = host + max(2 * work, 2 * exchange) + min(work, exchange) / (2 * self.rank_spec.num_moe_layers)
-        return seconds, seconds - host - 2 * compute
+        return seconds, seconds - host - 2 * compute, f"{method}, two micro-batches"
 
     def _priced(self, f: StepFeatures) -> tuple[float, float, str]:
         """(step seconds, exposed collective seconds, MoE method) of the group's step ``f``."""
         member = self.member_features(f)
         if self.overlap is not None and member.num_tokens and self.overlap.splits(member):
-            stage, comm = self._overlapped(member)
-            method = "all-to-all, two micro-batches"
+            stage, comm, method = self._overlapped(member)
         else:
             comm, method = self.collective_seconds(member)
             stage = self.rank.step_total(member) + comm
