@@ -111,7 +111,7 @@ def test_a_moe_table_inherits_the_keys_it_leaves_out_from_gemm(tmp_path) -> None
     moe, gemm = DEVICE.operators["moe"], DEVICE.operators["gemm"]
     assert (moe.compute_efficiency, moe.memory_efficiency, moe.call_s) == (gemm.compute_efficiency, gemm.memory_efficiency, gemm.call_s)
     assert moe.launches == 15 and moe.shape > 0
-    plain = load_device("h200")
+    plain = load_device("rtx-3090")
     assert plain.operators["moe"] == plain.operators["gemm"] and plain.operators["moe"].launches is None
     h100 = load_device("h100-sxm")  # sets the efficiencies only: its GEMM's are a dense serving fit
     moe, gemm = h100.operators["moe"], h100.operators["gemm"]
@@ -123,6 +123,34 @@ def test_a_moe_table_inherits_the_keys_it_leaves_out_from_gemm(tmp_path) -> None
     bad.write_text(path.read_text().replace("launches = 15", "launches = 1.5"))
     with pytest.raises(ValueError, match=r"operators\.moe\.launches must be an integer"):
         load_device(bad)
+
+
+def test_w8a8_matrix_work_runs_at_its_own_share_of_the_int8_peak(tmp_path) -> None:
+    """An engine's 8-bit expert path need not reach the 16-bit path's share of a doubled peak: h100-sxm's MoE
+    table fits its own (``w8a8_compute_efficiency``). It prices only a W8A8 model's grouped matmuls there; the
+    dense GEMMs keep theirs, and a BF16 model never reads it."""
+    h100 = load_device("h100-sxm")
+    moe = h100.operators["moe"]
+    assert moe.w8a8_compute_efficiency is not None and h100.operators["gemm"].w8a8_compute_efficiency is None
+    plain = h100.with_operators({"moe": dataclasses.replace(moe, w8a8_compute_efficiency=None)})
+    prefill = _step(16384)  # 1024 rows an expert: compute-bound at either share
+    fp8 = load_model("qwen3-30b-a3b", quantization="w8a8")
+    fitted, unfitted = CostModel(fp8, h100, 16).operator_times(prefill), CostModel(fp8, plain, 16).operator_times(prefill)
+    ratio = moe.compute_efficiency / moe.w8a8_compute_efficiency  # 1.39; the kernels' launches are the same
+    assert fitted["moe"] == pytest.approx(unfitted["moe"] * ratio, rel=0.01)
+    assert fitted["gemm"] == unfitted["gemm"]
+    bf16 = load_model("qwen3-30b-a3b")
+    assert CostModel(bf16, h100, 16).operator_times(prefill) == CostModel(bf16, plain, 16).operator_times(prefill)
+    path = save_device(h100, tmp_path / "h.toml")
+    assert load_device(path) == h100
+    # An inherited table that sets its own compute efficiency does not take the parent's 8-bit one with it.
+    text = path.read_text().replace("[operators.gemm]\n", "[operators.gemm]\nw8a8_compute_efficiency = 0.2\n")
+    (tmp_path / "g.toml").write_text(text.replace(f"w8a8_compute_efficiency = {moe.w8a8_compute_efficiency}\n", ""))
+    edited = load_device(tmp_path / "g.toml")
+    assert edited.operators["gemm"].w8a8_compute_efficiency == 0.2 and edited.operators["moe"].w8a8_compute_efficiency is None
+    (tmp_path / "bad.toml").write_text(text.replace("w8a8_compute_efficiency = 0.2", "w8a8_compute_efficiency = 0"))
+    with pytest.raises(ValueError, match=r"operators\.gemm\.w8a8_compute_efficiency must be > 0"):
+        load_device(tmp_path / "bad.toml")
 
 
 def test_the_moe_layers_kernel_count_is_what_eager_dispatch_pays() -> None:

@@ -14,7 +14,8 @@ Notation: ``L`` layers, ``h`` hidden size, ``q = heads*head_dim``, ``kv = kv_hea
 in one layer (K and V, + int8 scales), ``P = h(q+2kv) + qh + 3hI`` matmul weights of one layer,
 ``T`` = num_tokens, ``T'`` = T padded to the engine's nearest captured graph size (``T' = T`` outside
 a graph; sim/perf/engine_overhead.py), ``S`` = num_sampled, other names as in :class:`StepFeatures`,
-``[x]`` = 1 if x > 0 else 0. Roofs: *matrix* = ``matrix_flops[activation dtype]``, *vector* =
+``[x]`` = 1 if x > 0 else 0. Roofs: *matrix* = ``matrix_flops[activation dtype]`` (gemm and moe of
+a W8A8 model: ``int8``, at the operator's ``w8a8_compute_efficiency`` where the device sets one), *vector* =
 ``vector_flops``, *HBM* = ``hbm_bandwidth``, *host* = ``host_link_bandwidth``. Per operator,
 ``flops | bytes | calls``:
 
@@ -297,7 +298,10 @@ class CostModel:
     def _unit_costs(self, op: str) -> tuple[float, float, float]:
         coeffs = self.device.operators[op]
         peak, bandwidth = self.roofs(op)
-        per_flop = 0.0 if coeffs.compute_efficiency is None else 1.0 / (peak * coeffs.compute_efficiency)
+        efficiency = coeffs.compute_efficiency
+        if op in QUANTIZED_OPERATORS and self.model.matmul_dtype == "int8" and coeffs.w8a8_compute_efficiency is not None:
+            efficiency = coeffs.w8a8_compute_efficiency
+        per_flop = 0.0 if efficiency is None else 1.0 / (peak * efficiency)
         per_byte = 0.0 if coeffs.memory_efficiency is None else 1.0 / (bandwidth * coeffs.memory_efficiency)
         return per_flop, per_byte, coeffs.call_s
 

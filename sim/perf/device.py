@@ -32,6 +32,7 @@ Layout::
     compute_efficiency = 0.7          # achieved fraction of the matrix (or vector) peak
     memory_efficiency = 0.85          # achieved fraction of the bandwidth it streams over
     launch_s = 3e-6                   # optional: this operator's fixed cost per launch
+    w8a8_compute_efficiency = 0.34    # optional (gemm, moe): the fraction of the int8 peak under W8A8
 
     [operators.paged_gather]
     block_s = 2e-8                    # seconds per KV block touched, per layer
@@ -66,8 +67,8 @@ MATRIX_DTYPES = ("fp16", "bf16", "fp32", "int8")
 # Operator class -> the coefficients its formula reads (see sim/perf/cost_model.py).
 # ``launch_s`` is optional everywhere it appears and defaults to the device's launch_overhead_s.
 OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
-    "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens"),
-    "moe": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens", "launches"),
+    "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens", "w8a8_compute_efficiency"),
+    "moe": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens", "launches", "w8a8_compute_efficiency"),
     "elementwise": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "kv_write": ("memory_efficiency", "launch_s"),
     "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s", "score_bytes"),
@@ -86,7 +87,7 @@ OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
 # ``half_*`` the size at which it reaches half its efficiency, ``score_bytes`` the bytes per
 # (query, key, head) pair of attention kernels that write their score matrix to HBM.
 SHAPE_KEYS = ("half_tokens", "half_context", "score_bytes")
-OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s", *SHAPE_KEYS})
+OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s", "w8a8_compute_efficiency", *SHAPE_KEYS})
 # The key that holds an operator's fixed cost per call (OperatorCoefficients.call_s).
 CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s", "token_s")
 # Operators a profile may leave out, costing nothing then: host overhead and the decode kernel's serial
@@ -128,6 +129,9 @@ class OperatorCoefficients:
     it. ``shape`` is the value of the operator's shape key (:data:`SHAPE_KEYS`), 0 without one.
     ``launches`` (moe only): the kernels one MoE layer launches, where an engine's MoE path is known
     to launch another number than the cost model's generic count (None: that count).
+    ``w8a8_compute_efficiency`` (gemm and moe): the share of the 8-bit matrix peak the operator reaches
+    when a W8A8 model runs it there; an engine's 8-bit path (scaled FP8/INT8 GEMMs, per-block scales)
+    need not reach the share its 16-bit path does of a peak twice as high (None: ``compute_efficiency``).
     """
 
     call_s: float
@@ -135,6 +139,7 @@ class OperatorCoefficients:
     memory_efficiency: float | None = None
     shape: float = 0.0
     launches: int | None = None
+    w8a8_compute_efficiency: float | None = None
 
 
 @dataclass(frozen=True)
@@ -262,10 +267,13 @@ def scaled_profile(device: DeviceProfile, factor: float = 1.0, row_count_terms: 
         if not (value > 0 and value != float("inf")):
             raise ValueError(f"{flag} must be a finite number > 0, got {value}")
 
+    def divided(efficiency: float | None, by: float) -> float | None:
+        return None if efficiency is None else efficiency / by
+
     def scaled(c: OperatorCoefficients) -> OperatorCoefficients:
-        return replace(c, call_s=c.call_s * factor,
-                       compute_efficiency=None if c.compute_efficiency is None else c.compute_efficiency / compute,
-                       memory_efficiency=None if c.memory_efficiency is None else c.memory_efficiency / factor)
+        return replace(c, call_s=c.call_s * factor, compute_efficiency=divided(c.compute_efficiency, compute),
+                       w8a8_compute_efficiency=divided(c.w8a8_compute_efficiency, compute),
+                       memory_efficiency=divided(c.memory_efficiency, factor))
 
     terms = {rows: seconds * factor for rows, seconds in device.row_count_s.items()} if row_count_terms else {}
     engine = device.engine if device.engine is None else replace(device.engine, dispatch_s=device.engine.dispatch_s * factor)
@@ -417,6 +425,10 @@ def _operator(ops: dict, op: str, default_launch_s: float, path: Path,
         launches = _number(table, "launches", int, path, prefix)
     else:
         launches = parent.launches if parent else None
+    if "w8a8_compute_efficiency" in table:
+        effs["w8a8_compute_efficiency"] = _number(table, "w8a8_compute_efficiency", float, path, prefix)
+    elif parent and "compute_efficiency" not in table:  # the 8-bit figure goes with the 16-bit one it was found beside
+        effs["w8a8_compute_efficiency"] = parent.w8a8_compute_efficiency
     return OperatorCoefficients(call_s=call_s, shape=shape, launches=launches, **effs)
 
 

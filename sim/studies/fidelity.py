@@ -99,6 +99,7 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "engine.request_s": (1e-5, 1.0),
     "operators.host_step.step_s": (1e-6, 0.1),
     "operators.gemm.compute_efficiency": (0.05, 1.0),
+    "operators.moe.w8a8_compute_efficiency": (0.05, 1.0),
     "operators.gemm.memory_efficiency": (0.2, 1.0),
     "operators.attn_prefill.compute_efficiency": (0.01, 1.0),
     "operators.attn_decode.half_context": (1.0, 1e5),
@@ -334,6 +335,8 @@ def get_parameter(device: DeviceProfile, name: str) -> float:
     coeffs: OperatorCoefficients = device.operators[op]
     if key in ("step_s", "seq_s", "token_s", "launch_s", "block_s"):
         return coeffs.call_s
+    if key == "w8a8_compute_efficiency" and coeffs.w8a8_compute_efficiency is None:
+        return float(coeffs.compute_efficiency)  # what the cost model runs W8A8 at without one
     return coeffs.shape if key in SHAPE_KEYS else float(getattr(coeffs, key))
 
 
