@@ -14,6 +14,11 @@ modelling code reads (transformers' ``configuration_*.py`` and vLLM's ``vllm/mod
   ``n_shared_experts`` shared experts and ``first_k_dense_replace`` dense layers first.
   DeepSeek-V3's multi-token-prediction layer (``num_nextn_predict_layers``) is not served by
   default and not counted.
+- ``Glm4MoeForCausalLM`` (GLM-4.5, 4.6, 4.7): GQA attention with a bias on q, k and v
+  (``attention_bias``) and per-head q/k RMSNorm where ``use_qk_norm``; MoE as DeepSeek-V3's
+  (``n_routed_experts``, ``n_shared_experts``, ``first_k_dense_replace``). RoPE turns only
+  ``partial_rotary_factor`` of each head; its small elementwise cost is counted on the whole head.
+  The multi-token-prediction layer is not counted, as for DeepSeek-V3.
 
 Unknown architectures, missing fields and layouts kvsim does not model (experts on every other
 layer) are errors naming the field. A bundled config keeps its source URL under ``_source``.
@@ -166,6 +171,21 @@ def _deepseek(c: _Config) -> dict:
     }
 
 
+def _glm4_moe(c: _Config) -> dict:
+    moe_size = c.int("moe_intermediate_size")
+    return {
+        **_common(c),
+        "qkv_bias": c.flag("attention_bias"),
+        "qk_norm": c.flag("use_qk_norm"),
+        "intermediate_size": c.int("intermediate_size"),  # the first_k_dense_replace layers' MLP
+        "num_experts": c.int("n_routed_experts"),
+        "num_experts_per_tok": c.int("num_experts_per_tok"),
+        "moe_intermediate_size": moe_size,
+        "shared_expert_intermediate_size": c.int("n_shared_experts", 0, positive=False) * moe_size,
+        "dense_layers": c.int("first_k_dense_replace", 0, positive=False),
+    }
+
+
 READERS: dict[str, Callable[[_Config], dict]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -175,6 +195,7 @@ READERS: dict[str, Callable[[_Config], dict]] = {
     "MixtralForCausalLM": _mixtral,
     "DeepseekV2ForCausalLM": _deepseek,
     "DeepseekV3ForCausalLM": _deepseek,
+    "Glm4MoeForCausalLM": _glm4_moe,
 }
 
 
