@@ -102,8 +102,8 @@ def test_model_info_json_gives_total_and_active_params() -> None:
 NULL = object()  # a field written as JSON null (None: the field left out)
 
 
-def _config(tmp_path: Path, **changes) -> Path:
-    data = json.loads((MODELS_DIR / "qwen3-30b-a3b.json").read_text())
+def _config(tmp_path: Path, base: str = "qwen3-30b-a3b", **changes) -> Path:
+    data = json.loads((MODELS_DIR / f"{base}.json").read_text())
     for key, value in changes.items():
         if value is None:
             data.pop(key)
@@ -123,6 +123,8 @@ def _config(tmp_path: Path, **changes) -> Path:
         ({"hidden_size": -2048}, "hidden_size"),
         ({"num_experts_per_tok": 129}, "num_experts_per_tok"),
         ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ({"base": "glm-4.6", "use_qk_norm": "yes"}, "use_qk_norm must be true or false"),
+        ({"base": "glm-4.6", "n_routed_experts": None}, "missing field n_routed_experts"),
     ],
 )
 def test_bad_config_is_one_line_exit_2_naming_the_field(tmp_path: Path, changes: dict, named: str) -> None:
