@@ -312,6 +312,24 @@ def test_a_parameter_only_the_left_out_source_fits_takes_a_prior_and_is_named() 
     assert left_out["c"].results[0].predicted != full[2].predicted  # "c" falls back to "a"'s 910B3 value
 
 
+def test_a_left_out_refinement_is_unset_not_set_to_its_ranges_centre() -> None:
+    """The 8-bit share of the MoE kernels refines their 16-bit one: without its only fit row the model runs as it
+    would without the parameter (the 16-bit share), where the log-centre of its range (0.22) would invent a value."""
+    name = "operators.moe.w8a8_compute_efficiency"
+    base = _serving_row(metric="batch_latency", model="qwen3-30b-a3b", quantization="w8a8", device="h100-sxm",
+                        input_len=2048, output_len=4)
+    rows = [_measured_at(base, name, 0.4, id="a1", source="a", split="fit", fits=name),
+            _measured_at(base, name, 0.4, id="b1", source="b", num_prompts=4)]
+    full, left_out = _loso(rows)
+    assert abs(full[0].signed_error) < 0.01
+    value, origin = left_out["a"].priors[f"h100-sxm:{name}"]
+    sixteen_bit = load_device("h100-sxm").operators["moe"].compute_efficiency
+    assert (value, origin) == (sixteen_bit, "unset: operators.moe.compute_efficiency, as without the fit")
+    unset = load_device("h100-sxm").with_operators(
+        {"moe": replace(load_device("h100-sxm").operators["moe"], w8a8_compute_efficiency=None)})
+    assert left_out["a"].results[0].predicted == pytest.approx(predict_row(rows[0], unset))
+
+
 def _coupled_fit_rows() -> tuple[list[Row], dict[str, float]]:
     """Two fit rows where the first row's figure depends on the second row's parameter: a served
     TTFT (API server's request_s plus an eager prefill, so dispatch_s) fitting request_s, then an

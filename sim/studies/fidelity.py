@@ -111,6 +111,9 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "engine.stream_s": (1e-7, 1e-2),
     "operators.moe.half_tokens": (1.0, 1e5),
 }
+# Parameters that refine another where a device sets them (without one, the cost model runs on the other):
+# a refinement left out of a fit is left unset, so its value is the other's, not its range's log-centre.
+REFINES = {"operators.moe.w8a8_compute_efficiency": "operators.moe.compute_efficiency"}
 # Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
 # row is still reported as a fit row, never as accuracy.
 HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS"}
@@ -713,7 +716,7 @@ def leave_one_source_out(
             for dev, parameter in fitters:
                 if dev != name or any(r.device == dev and r.fits == parameter for r in others):
                     continue
-                value, origin = _prior(parameter, dev, source, fitters, fitted)
+                value, origin = _prior(parameter, dev, source, fitters, fitted, device)
                 priors[f"{dev}:{parameter}"] = (value, origin)
                 device = set_parameter(device, parameter, value)
             fits[name] = fit_to_fixed_point([r for r in others if r.device == name], {name: device}, tolerance, max_passes,
@@ -726,12 +729,15 @@ def leave_one_source_out(
 
 
 def _prior(parameter: str, device: str, source: str, fitters: dict[tuple[str, str], Row],
-           fitted: dict[str, DeviceProfile]) -> tuple[float, str]:
-    """A left-out parameter's value and its origin (:func:`leave_one_source_out`'s rule)."""
+           fitted: dict[str, DeviceProfile], profile: DeviceProfile) -> tuple[float, str]:
+    """A left-out parameter's value and its origin (:func:`leave_one_source_out`'s rule); ``profile``:
+    the device as the refit starts from, whose refined parameter a refinement (:data:`REFINES`) takes."""
     elsewhere = {dev: row.id for (dev, p), row in fitters.items() if p == parameter and dev != device and row.source != source}
     if elsewhere:
         value = float(np.median([get_parameter(fitted[dev], parameter) for dev in elsewhere]))
         return value, "fitted on " + ", ".join(f"{dev} (row {row_id})" for dev, row_id in sorted(elsewhere.items()))
+    if parameter in REFINES:
+        return get_parameter(profile, REFINES[parameter]), f"unset: {REFINES[parameter]}, as without the fit"
     return prior_value(parameter), "log-centre of its search range"
 
 
