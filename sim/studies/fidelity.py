@@ -338,8 +338,8 @@ def get_parameter(device: DeviceProfile, name: str) -> float:
     coeffs: OperatorCoefficients = device.operators[op]
     if key in ("step_s", "seq_s", "token_s", "launch_s", "block_s"):
         return coeffs.call_s
-    if key == "w8a8_compute_efficiency" and coeffs.w8a8_compute_efficiency is None:
-        return float(coeffs.compute_efficiency)  # what the cost model runs W8A8 at without one
+    if name in REFINES and getattr(coeffs, key) is None:  # unset: the cost model runs on the refined parameter
+        return get_parameter(device, REFINES[name])
     return coeffs.shape if key in SHAPE_KEYS else float(getattr(coeffs, key))
 
 
