@@ -105,12 +105,12 @@ def test_mla_and_int8_kv_hold_more_tokens_in_the_same_memory() -> None:
 
 
 def test_a_moe_table_inherits_the_keys_it_leaves_out_from_gemm(tmp_path) -> None:
-    """ascend-910b3 sets only the MoE layer's kernel count and half_tokens: the efficiencies and
+    """ascend-910b3 sets only the MoE layer's kernel count and group_flops: the efficiencies and
     launch cost stay the GEMM's; h100-sxm sets only the efficiencies; a device without the table
     prices MoE as GEMM with the generic count."""
     moe, gemm = DEVICE.operators["moe"], DEVICE.operators["gemm"]
     assert (moe.compute_efficiency, moe.memory_efficiency, moe.call_s) == (gemm.compute_efficiency, gemm.memory_efficiency, gemm.call_s)
-    assert moe.launches == 15 and moe.shape > 0
+    assert moe.launches == 15 and moe.group_flops > 0 and moe.shape == 0
     plain = load_device("rtx-3090")
     assert plain.operators["moe"] == plain.operators["gemm"] and plain.operators["moe"].launches is None
     h100 = load_device("h100-sxm")  # sets the efficiencies only: its GEMM's are a dense serving fit
@@ -151,6 +151,26 @@ def test_w8a8_matrix_work_runs_at_its_own_share_of_the_int8_peak(tmp_path) -> No
     (tmp_path / "bad.toml").write_text(text.replace("w8a8_compute_efficiency = 0.2", "w8a8_compute_efficiency = 0"))
     with pytest.raises(ValueError, match=r"operators\.gemm\.w8a8_compute_efficiency must be > 0"):
         load_device(tmp_path / "bad.toml")
+
+
+def test_a_grouped_matmuls_fixed_cost_per_group_does_not_grow_with_the_expert() -> None:
+    """group_flops is work per touched expert whatever its size; half_tokens is rows of that expert. Fitted as
+    rows on Qwen3-30B-A3B at TP2 (a 2.4M-weight slice), the 910B3's term cost DeepSeek-V3's whole 44M-weight
+    experts 19x as much; as a fixed cost it costs both the same."""
+    qwen, deepseek = load_model("qwen3-30b-a3b"), load_model("deepseek-v3")
+    per_group = DEVICE.operators["moe"].group_flops
+    rows = DEVICE.with_operators({"moe": dataclasses.replace(DEVICE.operators["moe"], group_flops=0.0,
+                                                             shape=per_group / (2 * deepseek.expert_params()))})
+    none = DEVICE.with_operators({"moe": dataclasses.replace(DEVICE.operators["moe"], group_flops=0.0)})
+    step = _step(0, decode_seqs=4)
+
+    def added(model, device) -> float:
+        return CostModel(model, device, 128).operator_work(step)["moe"].flops - CostModel(model, none, 128).operator_work(step)["moe"].flops
+
+    touched = ExpertRouting(num_experts=256, top_k=8).distinct_experts(4.0) * deepseek.num_moe_layers
+    assert added(deepseek, DEVICE) == pytest.approx(per_group * touched)
+    assert added(deepseek, rows) == pytest.approx(added(deepseek, DEVICE))  # the same work on the expert it was sized on
+    assert added(qwen, rows) < added(qwen, DEVICE) / 8  # but rows shrink with a smaller expert (9.3x smaller)
 
 
 def test_the_moe_layers_kernel_count_is_what_eager_dispatch_pays() -> None:

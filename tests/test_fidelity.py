@@ -382,8 +382,8 @@ def test_a_fit_cut_off_before_its_fixed_point_says_it_is_not_one() -> None:
     [
         ("engine.v0_seq_s", 3e-4, dict(engine_core="v0", metric="itl_median", num_prompts=32)),
         ("engine.stream_s", 1e-3, dict(workload="burst", metric="ttft_p99", num_prompts=32, output_len=64)),
-        ("operators.moe.half_tokens", 1500.0, dict(model="qwen3-30b-a3b", parallelism="TP2", tensor_parallel_size=2,
-                                                   workload="burst", num_prompts=64, output_len=64)),
+        ("operators.moe.group_flops", 7e9, dict(model="qwen3-30b-a3b", parallelism="TP2", tensor_parallel_size=2,
+                                                workload="burst", num_prompts=64, output_len=64)),
     ],
 )
 def test_the_third_pass_parameters_are_recovered_from_their_figure(name: str, value: float, changes: dict) -> None:

@@ -252,6 +252,7 @@ class CostModel:
         self._dispatched = tuple(OPERATORS.index(op) for op in DISPATCHED_OPERATORS)
         self._half_tokens = device.operators["gemm"].shape
         self._moe_half_tokens = device.operators["moe"].shape
+        self._moe_group_flops = device.operators["moe"].group_flops
         self._moe_launches = device.operators["moe"].launches or MOE_LAUNCHES
         self._gemv_rows = device.gemv_rows
         self._row_count_s = device.row_count_s
@@ -372,12 +373,13 @@ class CostModel:
     def _moe_row(self, Tp: Num, on_T: Num) -> tuple[Num, Num, Num]:
         """The routed experts of every MoE layer: each token runs top-k experts; the weights read are
         those of the distinct experts the step's tokens touch (sim/perf/expert_routing.py), and each
-        touched expert's grouped matmul pays the small-M loss once (``half_tokens`` of the moe table).
+        touched expert's grouped matmul pays the small-M loss once: ``half_tokens`` rows of that expert, or
+        ``group_flops`` whatever its size (the moe table's).
         Under expert parallelism: the busiest rank's token copies and experts."""
         Lm, Pe = self._moe_layers, self._expert_params
         copies, touched = self.routing.busiest_rank(Tp)
         return (
-            2 * (copies + self._moe_half_tokens * touched) * Lm * Pe,
+            (2 * (copies + self._moe_half_tokens * touched) * Pe + self._moe_group_flops * touched) * Lm,
             touched * Lm * Pe * self._w + self._a * copies * Lm * self._expert_act_elems,
             self._moe_launches * Lm * on_T,
         )

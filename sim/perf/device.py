@@ -68,7 +68,8 @@ MATRIX_DTYPES = ("fp16", "bf16", "fp32", "int8")
 # ``launch_s`` is optional everywhere it appears and defaults to the device's launch_overhead_s.
 OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "gemm": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens", "w8a8_compute_efficiency"),
-    "moe": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens", "launches", "w8a8_compute_efficiency"),
+    "moe": ("compute_efficiency", "memory_efficiency", "launch_s", "half_tokens", "launches", "w8a8_compute_efficiency",
+            "group_flops"),
     "elementwise": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "kv_write": ("memory_efficiency", "launch_s"),
     "attn_prefill": ("compute_efficiency", "memory_efficiency", "launch_s", "score_bytes"),
@@ -87,7 +88,7 @@ OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
 # ``half_*`` the size at which it reaches half its efficiency, ``score_bytes`` the bytes per
 # (query, key, head) pair of attention kernels that write their score matrix to HBM.
 SHAPE_KEYS = ("half_tokens", "half_context", "score_bytes")
-OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s", "w8a8_compute_efficiency", *SHAPE_KEYS})
+OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s", "w8a8_compute_efficiency", "group_flops", *SHAPE_KEYS})
 # The key that holds an operator's fixed cost per call (OperatorCoefficients.call_s).
 CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s", "token_s")
 # Operators a profile may leave out, costing nothing then: host overhead and the decode kernel's serial
@@ -129,6 +130,8 @@ class OperatorCoefficients:
     it. ``shape`` is the value of the operator's shape key (:data:`SHAPE_KEYS`), 0 without one.
     ``launches`` (moe only): the kernels one MoE layer launches, where an engine's MoE path is known
     to launch another number than the cost model's generic count (None: that count).
+    ``group_flops`` (moe only): the work each touched expert's grouped matmul adds per MoE layer whatever
+    the expert's size, a fixed cost per group (0: none), where ``half_tokens`` adds rows of that expert.
     ``w8a8_compute_efficiency`` (gemm and moe): the share of the 8-bit matrix peak the operator reaches
     when a W8A8 model runs it there; an engine's 8-bit path (scaled FP8/INT8 GEMMs, per-block scales)
     need not reach the share its 16-bit path does of a peak twice as high (None: ``compute_efficiency``).
@@ -140,6 +143,7 @@ class OperatorCoefficients:
     shape: float = 0.0
     launches: int | None = None
     w8a8_compute_efficiency: float | None = None
+    group_flops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -425,6 +429,8 @@ def _operator(ops: dict, op: str, default_launch_s: float, path: Path,
         launches = _number(table, "launches", int, path, prefix)
     else:
         launches = parent.launches if parent else None
+    if "group_flops" in table:
+        effs["group_flops"] = _number(table, "group_flops", float, path, prefix, allow_zero=True)
     if "w8a8_compute_efficiency" in table:
         effs["w8a8_compute_efficiency"] = _number(table, "w8a8_compute_efficiency", float, path, prefix)
     elif parent and "compute_efficiency" not in table:  # the 8-bit figure goes with the 16-bit one it was found beside

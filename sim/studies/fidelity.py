@@ -109,7 +109,7 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "engine.admit_s": (1e-5, 0.2),
     "engine.v0_seq_s": (1e-7, 1e-2),
     "engine.stream_s": (1e-7, 1e-2),
-    "operators.moe.half_tokens": (1.0, 1e5),
+    "operators.moe.group_flops": (1e6, 1e12),
 }
 # Parameters that refine another where a device sets them (without one, the cost model runs on the other):
 # a refinement left out of a fit is left unset, so its value is the other's, not its range's log-centre.
