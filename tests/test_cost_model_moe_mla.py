@@ -168,7 +168,9 @@ def test_a_grouped_matmuls_fixed_cost_per_group_does_not_grow_with_the_expert() 
         return CostModel(model, device, 128).operator_work(step)["moe"].flops - CostModel(model, none, 128).operator_work(step)["moe"].flops
 
     touched = ExpertRouting(num_experts=256, top_k=8).distinct_experts(4.0) * deepseek.num_moe_layers
+    touched_qwen = ExpertRouting(num_experts=128, top_k=8).distinct_experts(4.0) * qwen.num_moe_layers
     assert added(deepseek, DEVICE) == pytest.approx(per_group * touched)
+    assert added(qwen, DEVICE) == pytest.approx(per_group * touched_qwen)  # the same work a touched expert
     assert added(deepseek, rows) == pytest.approx(added(deepseek, DEVICE))  # the same work on the expert it was sized on
     assert added(qwen, rows) < added(qwen, DEVICE) / 8  # but rows shrink with a smaller expert (9.3x smaller)
 
