@@ -159,16 +159,7 @@ def _deepseek(c: _Config) -> dict:
         "qk_rope_head_dim": rope,
         "v_head_dim": c.int("v_head_dim"),
     }
-    if not experts:
-        return fields
-    return {
-        **fields,
-        "num_experts": experts,
-        "num_experts_per_tok": c.int("num_experts_per_tok"),
-        "moe_intermediate_size": moe_size,
-        "shared_expert_intermediate_size": c.int("n_shared_experts", 0, positive=False) * moe_size,
-        "dense_layers": c.int("first_k_dense_replace", 0, positive=False),
-    }
+    return {**fields, **_shared_expert_moe(c, experts, moe_size)} if experts else fields
 
 
 def _glm4_moe(c: _Config) -> dict:
@@ -178,7 +169,15 @@ def _glm4_moe(c: _Config) -> dict:
         "qkv_bias": c.flag("attention_bias"),
         "qk_norm": c.flag("use_qk_norm"),
         "intermediate_size": c.int("intermediate_size"),  # the first_k_dense_replace layers' MLP
-        "num_experts": c.int("n_routed_experts"),
+        **_shared_expert_moe(c, c.int("n_routed_experts"), moe_size),
+    }
+
+
+def _shared_expert_moe(c: _Config, experts: int, moe_size: int) -> dict:
+    """DeepSeek's MoE layout, which GLM-4.5 shares: ``experts`` routed experts and ``n_shared_experts`` shared ones
+    of ``moe_size``, top ``num_experts_per_tok``, after ``first_k_dense_replace`` dense layers."""
+    return {
+        "num_experts": experts,
         "num_experts_per_tok": c.int("num_experts_per_tok"),
         "moe_intermediate_size": moe_size,
         "shared_expert_intermediate_size": c.int("n_shared_experts", 0, positive=False) * moe_size,
