@@ -216,7 +216,6 @@ def validate_runs(
 
 
 PASS, FAIL, INCONCLUSIVE = 0, 1, 3  # exit statuses (2 stays the user's mistake)
-WHAT_TO_DO = "rerun it, on a quieter machine (stop other work on it) or on an accelerator (--backend cuda)"
 
 
 @dataclass(frozen=True)
@@ -247,7 +246,7 @@ def allowance(check: str, threshold: float, spread: float) -> float:
 
 
 def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict[str, float | None], moved: float,
-            thresholds: Thresholds, fit_ratio: float | None = None) -> Verdict:
+            thresholds: Thresholds, fit_ratio: float | None = None, advice: str = "rerun it") -> Verdict:
     """Pass, fail or inconclusive from the checks and what the machine's own measured behaviour explains.
 
     ``spread``: each timing check's real-vs-real spread (realexec/repeatability.py); checks without
@@ -255,6 +254,7 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
     timing check's least error with the model scaled to the speeds the machine ran at while
     measuring, and to those times ``fit_ratio`` (where the profile's quick fit landed against the
     reference steps timed beside it: a fit the machine's noise bent; None: not recorded).
+    ``advice``: what an inconclusive verdict tells the user to do (the backend's ``rerun_advice``).
     ``moved``: how far the machine's speed strayed while measuring (``MachineSpeed.moved``).
 
     - **fail**: a check misses its threshold, and its error, even with the model at the machine's
@@ -290,9 +290,9 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
                        f"{c['name']} {c['value']:.3f} over its limit {c['threshold']:.3f}{more}, but {best:.3f} with the model "
                        f"at the machine's measured speed (it moved {moved:.0%} while measuring){fit_note}, within the {room:.3f} that "
                        f"measurements moving as this machine's did allow: the machine cannot tell this model's error from its "
-                       f"own; {WHAT_TO_DO}")
+                       f"own; {advice}")
     if moved > thresholds.step_mape:
         return Verdict("inconclusive", INCONCLUSIVE,
                        f"every check passed, but the machine's speed moved {moved:.0%} while measuring, "
-                       f"more than the step limit {thresholds.step_mape:.0%}: a model off by as much would pass too; {WHAT_TO_DO}")
+                       f"more than the step limit {thresholds.step_mape:.0%}: a model off by as much would pass too; {advice}")
     return Verdict("pass", PASS, f"every check within its limit, the machine's speed within {moved:.0%} while measuring")

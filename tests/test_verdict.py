@@ -38,9 +38,23 @@ def test_a_miss_beyond_the_spread_even_at_the_machines_speed_fails():
 
 def test_a_miss_the_machines_measured_speed_explains_is_inconclusive():
     """20 % off on a machine that ran 18 % slower than profiled: at that speed the model is 2 % off."""
-    v = verdict(checks(step_mape=0.20), SPREAD, {"step_mape": 0.02}, moved=0.18, thresholds=T)
+    v = verdict(checks(step_mape=0.20), SPREAD, {"step_mape": 0.02}, moved=0.18, thresholds=T, advice="try again later")
     assert (v.outcome, v.exit_code) == ("inconclusive", INCONCLUSIVE)
-    assert "it moved 18% while measuring" in v.reason and "quieter machine" in v.reason
+    assert "it moved 18% while measuring" in v.reason and v.reason.endswith("; try again later")
+
+
+def test_an_inconclusive_verdict_tells_a_cpu_user_to_use_an_accelerator_and_a_device_user_a_longer_step():
+    """On a GPU, "rerun it on an accelerator" is no advice: there the small model's sub-millisecond steps are what time unsteadily."""
+    from kvsim.realexec.backends.cpu import CpuBackend
+    from kvsim.realexec.backends.cuda import CudaBackend
+    from kvsim.realexec.backends.npu import NpuBackend
+
+    assert "--backend cuda" in CpuBackend.rerun_advice
+    for device in (CudaBackend, NpuBackend):
+        assert "--model llama-3.1-8b" in device.rerun_advice and "--backend" not in device.rerun_advice
+    for advice in (CpuBackend.rerun_advice, CudaBackend.rerun_advice):
+        v = verdict(checks(), SPREAD, {}, moved=0.15, thresholds=T, advice=advice)
+        assert v.outcome == "inconclusive" and v.reason.endswith(advice)
 
 
 def test_a_miss_within_the_real_vs_real_spread_is_inconclusive_and_beyond_it_fails():

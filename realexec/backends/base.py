@@ -132,6 +132,11 @@ class KernelBackend(ABC):
     device: torch.device
     # What ``elapsed`` and ``host_time`` measure, as validation.json and the reports name it.
     clock: str = "device events (host overhead: wall clock)"
+    # What an inconclusive verdict tells the user to do on this backend (realexec/validation.py). On an
+    # H200 the small model's sub-millisecond graph steps, timed again, moved 5-28 % and an 8B model's
+    # 1-2 % (docs/benchmarks.md, "Cross-validation on a GPU"), so a device backend points to longer steps.
+    rerun_advice: ClassVar[str] = ("rerun it with other work on the machine stopped, or with a model whose steps take "
+                                   "milliseconds (--model llama-3.1-8b): sub-millisecond steps time unsteadily")
     # The kernels reject a batch whose per-sequence block counts sum past the pool (FIA on Ascend).
     needs_batch_blocks_within_pool: ClassVar[bool] = False
     # Block sizes the paged kernels take, where they do not take the profiler's defaults.

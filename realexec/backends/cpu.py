@@ -80,6 +80,7 @@ def cpu_timing_repeats() -> int:
 
 class CpuBackend(TorchBackend):
     name = "cpu"
+    rerun_advice = "rerun it, on a quieter machine (stop other work on it) or on an accelerator (--backend cuda)"
     # CPU SDPA has vectorised fp32 and bf16 kernels but no fast fp16 path.
     compute_dtypes = {torch.float16: torch.float32}
 

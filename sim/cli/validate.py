@@ -252,7 +252,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
         validation["timing"]["collectives"] = collectives
     classes = step_classes(replay_timer.kinds, replay_timer.batch_sizes)
     judge(validation, [TimedSteps(timed, replay_timer.predicted, cost.step_time, classes)], [measured["retimed_s"]], real_summary,
-          *one_engine(sim_resolved, trace), before, speed, sim_resolved.device, thresholds)
+          *one_engine(sim_resolved, trace), before, speed, sim_resolved.device, thresholds, advice=backend.rerun_advice)
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
     validation.update(
         profile=str(profile_path),
@@ -270,12 +270,13 @@ def timed_steps(run: SimRun) -> list[float]:
 
 def judge(validation: dict, engines: list[TimedSteps], passes: list[list[list[float]]], real_summary: dict, replay: Replay,
           at_speed: AtSpeed, before: SpeedCheck, after: SpeedCheck, device: DeviceProfile, thresholds: Thresholds,
-          own: dict[str, tuple[float | None, float | None]] | None = None) -> None:
+          own: dict[str, tuple[float | None, float | None]] | None = None, advice: str = "rerun it") -> None:
     """Weigh the checks' misses against the machine and record how (docs/validate-verdict.md): the speed checks
     before and after the real run; each figure's real-vs-real spread, the engines' steps timed again (``passes``,
     one list an engine) and replayed; its least error with the model at the machine's speeds and at those times
     where the profile's fit landed against its own reference steps (``device``'s ratio; a biased copy keeps the
-    original's). ``own``: a check's (spread, error at the machine's speed) measured its own way."""
+    original's). ``own``: a check's (spread, error at the machine's speed) measured its own way; ``advice``: what an
+    inconclusive verdict tells the user to do (the backend's ``rerun_advice``)."""
     again = real_vs_real(engines, passes, real_summary, replay)
     moved = machine_speed(before, after, again["pass_speed"])
     fit = device.reference_fit_ratio
@@ -285,7 +286,7 @@ def judge(validation: dict, engines: list[TimedSteps], passes: list[list[list[fl
     validation["timing"].update(speed_check=after.to_dict(), speed_check_before=before.to_dict())
     validation["repeatability"] = {**again, "machine_speed": moved.to_dict(), "errors_at_machine_speed": explained,
                                    "profile_fit_ratio": fit}
-    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit).to_dict()
+    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit, advice).to_dict()
 
 
 def recorded(validation: dict, config: RunConfig, backend: KernelBackend, out_dir: Path) -> dict:

@@ -101,7 +101,7 @@ def cross_validate_pair(config: RunConfig, trace, backend: KernelBackend, profil
           lambda s: run_cluster(at_machine_speed(sim_resolved, s), trace, None, decisions="off")[1],
           before, speed, sim_resolved.device, thresholds,
           # the channel timed after the run against before it; the link's time does not scale with the machine's compute
-          own={TRANSFER_CHECK: (channel.spread, transfer["value"])})
+          own={TRANSFER_CHECK: (channel.spread, transfer["value"])}, advice=backend.rerun_advice)
     validation["timing"]["per_step"].update(noise_floor=sim_resolved.device.step_timing_noise,
                                             timing_repeats=measured["timing_repeats"])
     validation["timing"]["wall_clock"] = {"steps_wall_s": sum(walls), "steps_device_clock_s": sum(steps)}
