@@ -19,7 +19,7 @@ BIG_S=${BIG_S:-250}
 WORK=/tmp/device-check
 . benchmarks/device_env.sh
 
-part 100 "$BIG_S" "GPU tests" python3 -m pytest -m gpu -q -x -p no:cacheprovider tests
+part 100 "$BIG_S" "GPU tests" python3 -m pytest -m gpu -x -p no:cacheprovider tests
 tail -n 3 "$LOG" | tee -a "$SUMMARY"
 part 30 "$BIG_S" "doctor" kvsim doctor --backend cuda
 

@@ -26,7 +26,7 @@ CHECKS=${CHECKS:-8}
 WORK=/tmp/device-verdict
 . benchmarks/device_env.sh
 
-part 60 "$TAIL_S" "GPU tests" python3 -m pytest -m gpu -q -x -p no:cacheprovider tests
+part 60 "$TAIL_S" "GPU tests" python3 -m pytest -m gpu -x -p no:cacheprovider tests
 tail -n 3 "$LOG" | tee -a "$SUMMARY"
 if [ "$CHECKS" -gt 0 ]; then
     part 90 "$TAIL_S" "speed check spread" python3 benchmarks/speed_check_spread.py --backend cuda --model "$MODEL" --checks "$CHECKS"
