@@ -33,14 +33,19 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_bench_arguments(doc: str, steps: int) -> argparse.Namespace:
+    """The options of a benchmark that times one step shape on a backend (this one and step_order.py)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--model", default="small")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", dest="json_out")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = step_bench_arguments(__doc__, steps=60)
     backend = get_backend(args.backend, enforce_eager=args.enforce_eager)
     spec = load_model(args.model)
     block_size = 16

@@ -16,10 +16,10 @@ the step before it run and not timed.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
+from graph_idle import step_bench_arguments  # beside this script
 
 from kvsim.realexec.backends import get_backend
 from kvsim.realexec.executor import Executor
@@ -32,13 +32,7 @@ TARGETS = ("prefill 256", "decode 1 x 128")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="cuda")
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--json", dest="json_out")
-    args = parser.parse_args()
+    args = step_bench_arguments(__doc__, steps=40)
     backend = get_backend(args.backend, enforce_eager=args.enforce_eager)
     block_size = 16
     blocks = 2 * sum(footprint(shape, block_size) for shape in SHAPES.values())
