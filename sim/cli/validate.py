@@ -270,7 +270,7 @@ def timed_steps(run: SimRun) -> list[float]:
 
 def judge(validation: dict, engines: list[TimedSteps], passes: list[list[list[float]]], real_summary: dict, replay: Replay,
           at_speed: AtSpeed, before: SpeedCheck, after: SpeedCheck, device: DeviceProfile, thresholds: Thresholds,
-          own: dict[str, tuple[float | None, float | None]] | None = None, advice: str = "rerun it") -> None:
+          own: dict[str, tuple[float | None, float | None]] | None = None, *, advice: str) -> None:
     """Weigh the checks' misses against the machine and record how (docs/validate-verdict.md): the speed checks
     before and after the real run; each figure's real-vs-real spread, the engines' steps timed again (``passes``,
     one list an engine) and replayed; its least error with the model at the machine's speeds and at those times
