@@ -13,7 +13,8 @@
 #                                                                              verdict.md
 #   3. kvsim validate --backend cuda --model small-moe, then small-mla, if time is left
 # VARIANTS (default: the three above) picks the variants of a round, e.g. VARIANTS="right= bias=--perturb-profile=1.2"
-# where the device time allows only two; CHECKS (default 8; 0: none) the speed checks of each setting in part 1.
+# where the device time allows only two; CHECKS (default 8; 0: none) the speed checks of each setting in part 1;
+# TESTS=0 leaves out the GPU tests (when this tree's realexec already passed them on a GPU).
 # Every run's validation.json and log go into runs.tgz; summary.txt holds the tables.
 set -u
 OUT=${1:?usage: device_verdict.sh OUT_DIR [ROUNDS] [MODEL]}
@@ -26,8 +27,10 @@ CHECKS=${CHECKS:-8}
 WORK=/tmp/device-verdict
 . benchmarks/device_env.sh
 
-part 60 "$TAIL_S" "GPU tests" python3 -m pytest -m gpu -x -p no:cacheprovider tests
-tail -n 3 "$LOG" | tee -a "$SUMMARY"
+if [ "${TESTS:-1}" != 0 ]; then
+    part 60 "$TAIL_S" "GPU tests" python3 -m pytest -m gpu -x -p no:cacheprovider tests
+    tail -n 3 "$LOG" | tee -a "$SUMMARY"
+fi
 if [ "$CHECKS" -gt 0 ]; then
     part 90 "$TAIL_S" "speed check spread" python3 benchmarks/speed_check_spread.py --backend cuda --model "$MODEL" --checks "$CHECKS"
     grep -A5 "^cuda (" "$LOG" | tee -a "$SUMMARY"
