@@ -6,8 +6,9 @@ executor's own step (captured with ``realexec.graphs.capture``, which launches i
 
 Why: on an H200 the small model's prefills in a validate run took 1.04-1.12x their prediction,
 and `step_order.py` found no step slower after another shape. Timed one launch at a time, the
-first replay of each newly captured prefill size took 1.01-1.15x its later replays (round 3's
-nineteenth session, docs/benchmarks.md). A validate run meets most prefill sizes for the first
+first replay of each of 16 newly captured prefill sizes took 0.99-1.13x its later replays
+(median 1.06x) on the small model and 1.00-1.14x on Llama-3.1-8B (round 3's nineteenth session,
+docs/benchmarks.md). A validate run meets most prefill sizes for the first
 time; vLLM captures every size at start-up. For each size: launch 1 and the median of the later
 launches on the backend's clock, bare and through the executor; a decode step runs between
 launches, as in a serving run.

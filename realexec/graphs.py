@@ -53,9 +53,10 @@ class StepGraph(Protocol):
 def capture(graph: StepGraph, fn: Callable[[], None]) -> None:
     """``graph.capture(fn)`` with Python's cyclic garbage collector paused, then one untimed replay.
 
-    A graph's first launch is slower than the ones after it: on an H200 the first replay of each
-    newly captured prefill size took 1.01-1.15x its later replays (median 1.05x on the small model,
-    up to 1.4 ms more on Llama-3.1-8B), the graph going to the device on that launch. vLLM captures
+    A graph's first launch is slower than the ones after it: on an H200 the first replay of each of
+    16 newly captured prefill sizes took up to 1.13x its later replays on the small model (median
+    1.06x) and up to 1.14x (1.6 ms) on Llama-3.1-8B (benchmarks/first_launch.py; likely the upload
+    that CUDA does at a graph's first launch, on the stream the timing events read). vLLM captures
     every size at start-up, so its served steps replay warm graphs; this executor captures a size at
     its first step and the profiler captures many one-off graphs, so without the replay here every
     first step of a size, and every graph-timed operator case, would carry that launch. The replay

@@ -157,7 +157,7 @@ def test_no_dead_graph_is_collected_while_a_graph_is_captured():
 
 
 def test_no_timed_replay_is_a_graphs_first_launch():
-    """A graph's first launch is slower than its later ones (on an H200, 1.01-1.15x for a fresh prefill
+    """A graph's first launch is slower than its later ones (on an H200 up to 1.14x for a fresh prefill
     size): the executor's step graphs and the profiler's one-off graphs are launched once untimed right
     after capture, so a size's first step and a graph-timed operator case time a later launch."""
     from kvsim.realexec.executor import Executor
