@@ -289,7 +289,7 @@ class Executor:
     def _timed_pass(self, plan: StepPlan) -> TimedPass:
         """Build the inputs (host time) and run the forward pass and sampling (device time) once.
 
-        A step a captured size holds replays its graph (captured first, untimed, at a size's first step).
+        A step a captured size holds replays its graph (captured and launched once, untimed, at a size's first step).
         """
         size = self.graphs.size_for(plan.num_tokens) if self.graphs is not None else None
         clock = self.backend.host_time

@@ -10,7 +10,8 @@ Where it differs from vLLM, and why:
 
 - A size is captured at its first step, on that step's own inputs, not at start-up on dummy
   ones: a forward pass is a pure function of the plan and the tokens so far, so the warm-up runs
-  before capture write the very K/V into the very slots the replay then writes again.
+  before capture write the very K/V into the very slots the replay then writes again. The graph
+  is then launched once, untimed (``capture``), so the step's timed replay is not its first.
 - Padding rows repeat the step's last token (its id, position and sequence) and write their K/V
   into a slot of one block past the engine's (``pad_slot``); vLLM points them at a slot its
   kernels skip, as the npu backend does (``KernelBackend.graph_pad_slot``: -1, which its scatter
