@@ -4,14 +4,14 @@ executor's own step (captured with ``realexec.graphs.capture``, which launches i
 
     python benchmarks/first_launch.py [--backend cuda] [--model small] [--steps 6] [--json OUT]
 
-Why: on an H200 the small model's prefills in a validate run took 1.04-1.12x their prediction,
-and `step_order.py` found no step slower after another shape. Timed one launch at a time, the
-first replay of each of 16 newly captured prefill sizes took 0.99-1.13x its later replays
-(median 1.06x) on the small model and 1.00-1.14x on Llama-3.1-8B (round 3's nineteenth session,
-docs/benchmarks.md). A validate run meets most prefill sizes for the first
-time; vLLM captures every size at start-up. For each size: launch 1 and the median of the later
-launches on the backend's clock, bare and through the executor; a decode step runs between
-launches, as in a serving run.
+Why: the executor captured a size at its first step and timed that step's replay, and the
+profiler's attention and KV-write cases each timed a one-off graph's first replay. On an H200
+(round 3's nineteenth session, docs/benchmarks.md) the first replay of each of 16 newly captured
+prefill sizes took 0.99-1.13x its later replays (median 1.06x) on the small model and
+1.00-1.14x on Llama-3.1-8B; ``realexec.graphs.capture`` now launches a graph once, untimed. For
+each size: launch 1 and the median of the later launches on the backend's clock, bare (launch 1
+timed) and through the executor (its first timed step should read about 1.00x); a decode step
+runs between launches, as in a serving run.
 """
 
 from __future__ import annotations

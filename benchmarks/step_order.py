@@ -15,8 +15,7 @@ the step before it run and not timed.
 
 Measured on an H200 (round 3's nineteenth session), the lead does not hold: with graphs the
 256-token prefill took 1.128-1.136 ms after each shape and the decode 0.584-0.589 ms; eagerly,
-a decode after a prefill took 1.70 ms against 1.63 ms after a decode. `first_launch.py` found
-the cause instead: a graph's first launch.
+a decode after a prefill took 1.70 ms against 1.63 ms after a decode.
 """
 
 from __future__ import annotations

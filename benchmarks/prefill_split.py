@@ -1,0 +1,73 @@
+"""Where a validate run's prefill steps miss: measured over predicted, split by what a step holds.
+
+    python benchmarks/prefill_split.py RUN_DIR [RUN_DIR ...] [--capture-sizes-from h200]
+
+For the prefill steps of each run (its validation.json's step series, its real run's decision
+log): the median measured / predicted of the steps that replayed a capture size for the first
+time in the run and of those that replayed one again; and by new tokens and by context (cached
+plus new tokens). Why: on an H200 every right run's prefills took 1.04-1.12x their prediction
+while a 256-token prefill with no cached prefix read 0.88-0.93x (docs/benchmarks.md, round 3's
+eighteenth and nineteenth sessions); this tells a first launch from a shape the model prices
+wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvsim.sim.perf.device import load_device
+from kvsim.sim.run.decisions import read_decisions
+
+TOKEN_BUCKETS = ((1, 64), (64, 256), (256, 512), (512, 513), (513, None))
+CONTEXT_BUCKETS = ((0, 256), (256, 512), (512, 1024), (1024, None))
+
+
+def prefill_steps(run_dir: Path, capture_sizes: tuple[int, ...]) -> list[dict]:
+    """Each prefill step's new tokens, context, whether its capture size was new, and measured / predicted."""
+    series = json.loads((run_dir / "validation.json").read_text())["series"]["step_time"]
+    seen: set[int] = set()
+    steps = []
+    for index, line in enumerate(read_decisions(run_dir / "real")):
+        entries = json.loads(line)["entries"]
+        tokens = sum(entry[2] for entry in entries)
+        size = next((s for s in capture_sizes if s >= tokens), None)
+        first = size is not None and size not in seen
+        if size is not None:
+            seen.add(size)
+        if series["kind"][index] == "prefill":
+            steps.append({"tokens": tokens, "context": max(entry[1] + entry[2] for entry in entries), "first_size": first,
+                          "ratio": series["measured"][index] / series["predicted"][index]})
+    return steps
+
+
+def line(label: str, steps: list[dict], keep: Callable[[dict], bool]) -> str:
+    ratios = [s["ratio"] for s in steps if keep(s)]
+    if not ratios:
+        return f"{label:<34} none"
+    p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
+    return f"{label:<34} {len(ratios):5d} steps  median {p50:.3f}  (p10 {p10:.3f}, p90 {p90:.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--capture-sizes-from", default="h200", help="Device file whose [engine] capture_sizes the executor used.")
+    args = parser.parse_args()
+    sizes = tuple(load_device(args.capture_sizes_from).engine.capture_sizes)
+    steps = [step for run in args.runs for step in prefill_steps(run, sizes)]
+    print(line("all prefill steps", steps, lambda s: True))
+    print(line("first replay of a capture size", steps, lambda s: s["first_size"]))
+    print(line("a capture size replayed again", steps, lambda s: not s["first_size"]))
+    for key, buckets in (("tokens", TOKEN_BUCKETS), ("context", CONTEXT_BUCKETS)):
+        for low, high in buckets:
+            label = f"{'new tokens' if key == 'tokens' else key} {low}{'+' if high is None else f'-{high - 1}'}"
+            print(line(label, steps, lambda s, k=key, lo=low, hi=high: lo <= s[k] and (hi is None or s[k] < hi)))
+
+
+if __name__ == "__main__":
+    main()
