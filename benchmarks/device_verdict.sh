@@ -14,7 +14,8 @@
 #   3. kvsim validate --backend cuda --model small-moe, then small-mla, if time is left
 # VARIANTS (default: the three above) picks the variants of a round, e.g. VARIANTS="right= bias=--perturb-profile=1.2"
 # where the device time allows only two; CHECKS (default 8; 0: none) the speed checks of each setting in part 1;
-# TESTS=0 leaves out the GPU tests (when this tree's realexec already passed them on a GPU).
+# TESTS=0 leaves out the GPU tests (when this tree's realexec already passed them on a GPU); FRESH (default
+# ROUNDS / 2) the rounds that start from an empty profile cache.
 # Every run's validation.json and log go into runs.tgz; summary.txt holds the tables.
 set -u
 OUT=${1:?usage: device_verdict.sh OUT_DIR [ROUNDS] [MODEL]}
@@ -38,7 +39,7 @@ fi
 
 left=$((BUDGET_S - (SECONDS - start) - TAIL_S))
 say "verdict rounds: $ROUNDS, no run started past $((left - 25)) s"
-python3 benchmarks/validate_runs.py --runs "$ROUNDS" --fresh-rounds $((ROUNDS / 2)) --out "$WORK/verdict" \
+python3 benchmarks/validate_runs.py --runs "$ROUNDS" --fresh-rounds ${FRESH:-$((ROUNDS / 2))} --out "$WORK/verdict" \
     --label gpu --deadline-s $((left - 25)) $(printf -- '--variant %s ' $VARIANTS) \
     -- --backend cuda --model "$MODEL" | tee "$OUT/verdict.md" | tee -a "$SUMMARY"
 

@@ -434,7 +434,7 @@ def test_multi_device_rows_replay_with_their_layout_and_quantization(published) 
     assert _resolved(ep, load_device(ep.device)).layout.expert_parallel_size == 4
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 item 4's 3 % target is not met: vllm21348-tp4 is predicted +80 % "
+@pytest.mark.xfail(strict=True, reason="issue 29 item 4's 3 % target is not met: vllm21348-tp4 is predicted +52.6 % "
                    "(docs/fidelity.md, 'Multi-device and MoE rows'); strict, so meeting it fails until this mark goes")
 def test_the_multi_device_memory_row_is_within_3_percent(published) -> None:
     row = next(r for r in published.rows if r.id == "vllm21348-tp4")
