@@ -163,7 +163,7 @@ def test_no_timed_replay_is_a_graphs_first_launch():
     from kvsim.realexec.executor import Executor
     from kvsim.realexec.profile_bench import OperatorBenches
 
-    launches: list[tuple[str, int]] = []  # (which graph, its launch count) for each timed launch
+    launches: list[tuple[str, int]] = []  # (which graph, its launch count) at every launch, in order
 
     class CountingGraph(RerunGraph):
         def replay(self) -> None:
