@@ -32,7 +32,7 @@ SIZES = tuple(range(136, 512, 24))  # each its own capture size (vLLM's sizes st
 
 def main() -> None:
     args = step_bench_arguments(__doc__, steps=6)
-    backend = get_backend(args.backend, enforce_eager=False)
+    backend = get_backend(args.backend, enforce_eager=args.enforce_eager)
     block_size = 16
     between = decode(1, 128)
     blocks = 2 * sum(footprint(prefill(n), block_size) for n in SIZES) + footprint(between, block_size)

@@ -20,27 +20,28 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsim.policies.plan import StepPlan
 from kvsim.sim.perf.device import load_device
+from kvsim.sim.perf.engine_overhead import EngineProfile
 from kvsim.sim.run.decisions import read_decisions
 
 TOKEN_BUCKETS = ((1, 64), (64, 256), (256, 512), (512, 513), (513, None))
 CONTEXT_BUCKETS = ((0, 256), (256, 512), (512, 1024), (1024, None))
 
 
-def prefill_steps(run_dir: Path, capture_sizes: tuple[int, ...]) -> list[dict]:
+def prefill_steps(run_dir: Path, engine: EngineProfile) -> list[dict]:
     """Each prefill step's new tokens, context, whether its capture size was new, and measured / predicted."""
     series = json.loads((run_dir / "validation.json").read_text())["series"]["step_time"]
-    seen: set[int] = set()
+    seen: set[float] = set()
     steps = []
     for index, line in enumerate(read_decisions(run_dir / "real")):
-        entries = json.loads(line)["entries"]
-        tokens = sum(entry[2] for entry in entries)
-        size = next((s for s in capture_sizes if s >= tokens), None)
+        plan = StepPlan.from_dict(json.loads(line))
+        size = engine.padded_tokens(plan.num_tokens) if engine.in_graph(plan.num_tokens) else None
         first = size is not None and size not in seen
         if size is not None:
             seen.add(size)
         if series["kind"][index] == "prefill":
-            steps.append({"tokens": tokens, "context": max(entry[1] + entry[2] for entry in entries), "first_size": first,
+            steps.append({"tokens": plan.num_tokens, "context": max(e.end_position for e in plan.entries), "first_size": first,
                           "ratio": series["measured"][index] / series["predicted"][index]})
     return steps
 
@@ -58,8 +59,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--capture-sizes-from", default="h200", help="Device file whose [engine] capture_sizes the executor used.")
     args = parser.parse_args()
-    sizes = tuple(load_device(args.capture_sizes_from).engine.capture_sizes)
-    steps = [step for run in args.runs for step in prefill_steps(run, sizes)]
+    engine = load_device(args.capture_sizes_from).engine
+    steps = [step for run in args.runs for step in prefill_steps(run, engine)]
     print(line("all prefill steps", steps, lambda s: True))
     print(line("first replay of a capture size", steps, lambda s: s["first_size"]))
     print(line("a capture size replayed again", steps, lambda s: not s["first_size"]))
