@@ -31,8 +31,9 @@ from kvsim.sim.perf.model_spec import load_model, save_model
 # terms measured on whole steps of a few tokens; 9: the held-out per-step error recorded, which validate gates on;
 # 10: the reference steps over the fit's prediction of them recorded, which validate's verdict weighs;
 # 11: a per-call cost fitted below 0 held at 0, not at the base profile's; reference steps over three executors;
-# 12: a captured graph replayed once untimed, so no graph-timed case carries a graph's slower first launch).
-PROFILER_VERSION = 12
+# 12: a captured graph replayed once untimed, so no graph-timed case carries a graph's slower first launch;
+# 13: a prefill entry's block walk beyond the decodes' fitted as its own term where attention is not padded).
+PROFILER_VERSION = 13
 
 Echo = Callable[[str], None]
 

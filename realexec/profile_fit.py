@@ -45,12 +45,15 @@ ROW_COUNT_FLOOR = 0.01  # ... and the share of those steps' median time its resi
 # gemm half_tokens tried with each gemv_rows: a GEMM's small-M efficiency loss (cost_model.py) is part of
 # the same fact (which kernel a few rows run on), so the two are chosen together.
 HALF_TOKENS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+# Fitted only where attention is not padded: a kernel that pads each group to its longest entry
+# (the cpu backend's portable path) runs no per-token walk, so a value there would be noise.
+UNPADDED_ONLY = ("prefill_chain",)
 GROUPS = (
     Group("gemm", ("gemm",)),
     Group("moe", ("moe",)),  # MoE models only: the routed experts at several token counts
     Group("elementwise", ("elementwise",), fixed=("gemm", "moe")),  # measured: the forward pass without attention
     Group("kv_write", ("kv_write",)),
-    Group("attention", ("attn_prefill", "attn_decode", "paged_gather", "decode_chain")),
+    Group("attention", ("attn_prefill", "attn_decode", "paged_gather", "decode_chain", "prefill_chain")),
     Group("lm_head", ("lm_head",)),
     Group("sampling", ("sampling",)),
     Group("block_copy", ("block_copy",)),
@@ -191,8 +194,9 @@ def _fit_group(
 ) -> tuple[DeviceProfile, np.ndarray, float]:
     """The profile with ``group`` fitted, its predictions of the group's samples, and their MAPE."""
     model = CostModel(spec, device, block_size, kv_dtype)
+    operators = tuple(op for op in group.operators if not (device.padded_attention and op in UNPADDED_ONLY))
     fitted = device.with_operators(
-        fit_operators(model, features, seconds, group.operators, fixed=group.fixed, fixed_calls=group.fixed_calls))
+        fit_operators(model, features, seconds, operators, fixed=group.fixed, fixed_calls=group.fixed_calls))
     times = CostModel(spec, fitted, block_size, kv_dtype).operator_times(features)
     predicted = sum(np.broadcast_to(times[op], seconds.shape) for op in group.operators + group.fixed)
     return fitted, predicted, float(np.mean(np.abs(predicted / seconds - 1.0)))

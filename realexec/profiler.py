@@ -9,7 +9,9 @@ block sizes for attention):
    writes; paged attention for decode batches (even and ragged), prompts, chunks over a cached
    prefix and two prompts at once, at every block size (which separates the per-block
    ``paged_gather`` cost from the per-byte one; decode batches of one to many sequences separate
-   the walk over the longest sequence's blocks, ``decode_chain``, from the blocks of all of them;
+   the walk over the longest sequence's blocks, ``decode_chain``, from the blocks of all of them,
+   and short chunks over a long prefix a prefill entry's own walk, ``prefill_chain`` (fitted only
+   where attention is not padded: ``profile_fit.UNPADDED_ONLY``);
    the ragged batches tell whether the kernels pad a batch to its longest sequence); the LM head, greedy sampling, block copies and swaps.
 2. Whole steps, whose ``duration_s`` (device + host) from :meth:`Executor.step` is what the
    simulator predicts: StepPlans of swept shapes (prefill, chunked prefill, decode batches, mixed
@@ -207,8 +209,10 @@ def report_lines(result: Profile) -> list[str]:
     lines = [f"{'fit':<28}{'samples':>8}{'MAPE':>8}{'max':>8}"]
     lines += [f"{e.name:<28}{e.samples:>8}{e.mape:>8.1%}{e.max_error:>8.1%}" for e in result.errors]
     layout = "padded to the batch's longest sequence" if result.device.padded_attention else "exact (no padding)"
-    chain = result.device.operators["decode_chain"].call_s
-    walk = f"; decode walks the longest sequence's blocks at {chain * 1e6:.3g} us a block per layer" if chain > 1e-9 else ""
+    walks = [(name, result.device.operators[op].call_s)
+             for name, op in (("decode walks the longest sequence's", "decode_chain"),
+                              ("a prefill entry walks the longest context's (beyond the decodes')", "prefill_chain"))]
+    walk = "".join(f"; {name} blocks at {seconds * 1e6:.3g} us a block per layer" for name, seconds in walks if seconds > 1e-9)
     lines.append(f"attention work: {layout}{walk}")
     gemv = result.device.gemv_rows
     lines.append(f"matrix products: {f'fewer than {gemv} rows run one row at a time, ' if gemv else ''}"

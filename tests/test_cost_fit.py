@@ -42,18 +42,20 @@ def _sweep(size: int, seed: int) -> StepFeatures:
         padded_blocks_touched=ctx / 8,
         prefill_max_tokens=tokens,
         decode_max_blocks=ctx / rng.choice([16, 32, 64, 128], size) / rng.uniform(1, 8, size),
+        prefill_max_blocks=ctx / rng.choice([16, 32, 64, 128], size) / rng.uniform(0.5, 4, size),
     )
 
 
 @pytest.mark.parametrize("operators", [["gemm"], ["attn_decode", "paged_gather"], ["attn_decode", "paged_gather", "decode_chain"],
-                                       ["attn_prefill"], ["block_copy"], ["swap"], ["sampling"]])
+                                       ["attn_prefill", "decode_chain", "prefill_chain"], ["attn_prefill"], ["block_copy"],
+                                       ["swap"], ["sampling"]])
 def test_fit_recovers_the_coefficients_that_made_the_times(operators: list[str]) -> None:
     model, default = load_model("llama-3-8b"), load_device("ascend-910b3")
     flash = dataclasses.replace(default.operators["attn_prefill"], shape=0.0)  # prefill can be compute-bound
     default = default.with_operators({"attn_prefill": flash})
     truth = {
         op: OperatorCoefficients(
-            call_s=(default.operators[op].call_s or 3e-8) * 2.5,  # decode_chain: 0 on the bundled device
+            call_s=(default.operators[op].call_s or 3e-8) * 2.5,  # the walks: 0 on the bundled device
             compute_efficiency=None if default.operators[op].compute_efficiency is None else 0.43,
             memory_efficiency=None if default.operators[op].memory_efficiency is None else 0.61,
             shape=default.operators[op].shape,  # shape terms are profile facts, not fitted here

@@ -95,6 +95,28 @@ def test_decode_chain_walks_the_longest_decode_sequence_once_per_layer() -> None
     # A profile that does not measure the walk (every bundled device) costs it nothing.
     assert CostModel(small, cpu, 16).operator_times(lone)["decode_chain"] == 0.0
 
+
+def test_prefill_chain_walks_the_longest_prefill_beyond_the_longest_decode() -> None:
+    """A prompt's last chunk over a long context walks its blocks in a one-program-per-token kernel; a
+    launch for the whole batch ends with its longest walk, of which decode_chain prices the decodes'."""
+    small, cpu = load_model("small"), load_device("cpu")
+    walks = {"decode_chain": OperatorCoefficients(call_s=1.5e-6), "prefill_chain": OperatorCoefficients(call_s=0.4e-6)}
+    chained = CostModel(small, cpu.with_operators(walks), 16)
+    chunk = PlanEntry("p", 960, 40, True, True)  # 1,000 tokens of context: 63 blocks
+    alone = features_from_plan(StepPlan(step=0, entries=[chunk]), 16)
+    assert alone.prefill_max_blocks == 63
+    assert chained.operator_times(alone)["prefill_chain"] == pytest.approx(small.num_layers * 63 * 0.4e-6)
+    beside = StepPlan(step=0, entries=[chunk, PlanEntry("d", 319, 1, False, True)])  # a decode of 20 blocks
+    assert chained.operator_times(features_from_plan(beside, 16))["prefill_chain"] == pytest.approx(small.num_layers * 43 * 0.4e-6)
+    longer_decode = StepPlan(step=0, entries=[chunk, PlanEntry("d", 1599, 1, False, True)])
+    assert chained.operator_times(features_from_plan(longer_decode, 16))["prefill_chain"] == 0.0
+    assert chained.operator_times(features_from_plan(decode_plan([999]), 16))["prefill_chain"] == 0.0
+    # Arrays of steps give each step's own walk, as one step at a time does.
+    stacked = StepFeatures(**{name: np.array([getattr(features_from_plan(p, 16), name) for p in (beside, longer_decode)])
+                              for name in FEATURE_NAMES})
+    assert chained.operator_times(stacked)["prefill_chain"] == pytest.approx([small.num_layers * 43 * 0.4e-6, 0.0])
+    assert CostModel(small, cpu, 16).operator_times(alone)["prefill_chain"] == 0.0
+
 def test_query_tiles_count_each_tile_against_the_context_its_last_row_sees() -> None:
     """The cpu kernel's prefill tiles (portable.QUERY_TILE rows): the pairs a tile-by-tile sum gives."""
     from kvsim.policies.blocks import cdiv

@@ -128,6 +128,36 @@ def test_fit_recovers_a_known_device_and_its_attention_layout(padded: bool, tmp_
         assert CostModel(TINY, loaded, 32).predict(features) == pytest.approx(CostModel(TINY, truth, 32).predict(features), rel=1e-4)
 
 
+WALKS = {"decode_chain": OperatorCoefficients(call_s=1.6e-6), "prefill_chain": OperatorCoefficients(call_s=0.35e-6)}
+
+
+def test_fit_recovers_both_block_walks_where_attention_is_not_padded() -> None:
+    """The sweep's chunks over a cached prefix and lone long decodes tell the two walks' costs apart
+    (on an H200 a block of the 8B's prefill walk cost about a quarter of its decode walk's)."""
+    base = load_device("cpu")
+    truth = dataclasses.replace(base.with_operators({**TRUTH, **WALKS}), padded_attention=False)
+    fitted, errors = fit_groups(TINY, base, 16, synthetic_measurements(truth, dataclasses.replace(QUICK, block_sizes=(16, 64))))
+    assert fitted.padded_attention is False
+    assert next(e for e in errors if e.name == "attention").mape < 1e-6
+    for op, want in WALKS.items():
+        assert fitted.operators[op].call_s == pytest.approx(want.call_s, rel=1e-4), op
+
+
+def test_a_padded_layout_fits_no_prefill_walk() -> None:
+    """A kernel padded to each group's longest entry walks no token's blocks: under that layout the
+    prefill walk is not fitted, so time that grows with it cannot land there (here the measurements
+    carry such time; a fit free to price it would recover it exactly)."""
+    from kvsim.realexec.profile_fit import _fit_group
+
+    truth = dataclasses.replace(load_device("cpu"), padded_attention=True).with_operators({**TRUTH, **WALKS})
+    data = synthetic_measurements(truth, dataclasses.replace(QUICK, block_sizes=(16,)))
+    attention = next(g for g in GROUPS if g.name == "attention")
+    features, seconds = stack(data.features["attention"]), np.array(data.median["attention"])
+    fitted, _, mape = _fit_group(TINY, load_device("cpu"), 16, None, attention, features, seconds)
+    assert fitted.padded_attention and load_device("cpu").padded_attention
+    assert fitted.operators["prefill_chain"].call_s == 0.0 and mape > 1e-4
+
+
 def test_measure_interleaves_primed_rounds_and_takes_medians() -> None:
     order: list[tuple[int, int]] = []  # (case, instance) of every run
     # Each round makes an instance of each case, runs it `primes` times untimed, then keeps the next (primed) time.

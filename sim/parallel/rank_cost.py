@@ -43,7 +43,8 @@ from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
 LOGIT_BYTES = 4
 # Features that count tokens or sequences: a DP member's share is rounded up (padding to the largest).
 _COUNTED = frozenset({"num_tokens", "num_seqs", "num_sampled", "prefill_tokens", "decode_seqs", "copy_blocks", "swap_blocks"})
-_LONGEST = frozenset({"prefill_max_tokens", "decode_max_blocks"})  # the longest prompt / context is the same in every member
+# The longest prompt and context are the same in every member.
+_LONGEST = frozenset({"prefill_max_tokens", "decode_max_blocks", "prefill_max_blocks"})
 _FEATURES = tuple(f.name for f in fields(StepFeatures))
 # vllm-ascend's MC2 limits on Atlas A2 (ascend_forward_context.py select_moe_comm_method): experts per
 # device at most 24, EP at least 16, tokens within capacity min(ceil(max_tokens / tp), 512) x tp.

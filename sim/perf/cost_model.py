@@ -35,6 +35,8 @@ a W8A8 model: ``int8``, at the operator's ``w8a8_compute_efficiency`` where the 
 - ``paged_gather`` (block-table walk; ``call_s`` = ``block_s``): ``- | - | L blocks_touched``
 - ``decode_chain`` (the longest decode entry's blocks, walked one after another; ``call_s`` = ``block_s``):
   ``- | - | L W_d``
+- ``prefill_chain`` (the longest prefill entry's walk beyond the longest decode entry's; ``call_s`` = ``block_s``):
+  ``- | - | L max(W_p - W_d, 0)``
 - ``lm_head`` (matrix, HBM): ``2 S h V | [S] V h w + S (h a + 4 V) | [S]`` (``S V h w + ...`` with ``S < G``)
 - ``sampling`` (vector, HBM; fp32 softmax and draw): ``5 S V | 12 S V | 3 [S]``
 - ``block_copy`` (HBM; read + write): ``- | 2 copy_blocks block_bytes | 2 L [copy_blocks]``
@@ -56,7 +58,13 @@ that gives each (sequence, KV head) one program walks that sequence's blocks one
 so a lone long sequence takes the walk's latency however little it reads (what split-KV
 "flash-decoding" kernels remove). Its cost per block is 0 unless a profile measures it: on the
 H200 the Triton decode kernel's walk took 1.6 us a block per layer, where spread over many
-sequences a block cost 0.2 ns (docs/benchmarks.md, "Cross-validation on a GPU").
+sequences a block cost 0.2 ns (docs/benchmarks.md, "Cross-validation on a GPU"). ``W_p``
+(``prefill_chain``) is the longest prefill entry's blocks: in a kernel that gives each query token
+its own program, a prompt's last chunk over a long context walks that many, and one launch for the
+whole batch ends with its longest walk, of which ``decode_chain`` prices the decodes' part. Its
+cost per block is its own (0 unless a profile measures it): the programs of a chunk's tokens keep
+the device busier than a lone decode does, and how much hides depends on the model's heads
+(docs/benchmarks.md, round 3's twentieth session).
 
 The host terms are what a step costs beyond its kernels: scheduling, building the input tensors,
 reading the sampled tokens back and processing outputs, once per step, per sequence and per
@@ -113,13 +121,15 @@ MLA_PREFILL_LAUNCHES = 2  # per layer: cached latents up-projected to K and V, t
 STEP_OPERATORS: tuple[str, ...] = tuple(op for op in OPERATORS if op != "swap")
 HOST_OPERATORS: tuple[str, ...] = ("host_step", "host_seq", "host_token")
 KERNEL_OPERATORS: tuple[str, ...] = tuple(op for op in STEP_OPERATORS if op not in HOST_OPERATORS)
-# Kernels the host dispatches one by one outside a graph (paged_gather's and decode_chain's calls are
+# Kernels the host dispatches one by one outside a graph (paged_gather's and the walks' calls are
 # blocks, not kernels).
-DISPATCHED_OPERATORS: tuple[str, ...] = tuple(op for op in KERNEL_OPERATORS if op not in ("paged_gather", "decode_chain"))
+DISPATCHED_OPERATORS: tuple[str, ...] = tuple(op for op in KERNEL_OPERATORS
+                                              if op not in ("paged_gather", "decode_chain", "prefill_chain"))
 _KERNEL_TIMES, _HOST_TIMES = itemgetter(*KERNEL_OPERATORS), itemgetter(*HOST_OPERATORS)
 # The order of _token_rows and _context_rows; the memo of one step's token-shaped times is bounded.
 _TOKEN_OPERATORS = ("gemm", "moe", "elementwise", "kv_write", "lm_head", "sampling", "host_token")
-_CONTEXT_OPERATORS = ("attn_prefill", "attn_decode", "paged_gather", "decode_chain", "block_copy", "swap", "host_step", "host_seq")
+_CONTEXT_OPERATORS = ("attn_prefill", "attn_decode", "paged_gather", "decode_chain", "prefill_chain", "block_copy", "swap",
+                      "host_step", "host_seq")
 _SPLIT_OPERATORS = _TOKEN_OPERATORS + _CONTEXT_OPERATORS
 assert sorted(_SPLIT_OPERATORS) == sorted(OPERATORS), "every operator is token- or batch-shaped"
 # One step's times come as a list in _SPLIT_OPERATORS order; these pick the kernels' and host terms' in theirs.
@@ -128,6 +138,11 @@ _SPLIT_HOST_TIMES = itemgetter(*(_SPLIT_OPERATORS.index(op) for op in HOST_OPERA
 _TOKEN_DISPATCHED = tuple(i for i, op in enumerate(_TOKEN_OPERATORS) if op in DISPATCHED_OPERATORS)
 _CONTEXT_DISPATCHED = tuple(i for i, op in enumerate(_CONTEXT_OPERATORS) if op in DISPATCHED_OPERATORS)
 _MEMO_LIMIT = 1 << 16
+
+
+def _at_least_zero(x: Num) -> Num:
+    """``max(x, 0)`` of a float, element by element of an array."""
+    return np.maximum(x, 0.0) if isinstance(x, np.ndarray) else max(x, 0.0)
 
 
 def in_order_sum(terms) -> Num:
@@ -171,6 +186,7 @@ class StepFeatures:
     padded_blocks_touched: Num  # both groups: B W
     prefill_max_tokens: Num  # prefill: Q (how many query tiles a padded kernel runs)
     decode_max_blocks: Num  # decode: W, the longest decode entry's blocks (decode_chain's walk)
+    prefill_max_blocks: Num  # prefill: the longest prefill entry's blocks (prefill_chain's walk)
 
 
 class OperatorWork(NamedTuple):
@@ -207,6 +223,7 @@ def features_from_plan(plan: StepPlan, block_size: int) -> StepFeatures:
         padded_blocks_touched=float(prefill_blocks + decode_blocks),
         prefill_max_tokens=float(t.prefill_max_tokens),
         decode_max_blocks=float(t.decode_max_blocks),
+        prefill_max_blocks=float(t.prefill_max_blocks),
     )
 
 
@@ -332,9 +349,10 @@ class CostModel:
     def _work(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
         """(flops, bytes, calls) of every operator in ``OPERATORS`` order: one step costs tuples, not a dict."""
         gemm, moe, elementwise, kv_write, lm_head, sampling, host_token = self._token_rows(f.num_tokens, f.num_sampled)
-        attn_prefill, attn_decode, paged_gather, decode_chain, block_copy, swap, host_step, host_seq = self._context_rows(f)
-        return (gemm, moe, elementwise, kv_write, attn_prefill, attn_decode, paged_gather, decode_chain, lm_head, sampling,
-                block_copy, swap, host_step, host_seq, host_token)
+        (attn_prefill, attn_decode, paged_gather, decode_chain, prefill_chain, block_copy, swap, host_step,
+         host_seq) = self._context_rows(f)
+        return (gemm, moe, elementwise, kv_write, attn_prefill, attn_decode, paged_gather, decode_chain, prefill_chain, lm_head,
+                sampling, block_copy, swap, host_step, host_seq, host_token)
 
     def _token_rows(self, T: Num, S: Num) -> tuple[tuple[Num, Num, Num], ...]:
         """The rows that depend on the step's tokens ``T`` and sampled rows ``S`` alone:
@@ -385,8 +403,8 @@ class CostModel:
         )
 
     def _context_rows(self, f: StepFeatures) -> tuple[tuple[Num, Num, Num], ...]:
-        """The rows that depend on the batch's shape: attn_prefill, attn_decode, paged_gather,
-        decode_chain, block_copy, swap, host_step, host_seq. ``x > 0`` gates an operator's launches (1 where it runs at all)."""
+        """The rows that depend on the batch's shape: attn_prefill, attn_decode, paged_gather, decode_chain,
+        prefill_chain, block_copy, swap, host_step, host_seq. ``x > 0`` gates an operator's launches (1 where it runs at all)."""
         m, L, a, c = self.model, self._L, self._a, self._kv_token_layer
         q = m.q_size
         half_context, score_bytes = self._half_context, self._score_bytes
@@ -423,6 +441,8 @@ class CostModel:
             (0.0, 0.0, L * blocks),
             # decode_chain
             (0.0, 0.0, L * f.decode_max_blocks),
+            # prefill_chain: the prefill walk beyond the decode walk
+            (0.0, 0.0, L * _at_least_zero(f.prefill_max_blocks - f.decode_max_blocks)),
             # block_copy
             (0.0, 2 * f.copy_blocks * self._block_bytes, 2 * L * (f.copy_blocks > 0)),
             # swap

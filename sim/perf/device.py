@@ -76,6 +76,7 @@ OPERATOR_KEYS: dict[str, tuple[str, ...]] = {
     "attn_decode": ("compute_efficiency", "memory_efficiency", "launch_s", "half_context"),
     "paged_gather": ("block_s",),
     "decode_chain": ("block_s",),
+    "prefill_chain": ("block_s",),
     "lm_head": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "sampling": ("compute_efficiency", "memory_efficiency", "launch_s"),
     "block_copy": ("memory_efficiency", "launch_s"),
@@ -91,9 +92,9 @@ SHAPE_KEYS = ("half_tokens", "half_context", "score_bytes")
 OPTIONAL_OPERATOR_KEYS = frozenset({"launch_s", "w8a8_compute_efficiency", "group_flops", *SHAPE_KEYS})
 # The key that holds an operator's fixed cost per call (OperatorCoefficients.call_s).
 CALL_KEYS = ("launch_s", "block_s", "step_s", "seq_s", "token_s")
-# Operators a profile may leave out, costing nothing then: host overhead and the decode kernel's serial
-# block walk are measured figures (kvsim profile), and the bundled roofline estimates have no source for one.
-OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq", "host_token", "decode_chain"})
+# Operators a profile may leave out, costing nothing then: host overhead and the attention kernel's serial
+# block walks are measured figures (kvsim profile), and the bundled roofline estimates have no source for one.
+OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq", "host_token", "decode_chain", "prefill_chain"})
 # Operators a profile may leave out, priced then as the operator named: an MoE layer's grouped
 # expert matmuls run on the matrix units as the dense GEMMs do. A profile measured on an MoE model
 # (kvsim profile) or fitted on MoE serving figures sets its own table; keys that table leaves out
