@@ -2,14 +2,19 @@
 
 Every rank runs the same sequence (rank 0 times it): ``repeats`` rounds, each visiting every size in
 turn with a stretch of compute (a GEMM of about a millisecond, as a layer's) and then one all-reduce
-or all-gather, timed from the compute's end to the collective's: a size's time is its median over
-the rounds. Rounds, not a size's repeats back to back, so a spell of the machine's falls on every
-size alike (and on the fit and check sets alike, which are timed in the same rounds): two sets
-timed one after the other disagreed by up to 2.6x at a size (a 3 KB all-reduce, TP2 on the 2-core
-VM), more than any link model can answer for. Timed as a step meets them (the
-wait for a peer still computing included), not after a barrier: on the 2-core development VM a
-3 KB gloo all-reduce took 0.7 ms after a barrier and 1.2 ms after compute, the figure the TP2
-steps showed (each rank's main thread and gloo's threads then contend for the cores). The sizes
+or all-gather, twice: the second is timed, from the compute's end to the collective's, and a size's
+time is its median over the rounds. Twice, because a step's all-reduces are all one size (the
+hidden states of its tokens), each after the last: timed right after a larger one, a collective
+carries the skew that one left between the ranks (on the 2-core VM the all-reduce that followed a
+1.5 MB one took 12-15 us more, whatever its size, and the line below missed the 3 KB one by 10-26 %
+in ten sets; timed after its own size, no all-reduce missed by more than 13 %). Rounds, not a
+size's repeats back to back, so a spell of the machine's falls on every size alike (and on the fit
+and check sets alike, which are timed in the same rounds): two sets timed one after the other
+disagreed by up to 2.6x at a size (a 3 KB all-reduce, TP2 on the 2-core VM), more than any link
+model can answer for. Timed as a step meets them (the wait for a peer still computing included),
+not after a barrier: on the 2-core development VM a 3 KB gloo all-reduce took 0.7 ms after a
+barrier and 1.2 ms after compute, the figure the TP2 steps showed (each rank's main thread and
+gloo's threads then contend for the cores). The sizes
 are a step's: the hidden states of 1 to 512 tokens (the all-reduces) and the logits of 1 to 32
 sampled rows (the all-gather).
 
@@ -60,9 +65,10 @@ def step_sizes(spec: ModelSpec, tp: int) -> list[tuple[str, int]]:
 
 def time_collectives(group: TensorParallelGroup, backend: KernelBackend, sizes: list[tuple[str, int]],
                      repeats: int) -> list[CollectiveTiming]:
-    """Each (kind, bytes) after a stretch of compute, once a round for ``repeats`` rounds; the median seconds from
-    the compute's end to the collective's (module docstring), on ``backend``'s device and clock (a tensor-parallel
-    rank's: the wall clock on the cpu backend, device events on an accelerator). Every rank must call this."""
+    """Each (kind, bytes) after a stretch of compute, twice a round (the second timed: it follows its own size, as
+    in a step) for ``repeats`` rounds; the median seconds from the compute's end to the collective's (module
+    docstring), on ``backend``'s device and clock (a tensor-parallel rank's: the wall clock on the cpu backend,
+    device events on an accelerator). Every rank must call this."""
     device = backend.device
     rows, weight = torch.ones(16, 768, device=device), torch.ones(768, 1024, device=device)
     inputs = [(group.all_reduce if kind == "all_reduce" else group.all_gather_last,
@@ -73,6 +79,8 @@ def time_collectives(group: TensorParallelGroup, backend: KernelBackend, sizes: 
     dist.barrier()
     for _ in range(repeats):
         for (collective, x), own in zip(inputs, times):
+            rows @ weight
+            collective(x)
             rows @ weight
             own.append(backend.elapsed(lambda: collective(x))[1])  # noqa: B023 (called at once)
     return [CollectiveTiming(kind, size, statistics.median(own)) for (kind, size), own in zip(sizes, times)]
