@@ -14,9 +14,8 @@ disagreed by up to 2.6x at a size (a 3 KB all-reduce, TP2 on the 2-core VM), mor
 model can answer for. Timed as a step meets them (the wait for a peer still computing included),
 not after a barrier: on the 2-core development VM a 3 KB gloo all-reduce took 0.7 ms after a
 barrier and 1.2 ms after compute, the figure the TP2 steps showed (each rank's main thread and
-gloo's threads then contend for the cores). The sizes
-are a step's: the hidden states of 1 to 512 tokens (the all-reduces) and the logits of 1 to 32
-sampled rows (the all-gather).
+gloo's threads then contend for the cores). The sizes are a step's: the hidden states of 1 to 512
+tokens (the all-reduces) and the logits of 1 to 32 sampled rows (the all-gather).
 
 The fit gives the ``[topology]`` a calibrated profile carries, in sim/parallel/collectives.py's
 terms for a group of ``n`` ranks through one switch (every byte a rank sends takes one path: its
