@@ -42,6 +42,7 @@ def walked_features(plan: StepPlan, block_size: int) -> StepFeatures:
         padded_blocks_touched=float(len(pre) * longest[True] + len(dec) * longest[False]),
         prefill_max_tokens=float(widest),
         decode_max_blocks=float(longest[False]),
+        prefill_max_blocks=float(longest[True]),
     )
 
 
