@@ -10,7 +10,9 @@ while a 256-token prefill with no cached prefix read 0.88-0.93x (docs/benchmarks
 eighteenth and nineteenth sessions); this tells a first launch from a shape the model prices
 wrong. ``--walk-block-s`` adds a column: the ratio had each prefill step also paid, at that many
 seconds a block a layer (a profile's ``decode_chain`` ``block_s``), the part of its longest prefill
-entry's block walk beyond its longest decode entry's, which the cost model prices for decodes only.
+entry's block walk beyond its longest decode entry's: what the cost model left out before its
+``prefill_chain`` term (profiler version 13), so a column for runs predicted before it; a later run's
+prediction prices that walk already, at its profile's own cost.
 """
 
 from __future__ import annotations
