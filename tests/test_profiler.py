@@ -18,7 +18,7 @@ from kvsim.cli.profile import profile as profile_command  # noqa: E402
 from kvsim.realexec.backends import get_backend  # noqa: E402
 from kvsim.realexec.executor import Executor  # noqa: E402
 from kvsim.realexec.profile_bench import KVPool, Measured, OperatorBenches, Sample, measure  # noqa: E402
-from kvsim.realexec.profile_fit import GROUPS, Measurements, fit_groups, stack  # noqa: E402
+from kvsim.realexec.profile_fit import GROUPS, Measurements, _fit_group, fit_groups, stack  # noqa: E402
 from kvsim.realexec.profile_shapes import QUICK, Sweep, decode, prefill, ragged_decode, shape_features, sweep_for  # noqa: E402
 from kvsim.realexec.profiler import run_profile  # noqa: E402
 from kvsim.realexec.speed_check import REFERENCE_EXECUTORS, REFERENCE_SHAPES  # noqa: E402
@@ -147,8 +147,6 @@ def test_a_padded_layout_fits_no_prefill_walk() -> None:
     """A kernel padded to each group's longest entry walks no token's blocks: under that layout the
     prefill walk is not fitted, so time that grows with it cannot land there (here the measurements
     carry such time; a fit free to price it would recover it exactly)."""
-    from kvsim.realexec.profile_fit import _fit_group
-
     truth = dataclasses.replace(load_device("cpu"), padded_attention=True).with_operators({**TRUTH, **WALKS})
     data = synthetic_measurements(truth, dataclasses.replace(QUICK, block_sizes=(16,)))
     attention = next(g for g in GROUPS if g.name == "attention")
