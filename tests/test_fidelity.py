@@ -15,7 +15,6 @@ from click.testing import CliRunner
 
 from kvsim.cli.fidelity import describe_lengths
 from kvsim.cli.main import main
-from kvsim.sim.perf.api_server import serve_queue
 from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.model_spec import load_model
 from kvsim.sim.studies import fidelity
@@ -167,19 +166,6 @@ def test_with_the_extra_sharegpt_rows_replay_vllms_draw() -> None:
     assert scaled_prompts.sum() == 43560 and scaled_outputs.sum() == 44697
     assert scaled_prompts.min() >= 4 and scaled_prompts.max() <= 1024 and (scaled_prompts + scaled_outputs).max() <= 2048
     assert np.corrcoef(scaled_outputs, outputs)[0, 1] > 0.99  # the sample's shape kept
-
-
-def test_the_api_server_admits_one_request_at_a_time() -> None:
-    none = np.empty(0)
-    admitted, _ = serve_queue(np.array([0.0, 0.0, 0.0, 1.0]), none, none, admit_s=0.01, stream_s=0.0)
-    assert admitted == pytest.approx([0.01, 0.02, 0.03, 1.01])  # a burst queues; a lone request only waits
-
-
-def test_streamed_tokens_hold_up_the_next_admissions() -> None:
-    """One server for both: a step of 100 tokens at t = 0.005 takes 0.1 s to stream, so the
-    request sent at 0.01 is admitted only after it, and those tokens reach clients at 0.105."""
-    admitted, visible = serve_queue(np.array([0.0, 0.01]), np.array([0.005]), np.array([100]), admit_s=0.001, stream_s=0.001)
-    assert admitted == pytest.approx([0.001, 0.106]) and visible == pytest.approx([0.105])
 
 
 def test_v1_rows_see_their_tokens_when_the_server_streams_them() -> None:

@@ -74,7 +74,7 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
                                                   "sequence per step (simulated only; pair with --scheduler vllm-v0)."}),
     ((_switch("api-server"),), "api_server",
      {"help": "Latencies as vLLM bench serve measures them: through the device's API server (its [engine] admit_s, "
-              "request_s, stream_s: one process admitting requests and streaming tokens in turn; simulated only). "
+              "request_s, stream_s: one process whose time the admissions and the token stream share; simulated only). "
               "[default: off]"}),
     (("--max-concurrency",), "max_concurrency",
      {"type": int, "help": "vLLM bench's clients: at most N requests in flight, the next sent when one finishes "

@@ -17,12 +17,12 @@ says what the host adds around them, as vLLM and vllm-ascend run a step:
 Host work per step (scheduling, input preparation, sampling read-back, output processing) is the
 cost model's ``host_step``, ``host_seq`` and ``host_token`` operators. A served request meets two
 more costs outside the engine loop: ``admit_s``, the API server's own time for it (request
-parsing, chat template, tokenisation), which a single server process spends one request at a
-time, so a burst of prompts queues there; and ``request_s``, latency every request sees in
+parsing, chat template, tokenisation), which a single server process shares among the requests
+in it, so a burst of prompts reaches the engine together and late; and ``request_s``, latency every request sees in
 parallel (HTTP, hand-over to the engine process, detokenising and streaming the first token).
 Both add to a served request's time to first token, not to any step. On vLLM's V1 engine the same
-server process also detokenises and streams every token, ``stream_s`` each, in one queue with
-the admissions (sim/perf/api_server.py).
+server process also detokenises and streams every token, ``stream_s`` each, on one lane that
+shares the process with the admissions (sim/perf/api_server.py).
 
 vLLM's V0 engine (``vllm/engine/llm_engine.py``, ``LLMEngine.step``; vllm-ascend v0.7.x runs it)
 adds host work per sequence per step on the thread that also dispatches the kernels: the
@@ -56,9 +56,9 @@ class EngineProfile:
     capture_sizes: tuple[int, ...] = ()  # token counts with a captured graph (graph mode)
     async_scheduling: bool = False
     request_s: float = 0.0  # latency per served request before its first token, paid in parallel
-    admit_s: float = 0.0  # API-server time per request, paid one request at a time
+    admit_s: float = 0.0  # API-server time per request, in one process the requests share
     v0_seq_s: float = 0.0  # vLLM V0 engine: host time per sequence per step (module docstring)
-    stream_s: float = 0.0  # vLLM V1's API server: time per streamed token, serial with admissions
+    stream_s: float = 0.0  # vLLM V1's API server: time per streamed token, on a lane beside the admissions
     source: str = ""
 
     def __post_init__(self) -> None:

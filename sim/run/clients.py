@@ -10,8 +10,8 @@ row's figure is what the equivalent ``kvsim simulate`` command prints.
   as a fixed point: each round sends with the previous round's latencies (the first: each request
   alone), until the send times settle.
 - The API server (the device's ``[engine]``: ``admit_s`` per request, ``request_s`` on to the
-  engine, ``stream_s`` per streamed token on vLLM's V1) is one queue for admissions and streamed
-  tokens (sim/perf/api_server.py), also solved as a fixed point: admissions from the previous
+  engine, ``stream_s`` per streamed token on vLLM's V1) is one process whose time the admissions
+  and the token stream share (sim/perf/api_server.py), also solved as a fixed point: admissions from the previous
   round's steps, the engine from those admissions. Clients see a token when the server has sent it.
 - Latencies count from the client's send; throughput over the benchmark's span (first send to last
   token); ITL is the engine's gaps (the server streams a step's tokens together).

@@ -26,11 +26,12 @@ server); ``burst`` = every prompt at t = 0 through the API server (``--request-r
 ``poisson`` = Poisson arrivals at ``rate`` (fixed seed); ``concurrency`` = a closed loop of
 ``concurrency`` clients, each sending its next prompt when the previous one finishes, solved as
 a fixed point (the arrivals of one simulation are the finishes of the previous one).
-Served requests (not ``batch``) pass the API server first, one at a time, ``admit_s`` each, and
-reach the engine ``request_s`` after that (both the engine profile's, sim/perf/engine_overhead.py): at
-low load a fixed delay, at a burst of many prompts a queue. On V1 rows the same server also
-streams every token, ``stream_s`` each, in that queue (sim/perf/api_server.py): clients see tokens
-when it has sent them.
+Served requests (not ``batch``) pass the API server first, ``admit_s`` of its time each, and
+reach the engine ``request_s`` after that (both the engine profile's, sim/perf/engine_overhead.py):
+the server's time is shared by the requests in it, so at low load this is a fixed delay and a
+burst of many prompts reaches the engine together, late. On V1 rows the same server also
+streams every token, ``stream_s`` each, on a lane that takes one share (sim/perf/api_server.py):
+clients see tokens when it has sent them.
 
 ShareGPT rows (``input_total``/``output_total``: the sources give only totals) take their lengths
 from :func:`dataset_lengths`, one of :data:`LENGTH_SOURCES`:
