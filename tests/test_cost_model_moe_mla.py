@@ -130,22 +130,24 @@ def test_w8a8_matrix_work_runs_at_its_own_share_of_the_int8_peak(tmp_path) -> No
     table fits its own (``w8a8_compute_efficiency``). It prices only a W8A8 model's grouped matmuls there; the
     dense GEMMs keep theirs, and a BF16 model never reads it."""
     h100 = load_device("h100-sxm")
-    moe = h100.operators["moe"]
-    assert moe.w8a8_compute_efficiency is not None and h100.operators["gemm"].w8a8_compute_efficiency is None
+    assert h100.operators["moe"].w8a8_compute_efficiency is not None and h100.operators["gemm"].w8a8_compute_efficiency is None
+    # Shares low enough that the step is compute-bound at either (the bundled 8-bit share sits where it is not).
+    moe = dataclasses.replace(h100.operators["moe"], compute_efficiency=0.5, w8a8_compute_efficiency=0.25)
+    own = h100.with_operators({"moe": moe})
     plain = h100.with_operators({"moe": dataclasses.replace(moe, w8a8_compute_efficiency=None)})
-    prefill = _step(16384)  # 1024 rows an expert: compute-bound at either share
+    prefill = _step(16384)  # 1024 rows an expert
     fp8 = load_model("qwen3-30b-a3b", quantization="w8a8")
-    fitted, unfitted = CostModel(fp8, h100, 16).operator_times(prefill), CostModel(fp8, plain, 16).operator_times(prefill)
-    ratio = moe.compute_efficiency / moe.w8a8_compute_efficiency  # 1.39; the kernels' launches are the same
-    assert fitted["moe"] == pytest.approx(unfitted["moe"] * ratio, rel=0.01)
+    fitted, unfitted = CostModel(fp8, own, 16).operator_times(prefill), CostModel(fp8, plain, 16).operator_times(prefill)
+    assert fitted["moe"] == pytest.approx(unfitted["moe"] * 2, rel=0.01)  # half the share; the same launches
     assert fitted["gemm"] == unfitted["gemm"]
     bf16 = load_model("qwen3-30b-a3b")
-    assert CostModel(bf16, h100, 16).operator_times(prefill) == CostModel(bf16, plain, 16).operator_times(prefill)
+    assert CostModel(bf16, own, 16).operator_times(prefill) == CostModel(bf16, plain, 16).operator_times(prefill)
     path = save_device(h100, tmp_path / "h.toml")
     assert load_device(path) == h100
     # An inherited table that sets its own compute efficiency does not take the parent's 8-bit one with it.
     text = path.read_text().replace("[operators.gemm]\n", "[operators.gemm]\nw8a8_compute_efficiency = 0.2\n")
-    (tmp_path / "g.toml").write_text(text.replace(f"w8a8_compute_efficiency = {moe.w8a8_compute_efficiency}\n", ""))
+    bundled = h100.operators["moe"].w8a8_compute_efficiency
+    (tmp_path / "g.toml").write_text(text.replace(f"w8a8_compute_efficiency = {bundled}\n", ""))
     edited = load_device(tmp_path / "g.toml")
     assert edited.operators["gemm"].w8a8_compute_efficiency == 0.2 and edited.operators["moe"].w8a8_compute_efficiency is None
     (tmp_path / "bad.toml").write_text(text.replace("w8a8_compute_efficiency = 0.2", "w8a8_compute_efficiency = 0"))
