@@ -17,6 +17,7 @@ from kvsim.cli.fidelity import describe_lengths
 from kvsim.cli.main import main
 from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.run.clients import bench_run
 from kvsim.sim.studies import fidelity
 from kvsim.sim.studies.fidelity import (
     PUBLISHED,
@@ -33,6 +34,7 @@ from kvsim.sim.studies.fidelity import (
     predict_row,
     prior_value,
     row_lengths,
+    row_trace,
     set_parameter,
     sharegpt_unavailable,
     summarize_errors,
@@ -166,6 +168,16 @@ def test_with_the_extra_sharegpt_rows_replay_vllms_draw() -> None:
     assert scaled_prompts.sum() == 43560 and scaled_outputs.sum() == 44697
     assert scaled_prompts.min() >= 4 and scaled_prompts.max() <= 1024 and (scaled_prompts + scaled_outputs).max() <= 2048
     assert np.corrcoef(scaled_outputs, outputs)[0, 1] > 0.99  # the sample's shape kept
+
+
+def test_a_served_burst_reaches_the_engine_together() -> None:
+    """Through the API server a burst's prompts are admitted together (its time shared among them,
+    sim/perf/api_server.py) and reach the engine at one instant, not one every admit_s."""
+    device = load_device("ascend-910b3")
+    row = _serving_row(workload="burst", num_prompts=16, engine_mode="eager")
+    _, replay = bench_run(_resolved(row, device), row_trace(row), api_server=True, max_concurrency=0)
+    together = 16 * device.engine.admit_s + device.engine.request_s
+    assert replay.engine_arrival == pytest.approx(np.full(16, together))
 
 
 def test_v1_rows_see_their_tokens_when_the_server_streams_them() -> None:
