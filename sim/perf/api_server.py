@@ -50,29 +50,30 @@ def serve_queue(
     lane_left = 0.0  # work left on the step being sent
     now = shared = 0.0  # wall clock; the work each job in progress has received since the start
 
-    def run_until(until: float) -> None:
+    def advance(wall: float, jobs: int) -> None:  # every job in progress gets wall / jobs of work
         nonlocal now, shared, lane_left
+        now += wall
+        shared += wall / jobs
+        lane_left -= wall / jobs if lane else 0.0
+
+    def run_until(until: float) -> None:
+        nonlocal now, lane_left
         while admitting or lane:
             jobs = len(admitting) + (1 if lane else 0)
             to_admission = max(admitting[0][0] - shared, 0.0) * jobs if admitting else np.inf
             to_stream = lane_left * jobs if lane else np.inf
             wall = min(to_admission, to_stream)
             if now + wall > until:
+                advance(until - now, jobs)
                 break
-            now += wall
-            shared += wall / jobs
-            lane_left -= wall / jobs if lane else 0.0
+            advance(wall, jobs)
             if to_admission <= to_stream:
                 admitted[heapq.heappop(admitting)[1]] = now
             else:
                 visible[lane.popleft()] = now
                 lane_left = stream_work[lane[0]] if lane else 0.0
         if np.isfinite(until):
-            jobs = len(admitting) + (1 if lane else 0)
-            if jobs:
-                shared += (until - now) / jobs
-                lane_left -= (until - now) / jobs if lane else 0.0
-            now = until
+            now = until  # idle until then, or already there
 
     for j in order:
         run_until(times[j])

@@ -140,9 +140,10 @@ _CONTEXT_DISPATCHED = tuple(i for i, op in enumerate(_CONTEXT_OPERATORS) if op i
 _MEMO_LIMIT = 1 << 16
 
 
-def _at_least_zero(x: Num) -> Num:
-    """``max(x, 0)`` of a float, element by element of an array."""
-    return np.maximum(x, 0.0) if isinstance(x, np.ndarray) else max(x, 0.0)
+def _larger(a: Num, b: Num) -> Num:
+    """The larger of ``a`` and ``b``, element by element where either is an array: np.maximum costs a
+    microsecond on scalars, and some features of a batch of steps are scalars."""
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
 
 
 def in_order_sum(terms) -> Num:
@@ -442,7 +443,7 @@ class CostModel:
             # decode_chain
             (0.0, 0.0, L * f.decode_max_blocks),
             # prefill_chain: the prefill walk beyond the decode walk
-            (0.0, 0.0, L * _at_least_zero(f.prefill_max_blocks - f.decode_max_blocks)),
+            (0.0, 0.0, L * _larger(f.prefill_max_blocks - f.decode_max_blocks, 0.0)),
             # block_copy
             (0.0, 2 * f.copy_blocks * self._block_bytes, 2 * L * (f.copy_blocks > 0)),
             # swap
@@ -488,10 +489,7 @@ class CostModel:
         """
         times = {}
         for op, (flops, nbytes, calls), (per_flop, per_byte, per_call) in zip(OPERATORS, rows, self._rate_rows):
-            compute, memory = flops * per_flop, nbytes * per_byte
-            # np.maximum costs a microsecond on scalars; some features of a batch of steps are scalars.
-            vector = isinstance(compute, np.ndarray) or isinstance(memory, np.ndarray)
-            times[op] = (np.maximum(compute, memory) if vector else max(compute, memory)) + calls * per_call
+            times[op] = _larger(flops * per_flop, nbytes * per_byte) + calls * per_call
         if self._row_count_s:
             times["gemm"] = times["gemm"] + self._row_count_time(tokens)
         return times
