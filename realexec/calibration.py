@@ -6,7 +6,9 @@ torch version and threads, device name; plus the profiler's version and the KV c
 an int8 cache writes and attends through other kernels) under ``$KVSIM_CACHE``
 (default ``~/.cache/kvsim/profiles``), each beside a JSON file listing those parts, so that
 when none fits the message can say what changed. ``kvsim validate`` uses the cached one or
-profiles on the spot (``kvsim profile --quick``) and caches the result.
+profiles on the spot (``kvsim profile --quick``) and caches the result. The JSON file also holds
+the CPUs other processes kept busy while the profile was measured (realexec/host_load.py), so that
+``kvsim validate`` can tell a profile measured beside other work from one measured on a quiet machine.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvsim.realexec.backends import KernelBackend
+from kvsim.realexec.host_load import ForeignLoad, describe
 from kvsim.sim.parallel.layout import ParallelLayout, rank_model, rank_routing
 from kvsim.sim.perf.model_spec import load_model, save_model
 
@@ -54,6 +57,7 @@ def machine_fingerprint(backend: KernelBackend, kv_dtype: str) -> str:
 class Calibrated:
     path: Path
     cached: bool  # True: measured by an earlier run (it may have gone stale); False: measured just now
+    foreign_cpus: float | None = None  # CPUs other processes kept busy while it was measured (None: not known)
 
 
 def calibrated_profile(
@@ -72,18 +76,36 @@ def calibrated_profile(
     path = cache_dir() / f"{stem}-{machine_fingerprint(backend, kv_dtype)}.toml"
     if path.exists() and not refresh:
         say(f"using the calibrated profile {path}")
-        return Calibrated(path, cached=True)
+        return Calibrated(path, cached=True, foreign_cpus=recorded_load(path))
     reason = refresh or why_not_cached(path.parent, stem, parts)
     say(f"{reason}: profiling now (kvsim profile --quick: about three minutes for the small model on a 2-core CPU, "
         f"one for the tiny model): timing how fast this machine runs the "
         f"{Path(model).stem} model's operators and whole steps (KV cache in {kv_dtype}) on {backend.clock}, so the simulator can predict "
         f"its step times; the profile is cached as {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    run_profile(backend.name, model, path, quick=True, torch_device=str(backend.device), kv_dtype=kv_dtype,
-                enforce_eager=not backend.capture_sizes, echo=echo,
-                progress=echo is not None)
-    path.with_suffix(".json").write_text(json.dumps(parts) + "\n")
-    return Calibrated(path, cached=False)
+    with ForeignLoad() as load:
+        run_profile(backend.name, model, path, quick=True, torch_device=str(backend.device), kv_dtype=kv_dtype,
+                    enforce_eager=not backend.capture_sizes, echo=echo,
+                    progress=echo is not None)
+    if load.cpus is not None:
+        say(f"other processes kept {describe(load.cpus)} busy while profiling")
+    path.with_suffix(".json").write_text(json.dumps({"fingerprint": parts, "foreign_cpus": load.cpus}) + "\n")
+    return Calibrated(path, cached=False, foreign_cpus=load.cpus)
+
+
+def recorded(path: Path) -> dict:
+    """A cached profile's JSON file: its fingerprint parts and the load it was measured beside (a bare list of
+    parts, as profilers before the load was recorded wrote it, reads as parts with no load)."""
+    data = json.loads(path.with_suffix(".json").read_text())
+    return {"fingerprint": data, "foreign_cpus": None} if isinstance(data, list) else data
+
+
+def recorded_load(path: Path) -> float | None:
+    """The CPUs other processes kept busy while the cached profile at ``path`` was measured (None: not recorded)."""
+    try:
+        return recorded(path)["foreign_cpus"]
+    except (OSError, ValueError, KeyError, TypeError):  # none beside it, or a file of the user's own
+        return None
 
 
 def rank_model_file(model: str, layout: ParallelLayout) -> str:
@@ -114,10 +136,9 @@ def why_not_cached(folder: Path, stem: str, parts: list[str]) -> str:
     cached = sorted(folder.glob(f"{stem}-*.toml"), key=lambda p: p.stat().st_mtime)
     if not cached:
         return "no calibrated profile of this backend and model in the cache (first run on this machine)"
-    recorded = cached[-1].with_suffix(".json")
-    if not recorded.exists():
+    if not cached[-1].with_suffix(".json").exists():
         return f"the cached profile {cached[-1].name} was made by an older profiler"
-    then = json.loads(recorded.read_text())
+    then = recorded(cached[-1])["fingerprint"]
     changed = [f"{old!r} -> {new!r}" for old, new in zip(then, parts) if old != new] if len(then) == len(parts) else []
     return f"the cached profile {cached[-1].name} was measured on another machine or by another profiler" + (
         f" ({', '.join(changed)})" if changed else "")

@@ -230,6 +230,52 @@ def test_a_cached_profile_is_remeasured_when_the_speed_check_says_it_is_stale(tm
     assert "the cached profile is stale: reference steps took 1.30x its prediction on thread CPU time" in said[-1]
 
 
+class StubLoad:
+    """ForeignLoad's stand-in: every measurement reads ``cpus``."""
+
+    cpus: float | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return None
+
+
+def test_a_cached_profile_measured_beside_other_work_is_measured_again_when_that_work_has_stopped(tmp_path, monkeypatch):
+    """The twenty-first session's case: profiled beside a busy process (1.0 CPU), reused on a quiet machine whose
+    reference steps read the profile's own times: the load decides, not the reference steps. The same load stands."""
+    from kvsim.cli import validate as cli_validate
+    from kvsim.realexec.speed_check import SpeedCheck
+
+    cpu, path = cached_tiny_profile(tmp_path, monkeypatch)
+    made: list[str] = []
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: made.append(str(out)))
+    monkeypatch.setattr(cli_validate, "speed_check", lambda backend, cost, seed=0: SpeedCheck(["x"], [1.0], [1.0], [1.0]))
+    path.with_suffix(".json").write_text(json.dumps({"fingerprint": [], "foreign_cpus": 1.0}))
+    for now, remeasured in ((0.9, False), (0.0, True)):
+        monkeypatch.setattr(cli_validate, "ForeignLoad", type("Load", (StubLoad,), {"cpus": now}))
+        said: list[str] = []
+        assert (cli_validate.machine_profile(cpu, TINY, False, said.append)[1] is None) == remeasured
+        assert bool(made) == remeasured
+    assert said[1].startswith("the cached profile was measured while other processes kept 1.00 of ")
+    assert "and they keep 0.00 of " in said[1] and "busy now: profiling now" in said[1]
+
+
+def test_a_profile_records_the_load_it_was_measured_beside_and_an_older_cache_file_reads_as_unrecorded(tmp_path, monkeypatch):
+    from kvsim.realexec import calibration
+
+    monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
+    monkeypatch.setattr("kvsim.realexec.profiler.run_profile", lambda backend, model, out, **kw: Path(out).write_text("x"))
+    monkeypatch.setattr(calibration, "ForeignLoad", type("Load", (StubLoad,), {"cpus": 0.75}))
+    said: list[str] = []
+    made = calibration.calibrated_profile(get_backend("cpu"), "tiny", echo=said.append)
+    assert made.foreign_cpus == 0.75 and said[-1].startswith("other processes kept 0.75 of ")
+    assert calibration.calibrated_profile(get_backend("cpu"), "tiny").foreign_cpus == 0.75  # read back from the cache
+    made.path.with_suffix(".json").write_text(json.dumps(calibration.fingerprint_parts(get_backend("cpu"), "fp32")))
+    assert calibration.calibrated_profile(get_backend("cpu"), "tiny").foreign_cpus is None
+
+
 def test_the_stale_decision_reads_the_machines_move_not_the_predictions_miss(tmp_path, monkeypatch):
     """Reference steps 0.80x the prediction but at their profiled times: the model misses them, the machine has not
     moved, so the cached profile stands; at 1.25x their profiled times (and the prediction's) it is measured anew."""
@@ -333,7 +379,7 @@ def test_an_int8_run_is_profiled_with_int8_and_its_cache_kept_apart(tmp_path, mo
     default, _ = cli_validate.machine_profile(cpu, TINY, False, None)
     assert profiled == [(int8, "int8"), (default, "fp32")]  # the tiny model's own KV dtype is fp32
     assert int8.name.startswith("cpu-tiny-int8-") and int8.name != default.name
-    assert "kv cache int8" in json.loads(int8.with_suffix(".json").read_text()) and "(KV cache in int8)" in said[0]
+    assert "kv cache int8" in json.loads(int8.with_suffix(".json").read_text())["fingerprint"] and "(KV cache in int8)" in said[0]
 
 
 def test_a_speed_check_read_against_a_biased_copy_keeps_its_measurements_and_predicts_anew(tmp_path):

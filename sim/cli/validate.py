@@ -15,8 +15,9 @@ from kvsim.cli.errors import user_errors
 from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend, open_backend, require_executor_setup
 from kvsim.cli.options import run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend
-from kvsim.realexec.calibration import calibrated_profile, rank_model_file
+from kvsim.realexec.calibration import calibrated_profile, rank_model_file, recorded_load
 from kvsim.realexec.group_profile import profile_for_group
+from kvsim.realexec.host_load import ForeignLoad, describe, load_moved
 from kvsim.realexec.repeatability import (
     AtSpeed,
     Replay,
@@ -88,6 +89,7 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: 
         if profile_path is None:
             profile_path, check = machine_profile(reference_backend(kernels), one_device(config), reprofile, echo,
                                                   thresholds.step_mape)
+        profile_load = recorded_load(profile_path)  # the machine's, before a check of the checker biases a copy
         if perturb != 1.0 or no_row_count_terms:  # predict with a profile known to be wrong
             out_dir.mkdir(parents=True, exist_ok=True)
             measured = load_device(profile_path)
@@ -102,7 +104,7 @@ def validate(backend: str, profile_path: Path | None, reprofile: bool, perturb: 
                                   config, kernels, out_dir)
         else:
             validation = cross_validate(config, trace, kernels, profile_path, out_dir, thresholds, progress=not quiet,
-                                        retime_passes=retime_passes, before=check)
+                                        retime_passes=retime_passes, before=check, profile_load=profile_load)
     except (ValueError, KeyError, RuntimeError) as exc:  # profiling or a run failed on the device (exit 1)
         raise click.ClickException(str(exc).strip("'\"")) from None
 
@@ -153,7 +155,11 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     machine that moved that far (realexec/validation.py), and a prediction's own miss on the
     reference steps (8-20 % in this session's CPU profiles) re-measured profiles whose machine
     had not moved (docs/validate-verdict.md). A profile that recorded no reference steps falls
-    back on the prediction.
+    back on the prediction. Before the reference steps decide, the CPUs other processes keep busy do:
+    a profile measured beside other work is measured again on a machine that no longer has it, and the
+    other way round (realexec/host_load.py), however its reference steps read: in round 3's twenty-first
+    session a profile cached beside a busy ``kvsim fidelity`` read 0.97x on them in a quiet run, whose
+    1-sequence decodes then took 0.72x its prediction.
 
     That check is the run's reading of the machine before it (``cross_validate``): the reading that
     decides whether the profile stands is the one the verdict weighs. On an H200 a second check
@@ -167,8 +173,13 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     reason = None if calibrated.cached else missed_held_out(current, step_limit)
     check, checked = None, len(fresh)
     if reason is None:
-        check = speed_check(kernels, resolve(config.updated(device=str(path))).cost_model(), seed=config.seed)
-        if stale(check.machine_ratio, current.step_timing_noise):
+        with ForeignLoad() as load:
+            check = speed_check(kernels, resolve(config.updated(device=str(path))).cost_model(), seed=config.seed)
+        if load_moved(calibrated.foreign_cpus, load.cpus):
+            which = "the cached profile" if calibrated.cached else "the profile"
+            reason = (f"{which} was measured while other processes kept {describe(calibrated.foreign_cpus)} busy, "
+                      f"and they keep {describe(load.cpus)} busy now")
+        elif stale(check.machine_ratio, current.step_timing_noise):
             which = "the cached profile is stale" if calibrated.cached else "the machine's speed changed while it was profiled"
             baseline = "their time when profiled" if check.profiled_s else "its prediction"
             reason = f"{which}: reference steps took {check.machine_ratio:.2f}x {baseline} on {kernels.clock}"
@@ -204,20 +215,23 @@ def stale(ratio: float, noise: float | None) -> bool:
 
 def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_path: Path, out_dir: Path,
                    thresholds: Thresholds, progress: bool = False, retime_passes: int = RETIME_PASSES,
-                   before: SpeedCheck | None = None) -> dict:
+                   before: SpeedCheck | None = None, profile_load: float | None = None) -> dict:
     """The three runs (real, replay, free simulation), their comparison and its verdict; writes validation.json.
 
     Around the real run: the reference steps before and after it (the machine's speed against
     its profile's), and its steps timed again ``retime_passes`` times once it is over (the
     real-vs-real spread of every figure): what the verdict weighs a miss against. ``before``: the
     check that let the profile stand (``machine_profile``), read against ``profile_path``; None: timed here.
+    ``profile_load``: the CPUs other processes kept busy while the profile was measured (recorded in the
+    cache beside it; None: not known), reported beside those they keep busy during the real run.
     """
     config = for_backend(config, backend)
     reference = reference_backend(backend)
     single_cost = resolve(one_device(config).updated(device=str(profile_path))).cost_model()
     before = speed_check(reference, single_cost, seed=config.seed) if before is None else before.against(single_cost)
-    real, real_summary = execute_run(config, backend, out_dir / "real", trace=trace, progress=progress, decisions="full",
-                                     retime_passes=retime_passes)
+    with ForeignLoad() as run_load:
+        real, real_summary = execute_run(config, backend, out_dir / "real", trace=trace, progress=progress, decisions="full",
+                                         retime_passes=retime_passes)
     collectives = None
     if config.tensor_parallel_size > 1:  # the group's links and its ranks' compute beside one another, measured after the run
         profile_path, collectives = profile_for_group(profile_path, real_summary["measured"]["collectives"], config,
@@ -254,6 +268,7 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
     judge(validation, [TimedSteps(timed, replay_timer.predicted, cost.step_time, classes)], [measured["retimed_s"]], real_summary,
           *one_engine(sim_resolved, trace), before, speed, sim_resolved.device, thresholds, advice=backend.rerun_advice)
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
+    validation["host_load"] = {"profile_foreign_cpus": profile_load, "run_foreign_cpus": run_load.cpus}
     validation.update(
         profile=str(profile_path),
         series={"step_time": {"measured": timed, "predicted": replay_timer.predicted, "kind": replay_timer.kinds,
@@ -366,6 +381,10 @@ def format_checks(validation: dict) -> str:
     if again.get("profile_fit_ratio") is not None:
         lines.append(f"the profile's reference steps, timed right after its cases, took {again['profile_fit_ratio']:.2f}x its fit's "
                      "prediction of them: the verdict weighs a miss with the model at that too")
+    load = validation.get("host_load")
+    if load is not None:
+        lines.append(f"other processes kept {describe(load['profile_foreign_cpus'])} busy while the profile was measured, "
+                     f"{describe(load['run_foreign_cpus'])} during the real run")
     links = validation["timing"].get("collectives")
     if links is not None:
         lines.append(f"the {links['ranks']} ranks' all-reduces, fitted after the run: {links['latency_s'] * 1e6:.0f} us latency, "

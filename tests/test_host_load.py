@@ -1,0 +1,50 @@
+"""Other processes' CPU load: measured from the operating system, and what moves a profile's machine state."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvsim.realexec import host_load
+from kvsim.realexec.host_load import ForeignLoad, describe, load_moved
+
+
+@pytest.mark.skipif(host_load.busy_seconds() is None, reason="no /proc/stat on this platform")
+def test_a_busy_process_beside_is_measured_and_this_processs_own_work_is_not():
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 2.5\nwhile time.time() < end: pass"])
+    try:
+        with ForeignLoad() as load:
+            child.wait(timeout=30)
+    finally:
+        child.kill()
+    assert load.cpus is not None and load.cpus > 0.5  # the child's core (about 1.0), and whatever else ran
+
+
+def test_foreign_load_is_all_cpus_busy_time_less_this_processs_own(monkeypatch):
+    readings = iter([(100.0, 10.0, 0.0), (106.0, 12.0, 4.0)])  # (busy, own, wall) at entry and exit
+    monkeypatch.setattr(host_load, "busy_seconds", lambda: current[0])
+    monkeypatch.setattr(host_load.time, "process_time", lambda: current[1])
+    monkeypatch.setattr(host_load.time, "perf_counter", lambda: current[2])
+    current = next(readings)
+    with ForeignLoad() as load:
+        current = next(readings)
+    assert load.cpus == pytest.approx((6.0 - 2.0) / 4.0)
+
+
+def test_no_reading_off_linux_or_over_a_window_under_a_second(monkeypatch):
+    monkeypatch.setattr(host_load, "busy_seconds", lambda: None)
+    with ForeignLoad() as load:
+        pass
+    assert load.cpus is None and describe(load.cpus) == "an unrecorded share of the CPUs"
+    monkeypatch.setattr(host_load, "busy_seconds", lambda: 5.0)
+    with ForeignLoad() as short:
+        pass
+    assert short.cpus is None
+
+
+def test_a_move_is_half_a_cpu_or_a_quarter_of_the_other_cpus_whichever_is_more():
+    assert load_moved(1.0, 0.0, cpus=2) and not load_moved(0.3, 0.0, cpus=2)
+    assert not load_moved(3.0, 0.0, cpus=17) and load_moved(4.5, 0.0, cpus=17)  # a quarter of 16 others: 4
+    assert not load_moved(None, 2.0) and not load_moved(2.0, None)  # an unknown reading decides nothing
