@@ -246,7 +246,8 @@ def allowance(check: str, threshold: float, spread: float) -> float:
 
 
 def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict[str, float | None], moved: float,
-            thresholds: Thresholds, fit_ratio: float | None = None, advice: str = "rerun it") -> Verdict:
+            thresholds: Thresholds, fit_ratio: float | None = None, advice: str = "rerun it",
+            load_moved: str | None = None) -> Verdict:
     """Pass, fail or inconclusive from the checks and what the machine's own measured behaviour explains.
 
     ``spread``: each timing check's real-vs-real spread (realexec/repeatability.py); checks without
@@ -256,11 +257,15 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
     reference steps timed beside it: a fit the machine's noise bent; None: not recorded).
     ``advice``: what an inconclusive verdict tells the user to do (the backend's ``rerun_advice``).
     ``moved``: how far the machine's speed strayed while measuring (``MachineSpeed.moved``).
+    ``load_moved``: how the CPUs other processes kept busy moved between the profile's measurement
+    and the real run, where they moved by more than realexec/host_load.py's margin (None: they did not,
+    or were not measured): a machine shared differently from when its profile was measured.
 
     - **fail**: a check misses its threshold, and its error, even with the model at the machine's
       speed, is beyond what a model exactly at the threshold could show given the spread
       (:func:`allowance`): more than the machine's repeatability explains.
-    - **inconclusive**: a check misses, but within what the machine's speed and spread explain;
+    - **inconclusive**: a check misses, but within what the machine's speed and spread explain, or
+      beyond it on a machine whose other processes' load moved between the profile and the run;
       or every check passes while the machine moved by more than the step threshold (a model off
       by as much as the machine moved would pass too).
     - **pass**: every check within its threshold, on a machine that held its profiled speed.
@@ -282,6 +287,10 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
             why += (f", and {best:.3f} with the model at the machine's measured speed{fit_note}, beyond the {room:.3f} that a model at "
                     f"the limit could show on measurements that move as this machine's did")
         more = f" (and {len(beyond) - 1} more)" if len(beyond) > 1 else ""
+        if load_moved is not None:
+            return Verdict("inconclusive", INCONCLUSIVE,
+                           f"{why}{more}, but other processes kept {load_moved}: the machine was not shared as it was when "
+                           f"its profile was measured, so the miss may be the machine's; {advice}")
         return Verdict("fail", FAIL, f"{why}{more}: the model misses by more than the machine's repeatability explains")
     if within:
         c, best, room = within[0]

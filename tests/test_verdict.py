@@ -64,6 +64,22 @@ def test_a_miss_within_the_real_vs_real_spread_is_inconclusive_and_beyond_it_fai
     assert inside.outcome == "inconclusive" and outside.outcome == "fail"
 
 
+def test_a_miss_beyond_the_spread_on_a_machine_shared_differently_from_its_profile_is_inconclusive():
+    """The twenty-first session's fail: profiled and run beside a busy process whose load came and went. Where the
+    operating system says other processes' load moved between the two, a miss is not read as the model's; a pass stands."""
+    from kvsim.cli.validate import shared_differently
+
+    moved = shared_differently({"profile_foreign_cpus": 1.2, "run_foreign_cpus": 0.3})
+    assert moved is not None and moved.startswith("1.20 of ") and "0.30 of " in moved
+    assert shared_differently({"profile_foreign_cpus": 1.2, "run_foreign_cpus": 1.0}) is None
+    assert shared_differently({"profile_foreign_cpus": None, "run_foreign_cpus": 1.0}) is None and shared_differently(None) is None
+    miss = verdict(checks(step_mape=0.19), SPREAD, {"step_mape": 0.18}, moved=0.02, thresholds=T, load_moved=moved)
+    assert (miss.outcome, miss.exit_code) == ("inconclusive", INCONCLUSIVE)
+    assert "but other processes kept 1.20 of " in miss.reason and "busy while the profile was measured" in miss.reason
+    assert verdict(checks(step_mape=0.19), SPREAD, {"step_mape": 0.18}, moved=0.02, thresholds=T).outcome == "fail"
+    assert verdict(checks(), SPREAD, {}, moved=0.02, thresholds=T, load_moved=moved).outcome == "pass"
+
+
 def test_the_step_mape_allowance_adds_in_quadrature_and_a_single_figure_linearly():
     assert allowance("step_mape", 0.10, 0.05) == pytest.approx((0.10**2 + 0.05**2) ** 0.5)
     assert allowance("ttft_p50_rel_error", 0.10, 0.05) == pytest.approx(0.15)

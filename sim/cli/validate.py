@@ -264,11 +264,11 @@ def cross_validate(config: RunConfig, trace, backend: KernelBackend, profile_pat
                                                                   replay_timer.batch_sizes)
     if collectives is not None:
         validation["timing"]["collectives"] = collectives
+    validation["host_load"] = {"profile_foreign_cpus": profile_load, "run_foreign_cpus": run_load.cpus}
     classes = step_classes(replay_timer.kinds, replay_timer.batch_sizes)
     judge(validation, [TimedSteps(timed, replay_timer.predicted, cost.step_time, classes)], [measured["retimed_s"]], real_summary,
           *one_engine(sim_resolved, trace), before, speed, sim_resolved.device, thresholds, advice=backend.rerun_advice)
     validation["timing"]["wall_clock"] = {"steps_wall_s": measured["wall_s"], "steps_device_clock_s": sum(timed)}
-    validation["host_load"] = {"profile_foreign_cpus": profile_load, "run_foreign_cpus": run_load.cpus}
     validation.update(
         profile=str(profile_path),
         series={"step_time": {"measured": timed, "predicted": replay_timer.predicted, "kind": replay_timer.kinds,
@@ -301,7 +301,17 @@ def judge(validation: dict, engines: list[TimedSteps], passes: list[list[list[fl
     validation["timing"].update(speed_check=after.to_dict(), speed_check_before=before.to_dict())
     validation["repeatability"] = {**again, "machine_speed": moved.to_dict(), "errors_at_machine_speed": explained,
                                    "profile_fit_ratio": fit}
-    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit, advice).to_dict()
+    validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit, advice,
+                                    shared_differently(validation.get("host_load"))).to_dict()
+
+
+def shared_differently(load: dict | None) -> str | None:
+    """How other processes' load moved between the profile and the run, where it moved (the verdict's
+    ``load_moved``); None where it did not or either reading is missing."""
+    if load is None or not load_moved(load["profile_foreign_cpus"], load["run_foreign_cpus"]):
+        return None
+    return (f"{describe(load['profile_foreign_cpus'])} busy while the profile was measured and "
+            f"{describe(load['run_foreign_cpus'])} during the run")
 
 
 def recorded(validation: dict, config: RunConfig, backend: KernelBackend, out_dir: Path) -> dict:
