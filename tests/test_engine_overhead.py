@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,45 @@ def test_a_bad_host_time_names_file_and_field(key: str, value) -> None:
     table = {"mode": "eager", "dispatch_s": 1e-4, key: value}
     with pytest.raises(ValueError, match=rf"x\.toml: field engine\.{key} must be a number >= 0"):
         parse_engine(table, Path("x.toml"))
+
+
+V1_DEFAULT_SIZES = (1, 2, 4, *range(8, 513, 8))  # vLLM's 67 capture sizes before v0.11
+
+
+def test_acl_graph_keeps_the_sizes_vllm_ascend_computes_for_a_layout() -> None:
+    """vllm-ascend v0.11.0's own worked example (its update_aclgraph_sizes comment): 48 layers under TP4
+    with 1,920 streams keep 12 sizes; with the 1,800 it sets, 11. Sampled evenly, first and last kept."""
+    engine = replace(load_device("ascend-910b3").engine, capture_sizes=V1_DEFAULT_SIZES, graph_stream_budget=1920)
+    assert len(engine.for_layout(48, tensor_parallel_size=4).capture_sizes) == 12
+    assert len(replace(engine, graph_stream_budget=1800).for_layout(48, tensor_parallel_size=4).capture_sizes) == 11
+    # Six of the 67 sizes: those the vllm-ascend Q3 2025 roadmap thread (issue #1168) reports for Qwen3-235B on 8 NPUs
+    six = replace(engine, graph_stream_budget=6 * 95 * 5 + 80).for_layout(94, tensor_parallel_size=8, data_parallel_size=2)
+    assert six.capture_sizes == (1, 88, 192, 304, 408, 512) and six.capped_from == 67
+    assert len(engine.for_layout(30).capture_sizes) == 61  # 1920 // 31 = 61 of 67
+    assert engine.for_layout(27).capture_sizes == V1_DEFAULT_SIZES and engine.for_layout(27).capped_from == 0  # 1920 // 28 = 68
+
+
+def test_the_stream_budget_binds_only_acl_graphs_in_graph_mode_and_too_small_a_budget_says_run_eagerly() -> None:
+    engine = load_device("ascend-910b3").engine
+    assert replace(engine, mode="eager").for_layout(200, 16, 2).capture_sizes == engine.capture_sizes
+    assert load_device("h100-sxm").engine.for_layout(200, 16, 2) == load_device("h100-sxm").engine  # no budget
+    with pytest.raises(ValueError, match=r"a 200-layer model under TP16 x DP2 leaves room for 1 ACL graph .*--enforce-eager"):
+        engine.for_layout(200, 16, 2)
+
+
+def test_a_run_on_ascend_pads_to_the_sizes_its_layout_keeps_and_its_summary_lists_them() -> None:
+    from kvsim.sim.run.config import RunConfig, resolve
+
+    deep = resolve(RunConfig(model="deepseek-v3", device="ascend-910b3", quantization="w8a8", tensor_parallel_size=8,
+                             data_parallel_size=2, enable_expert_parallel=True, max_model_len=4096))
+    assert deep.device.engine.capture_sizes == (1, 80, 184, 320, 512)  # (1800 - 80) // 62 // 5 = 5 of 51
+    assert deep.device.engine.padded_tokens(2.0) == 80.0
+    assert deep.to_dict()["resolved"]["graph_capture_sizes"] == [1, 80, 184, 320, 512]
+    small = resolve(RunConfig(model="llama-2-7b", device="ascend-910b3"))  # 1800 // 33 = 54 >= 51: every size kept
+    assert small.device.engine.capture_sizes == load_device("ascend-910b3").engine.capture_sizes
+    assert "graph_capture_sizes" not in small.to_dict()["resolved"]
+
+
+def test_a_bad_stream_budget_names_file_and_field() -> None:
+    with pytest.raises(ValueError, match=r"x\.toml: field engine\.graph_stream_budget must be an integer >= 0"):
+        parse_engine({"mode": "eager", "dispatch_s": 1e-4, "graph_stream_budget": 1.5}, Path("x.toml"))

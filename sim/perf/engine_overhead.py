@@ -11,6 +11,13 @@ says what the host adds around them, as vLLM and vllm-ascend run a step:
   largest of ``capture_sizes`` replays a captured graph, with no per-kernel dispatch; its tokens
   are padded up to the nearest captured size, so the GEMMs do the padded work. Larger steps run
   eagerly (vLLM captures no graph for them).
+- **ACL graph's stream budget** (``graph_stream_budget``, Ascend): every captured graph holds
+  device streams, and a device has 2,048, so vllm-ascend captures fewer sizes the more layers a
+  model has and the more communication groups it joins, sampling the default list evenly and
+  keeping its first and last size (``update_aclgraph_sizes`` in ``vllm_ascend/utils.py``, v0.11.0:
+  1,800 streams, ``floor((1800 - 40 g) / (layers + 1) / (1 + 2 g))`` sizes with g the groups among
+  TP and DP larger than 1). Qwen3-8B keeps 48 of 51 sizes; DeepSeek-V3 under TP8 x DP2 keeps 5,
+  so a step of 2 decodes there runs the graph of 80 tokens. CUDA graphs have no such budget (0).
 - **async scheduling** (``async_scheduling = true``): the engine prepares step ``n + 1`` while the
   device runs step ``n``, so the step takes ``max(execution, host work)`` instead of their sum.
 
@@ -35,7 +42,7 @@ detokenisation to the front-end process and builds its inputs from a persistent 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +52,9 @@ from kvsim.sim.toml_io import toml_value
 Num = float | np.ndarray
 
 MODES = ("eager", "graph")
+# Streams vllm-ascend sets aside per communication group when HCCL unfolds collectives on the AI CPU,
+# its default (vllm_ascend/utils.py, update_aclgraph_sizes, v0.11.0).
+ACL_STREAMS_PER_GROUP = 40
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,9 @@ class EngineProfile:
     admit_s: float = 0.0  # API-server time per request, in one process the requests share
     v0_seq_s: float = 0.0  # vLLM V0 engine: host time per sequence per step (module docstring)
     stream_s: float = 0.0  # vLLM V1's API server: time per streamed token, on a lane beside the admissions
+    graph_stream_budget: int = 0  # ACL graph: device streams the captured graphs may hold (0: no budget, as CUDA graphs)
     source: str = ""
+    capped_from: int = 0  # capture sizes before a layout's stream budget cut them (0: not cut; :meth:`for_layout`)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,6 +82,27 @@ class EngineProfile:
             raise ValueError(f"capture_sizes must be positive, increasing and distinct, got {list(self.capture_sizes)}")
         if min(self.dispatch_s, self.request_s, self.admit_s, self.v0_seq_s, self.stream_s) < 0:
             raise ValueError("dispatch_s, request_s, admit_s, v0_seq_s and stream_s must be >= 0")
+
+    def for_layout(self, num_layers: int, tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> EngineProfile:
+        """The engine as it captures graphs for a model of ``num_layers`` layers under a TP x DP layout: its
+        capture sizes cut to what the stream budget holds (module docstring); itself without a budget or
+        in eager mode, or where every size fits. A budget too small for two sizes is an error, as it stops
+        vllm-ascend from starting in graph mode."""
+        if not self.graph_stream_budget or self.mode != "graph":
+            return self
+        groups = (tensor_parallel_size > 1) + (data_parallel_size > 1)
+        most = (self.graph_stream_budget - ACL_STREAMS_PER_GROUP * groups) // (num_layers + 1) // (1 + 2 * groups)
+        sizes = self.capture_sizes
+        if most >= len(sizes):
+            return self
+        if most < 2:
+            raise ValueError(f"graph mode: a {num_layers}-layer model under TP{tensor_parallel_size} x DP{data_parallel_size} "
+                             f"leaves room for {max(most, 0)} ACL graph capture size(s) of {self.graph_stream_budget} streams "
+                             f"(vllm-ascend's update_aclgraph_sizes), too few to start; run eagerly (--enforce-eager)")
+        step = (len(sizes) - 1) / (most - 1)
+        picked = [sizes[round(i * step)] for i in range(most)]
+        picked[0], picked[-1] = sizes[0], sizes[-1]
+        return replace(self, capture_sizes=tuple(picked), capped_from=len(sizes))
 
     def in_graph(self, num_tokens: Num) -> Num:
         """1 where a step of ``num_tokens`` replays a captured graph, else 0."""
@@ -106,7 +139,8 @@ class EngineProfile:
 
 def parse_engine(table: dict, path: Path) -> EngineProfile:
     """An ``[engine]`` table of a device TOML; errors name the file and field."""
-    allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "admit_s", "v0_seq_s", "stream_s", "source"}
+    allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "admit_s", "v0_seq_s", "stream_s",
+               "graph_stream_budget", "source"}
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join('engine.' + k for k in unknown)} (allowed: {', '.join(sorted(allowed))})")
@@ -120,6 +154,9 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
         value = table.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{path}: field engine.{key} must be a number >= 0, got {value!r}")
+    budget = table.get("graph_stream_budget", 0)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"{path}: field engine.graph_stream_budget must be an integer >= 0, got {budget!r}")
     if not isinstance(table.get("async_scheduling", False), bool):
         raise ValueError(f"{path}: field engine.async_scheduling must be true or false")
     try:
@@ -132,6 +169,7 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
             admit_s=float(table.get("admit_s", 0.0)),
             v0_seq_s=float(table.get("v0_seq_s", 0.0)),
             stream_s=float(table.get("stream_s", 0.0)),
+            graph_stream_budget=budget,
             source=str(table.get("source", "")),
         )
     except ValueError as exc:
@@ -150,5 +188,6 @@ def engine_toml_lines(engine: EngineProfile) -> list[str]:
         f"admit_s = {toml_value(engine.admit_s)}",
         f"v0_seq_s = {toml_value(engine.v0_seq_s)}",
         f"stream_s = {toml_value(engine.stream_s)}",
+        *([f"graph_stream_budget = {engine.graph_stream_budget}"] if engine.graph_stream_budget else []),
         f"source = {toml_value(engine.source)}",
     ]
