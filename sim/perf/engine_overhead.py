@@ -16,8 +16,10 @@ says what the host adds around them, as vLLM and vllm-ascend run a step:
   model has and the more communication groups it joins, sampling the default list evenly and
   keeping its first and last size (``update_aclgraph_sizes`` in ``vllm_ascend/utils.py``, v0.11.0:
   1,800 streams, ``floor((1800 - 40 g) / (layers + 1) / (1 + 2 g))`` sizes with g the groups among
-  TP and DP larger than 1). Qwen3-8B keeps 48 of 51 sizes; DeepSeek-V3 under TP8 x DP2 keeps 5,
-  so a step of 2 decodes there runs the graph of 80 tokens. CUDA graphs have no such budget (0).
+  TP and DP larger than 1; the budget binds vllm-ascend's default piecewise graphs, one graph a
+  layer and size, MLA models' included: ``vllm_ascend/platform.py``). Qwen3-8B keeps 48 of 51
+  sizes; DeepSeek-V3 under TP8 x DP2 keeps 5, so a step of 2 decodes there runs the graph of 80
+  tokens. CUDA graphs have no such budget (0).
 - **async scheduling** (``async_scheduling = true``): the engine prepares step ``n + 1`` while the
   device runs step ``n``, so the step takes ``max(execution, host work)`` instead of their sum.
 
