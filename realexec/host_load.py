@@ -5,10 +5,11 @@ memory, the small model's steps took 10-20 % longer on the 2-core development VM
 Python busy loop left them as they were (docs/benchmarks.md). So a profile cached beside one
 kind of load and reused without it mispredicts every step by that much, and the reference steps
 that should catch it scatter by about as much themselves. The operating system knows what ran,
-though: all CPUs' busy time (``/proc/stat``) less this process's own CPU time is what others
-used, with the hypervisor's steal time (another guest running on this machine's cores). ``kvsim
-validate`` records it with a profile it caches and measures it again before using
-that profile; where the two differ by more than :func:`load_moved`'s margin, it profiles again.
+though: all CPUs' busy time (``/proc/stat``) less the CPU time of this process and its
+children (a tensor-parallel run's rank processes are its own work) is what others used, with
+the hypervisor's steal time (another guest running on this machine's cores). ``kvsim validate``
+records it with a profile it caches and measures it again before using that profile; where the
+two differ by more than :func:`load_moved`'s margin, it profiles again.
 
 Linux only: elsewhere (no ``/proc/stat``) the reading is None and nothing is decided on it.
 """
@@ -48,6 +49,33 @@ def busy_seconds() -> float | None:
     return (sum(fields) - idle - guest) / os.sysconf("SC_CLK_TCK")
 
 
+def own_seconds() -> float:
+    """CPU seconds of this process, its children it has waited for, and its live descendants (their
+    ``/proc/<pid>/stat``): a descendant alive at one reading and waited for by the next counts the same."""
+    times = os.times()
+    return time.process_time() + times.children_user + times.children_system + _live_descendants_seconds()
+
+
+def _live_descendants_seconds() -> float:
+    parents: dict[int, int] = {}
+    spent: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone since the listing, or not ours to read
+            continue
+        pid = int(stat.parent.name)
+        parents[pid], spent[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick  # ppid, utime, stime
+    ours, frontier = set(), [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in ours]
+        ours.update(children)
+        frontier.extend(children)
+    return sum(spent[pid] for pid in ours)
+
+
 @dataclass
 class ForeignLoad:
     """Measures, between ``with`` entry and exit, the CPUs other processes kept busy on average.
@@ -58,11 +86,11 @@ class ForeignLoad:
     cpus: float | None = None
 
     def __enter__(self) -> ForeignLoad:
-        self._start = (busy_seconds(), time.process_time(), time.perf_counter())
+        self._start = (busy_seconds(), own_seconds(), time.perf_counter())
         return self
 
     def __exit__(self, *_) -> None:
-        busy, own, wall = busy_seconds(), time.process_time(), time.perf_counter()
+        busy, own, wall = busy_seconds(), own_seconds(), time.perf_counter()
         busy0, own0, wall0 = self._start
         elapsed = wall - wall0
         if busy is None or busy0 is None or elapsed < 1.0:

@@ -22,10 +22,27 @@ def test_a_busy_process_beside_is_measured_and_this_processs_own_work_is_not():
     assert load.cpus is not None and load.cpus > 0.5  # the child's core (about 1.0), and whatever else ran
 
 
+@pytest.mark.skipif(host_load.busy_seconds() is None, reason="no /proc/stat on this platform")
+def test_a_child_process_counts_as_this_processs_own_work():
+    """A tensor-parallel run's ranks are its children: their CPU time is the run's, not another process's."""
+    burn = ("import sys, time\nwhile time.process_time() < 0.6: pass\nprint('half', flush=True)\n"
+            "while time.process_time() < 1.2: pass\nsys.stdin.readline()")
+    before = host_load.own_seconds()
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "half"
+        alive = host_load.own_seconds()
+        child.communicate("\n", timeout=60)
+    finally:
+        child.kill()
+    after = host_load.own_seconds()
+    assert alive - before > 0.5 and after - before > 1.1  # counted while it ran (in clock ticks), and once waited for
+
+
 def test_foreign_load_is_all_cpus_busy_time_less_this_processs_own(monkeypatch):
     readings = iter([(100.0, 10.0, 0.0), (106.0, 12.0, 4.0)])  # (busy, own, wall) at entry and exit
     monkeypatch.setattr(host_load, "busy_seconds", lambda: current[0])
-    monkeypatch.setattr(host_load.time, "process_time", lambda: current[1])
+    monkeypatch.setattr(host_load, "own_seconds", lambda: current[1])
     monkeypatch.setattr(host_load.time, "perf_counter", lambda: current[2])
     current = next(readings)
     with ForeignLoad() as load:
