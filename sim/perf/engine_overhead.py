@@ -10,7 +10,10 @@ says what the host adds around them, as vLLM and vllm-ascend run a step:
 - **graph** (``mode = "graph"``: CUDA graphs, ACLGraph): a step whose token count is at most the
   largest of ``capture_sizes`` replays a captured graph, with no per-kernel dispatch; its tokens
   are padded up to the nearest captured size, so the GEMMs do the padded work. Larger steps run
-  eagerly (vLLM captures no graph for them).
+  eagerly (vLLM captures no graph for them). ``capture_sizes`` is vLLM's default list; a run keeps
+  the sizes up to twice its ``max_num_seqs``, as vLLM's default ceiling
+  ``min(2 max_num_seqs, 512)`` does (``VllmConfig._set_cudagraph_sizes``, ``vllm/config/vllm.py``):
+  with 8 sequences, graphs of up to 16 tokens, and a larger step runs eagerly.
 - **ACL graph's stream budget** (``graph_stream_budget``, Ascend): every captured graph holds
   device streams, and a device has 2,048, so vllm-ascend captures fewer sizes the more layers a
   model has and the more communication groups it joins, sampling the default list evenly and
@@ -73,7 +76,7 @@ class EngineProfile:
     stream_s: float = 0.0  # vLLM V1's API server: time per streamed token, on a lane beside the admissions
     graph_stream_budget: int = 0  # ACL graph: device streams the captured graphs may hold (0: no budget, as CUDA graphs)
     source: str = ""
-    capped_from: int = 0  # capture sizes before a layout's stream budget cut them (0: not cut; :meth:`for_layout`)
+    capped_from: int = 0  # capture sizes before a run's settings cut them (0: not cut; :meth:`for_run`)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,12 +88,20 @@ class EngineProfile:
         if min(self.dispatch_s, self.request_s, self.admit_s, self.v0_seq_s, self.stream_s) < 0:
             raise ValueError("dispatch_s, request_s, admit_s, v0_seq_s and stream_s must be >= 0")
 
-    def for_layout(self, num_layers: int, tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> EngineProfile:
-        """The engine as it captures graphs for a model of ``num_layers`` layers under a TP x DP layout: its
-        capture sizes cut to what the stream budget holds (module docstring); itself without a budget or
-        in eager mode, or where every size fits. A budget too small for two sizes is an error, as it stops
-        vllm-ascend from starting in graph mode."""
-        if not self.graph_stream_budget or self.mode != "graph":
+    def for_run(self, max_num_seqs: int, num_layers: int, tensor_parallel_size: int = 1,
+                data_parallel_size: int = 1) -> EngineProfile:
+        """The engine as it captures graphs for a run of ``max_num_seqs`` sequences, a model of ``num_layers``
+        layers and a TP x DP layout: the capture sizes up to twice ``max_num_seqs``, then cut to what a stream
+        budget holds (module docstring); itself in eager mode or where nothing is cut. A budget too small for
+        two sizes is an error, as it stops vllm-ascend from starting in graph mode."""
+        if self.mode != "graph":
+            return self
+        sizes = tuple(s for s in self.capture_sizes if s <= 2 * max_num_seqs) or self.capture_sizes[:1]
+        cut = replace(self, capture_sizes=sizes, capped_from=len(self.capture_sizes)) if sizes != self.capture_sizes else self
+        return cut._within_stream_budget(num_layers, tensor_parallel_size, data_parallel_size)
+
+    def _within_stream_budget(self, num_layers: int, tensor_parallel_size: int, data_parallel_size: int) -> EngineProfile:
+        if not self.graph_stream_budget:
             return self
         groups = (tensor_parallel_size > 1) + (data_parallel_size > 1)
         most = (self.graph_stream_budget - ACL_STREAMS_PER_GROUP * groups) // (num_layers + 1) // (1 + 2 * groups)
@@ -104,7 +115,7 @@ class EngineProfile:
         step = (len(sizes) - 1) / (most - 1)
         picked = [sizes[round(i * step)] for i in range(most)]
         picked[0], picked[-1] = sizes[0], sizes[-1]
-        return replace(self, capture_sizes=tuple(picked), capped_from=len(sizes))
+        return replace(self, capture_sizes=tuple(picked), capped_from=self.capped_from or len(sizes))
 
     def in_graph(self, num_tokens: Num) -> Num:
         """1 where a step of ``num_tokens`` replays a captured graph, else 0."""

@@ -347,7 +347,7 @@ class ResolvedRun:
                 facts["moe"]["routing"] = self.routing().describe()
             resolved["model"] = facts
         engine = self.device.engine
-        if engine is not None and engine.capped_from:  # as vllm-ascend logs "Adjusted ACL graph batch sizes ..."
+        if engine is not None and engine.capped_from:  # the sizes kept, as vLLM / vllm-ascend log them
             resolved["graph_capture_sizes"] = list(engine.capture_sizes)
         tiers = self.engine_config.kv_tiers
         if tiers is not None:
@@ -375,9 +375,9 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
                          f"exchange itself (MC2, all-gather or all-to-all); device {device.name} takes no all2all backend")
     layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size,
                             config.enable_expert_parallel)
-    if device.engine is not None:  # ACL graph captures fewer sizes for deeper models and more groups (engine_overhead.py)
-        device = replace(device, engine=device.engine.for_layout(model.num_layers, layout.tensor_parallel_size,
-                                                                 layout.data_parallel_size))
+    if device.engine is not None:  # graphs up to 2 x max_num_seqs; ACL graph's fewer for deeper models (engine_overhead.py)
+        device = replace(device, engine=device.engine.for_run(config.max_num_seqs, model.num_layers,
+                                                              layout.tensor_parallel_size, layout.data_parallel_size))
     memory = plan_rank_memory(  # one rank's pool; a DP group's engine holds every member's (module docstring of rank_cost)
         model,
         device,
