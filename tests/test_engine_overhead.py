@@ -75,6 +75,8 @@ def test_a_run_captures_graphs_up_to_twice_its_max_num_seqs_as_vllm_does() -> No
     assert eight.capture_sizes == (1, 2, 4, 8, 16) and eight.capped_from == 51
     assert eight.in_graph(16.0) and not eight.in_graph(20.0) and eight.padded_tokens(20.0) == 20.0
     assert h100.for_run(256, 32) == h100  # 512: every size
+    executor = replace(h100, graph_sizes_per_seq=0)  # a calibrated profile lists what the executor captured: all kept
+    assert executor.for_run(8, 32) == executor
     run = resolve(RunConfig(model="llama-3.1-8b", device="h100-sxm", max_num_seqs=8))
     assert run.to_dict()["resolved"]["graph_capture_sizes"] == [1, 2, 4, 8, 16]
     ascend = load_device("ascend-910b3").engine.for_run(64, 36)  # 128 first: 19 sizes, within the 48 that 36 layers hold

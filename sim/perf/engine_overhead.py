@@ -10,10 +10,11 @@ says what the host adds around them, as vLLM and vllm-ascend run a step:
 - **graph** (``mode = "graph"``: CUDA graphs, ACLGraph): a step whose token count is at most the
   largest of ``capture_sizes`` replays a captured graph, with no per-kernel dispatch; its tokens
   are padded up to the nearest captured size, so the GEMMs do the padded work. Larger steps run
-  eagerly (vLLM captures no graph for them). ``capture_sizes`` is vLLM's default list; a run keeps
-  the sizes up to twice its ``max_num_seqs``, as vLLM's default ceiling
-  ``min(2 max_num_seqs, 512)`` does (``VllmConfig._set_cudagraph_sizes``, ``vllm/config/vllm.py``):
-  with 8 sequences, graphs of up to 16 tokens, and a larger step runs eagerly.
+  eagerly (vLLM captures no graph for them). A device file's ``capture_sizes`` is vLLM's default
+  list, and ``graph_sizes_per_seq = 2`` keeps a run's sizes up to twice its ``max_num_seqs``, as
+  vLLM's default ceiling ``min(2 max_num_seqs, 512)`` does (``VllmConfig._set_cudagraph_sizes``,
+  ``vllm/config/vllm.py``): with 8 sequences, graphs of up to 16 tokens, and a larger step runs
+  eagerly. An executor's calibrated profile has none (0): it lists what the executor captured.
 - **ACL graph's stream budget** (``graph_stream_budget``, Ascend): every captured graph holds
   device streams, and a device has 2,048, so vllm-ascend captures fewer sizes the more layers a
   model has and the more communication groups it joins, sampling the default list evenly and
@@ -74,6 +75,7 @@ class EngineProfile:
     admit_s: float = 0.0  # API-server time per request, in one process the requests share
     v0_seq_s: float = 0.0  # vLLM V0 engine: host time per sequence per step (module docstring)
     stream_s: float = 0.0  # vLLM V1's API server: time per streamed token, on a lane beside the admissions
+    graph_sizes_per_seq: int = 0  # sizes kept up to this many tokens per max_num_seqs (vLLM's 2; 0: every size)
     graph_stream_budget: int = 0  # ACL graph: device streams the captured graphs may hold (0: no budget, as CUDA graphs)
     source: str = ""
     capped_from: int = 0  # capture sizes before a run's settings cut them (0: not cut; :meth:`for_run`)
@@ -91,12 +93,13 @@ class EngineProfile:
     def for_run(self, max_num_seqs: int, num_layers: int, tensor_parallel_size: int = 1,
                 data_parallel_size: int = 1) -> EngineProfile:
         """The engine as it captures graphs for a run of ``max_num_seqs`` sequences, a model of ``num_layers``
-        layers and a TP x DP layout: the capture sizes up to twice ``max_num_seqs``, then cut to what a stream
-        budget holds (module docstring); itself in eager mode or where nothing is cut. A budget too small for
-        two sizes is an error, as it stops vllm-ascend from starting in graph mode."""
+        layers and a TP x DP layout: the capture sizes up to ``graph_sizes_per_seq`` times ``max_num_seqs``,
+        then cut to what a stream budget holds (module docstring); itself in eager mode or where nothing is
+        cut. A budget too small for two sizes is an error, as it stops vllm-ascend from starting in graph mode."""
         if self.mode != "graph":
             return self
-        sizes = tuple(s for s in self.capture_sizes if s <= 2 * max_num_seqs) or self.capture_sizes[:1]
+        ceiling = self.graph_sizes_per_seq * max_num_seqs or self.capture_sizes[-1]
+        sizes = tuple(s for s in self.capture_sizes if s <= ceiling) or self.capture_sizes[:1]
         cut = replace(self, capture_sizes=sizes, capped_from=len(self.capture_sizes)) if sizes != self.capture_sizes else self
         return cut._within_stream_budget(num_layers, tensor_parallel_size, data_parallel_size)
 
@@ -153,7 +156,7 @@ class EngineProfile:
 def parse_engine(table: dict, path: Path) -> EngineProfile:
     """An ``[engine]`` table of a device TOML; errors name the file and field."""
     allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "admit_s", "v0_seq_s", "stream_s",
-               "graph_stream_budget", "source"}
+               "graph_sizes_per_seq", "graph_stream_budget", "source"}
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join('engine.' + k for k in unknown)} (allowed: {', '.join(sorted(allowed))})")
@@ -167,9 +170,10 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
         value = table.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{path}: field engine.{key} must be a number >= 0, got {value!r}")
-    budget = table.get("graph_stream_budget", 0)
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ValueError(f"{path}: field engine.graph_stream_budget must be an integer >= 0, got {budget!r}")
+    for key in ("graph_sizes_per_seq", "graph_stream_budget"):
+        value = table.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{path}: field engine.{key} must be an integer >= 0, got {value!r}")
     if not isinstance(table.get("async_scheduling", False), bool):
         raise ValueError(f"{path}: field engine.async_scheduling must be true or false")
     try:
@@ -182,7 +186,8 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
             admit_s=float(table.get("admit_s", 0.0)),
             v0_seq_s=float(table.get("v0_seq_s", 0.0)),
             stream_s=float(table.get("stream_s", 0.0)),
-            graph_stream_budget=budget,
+            graph_sizes_per_seq=table.get("graph_sizes_per_seq", 0),
+            graph_stream_budget=table.get("graph_stream_budget", 0),
             source=str(table.get("source", "")),
         )
     except ValueError as exc:
@@ -201,6 +206,7 @@ def engine_toml_lines(engine: EngineProfile) -> list[str]:
         f"admit_s = {toml_value(engine.admit_s)}",
         f"v0_seq_s = {toml_value(engine.v0_seq_s)}",
         f"stream_s = {toml_value(engine.stream_s)}",
+        *([f"graph_sizes_per_seq = {engine.graph_sizes_per_seq}"] if engine.graph_sizes_per_seq else []),
         *([f"graph_stream_budget = {engine.graph_stream_budget}"] if engine.graph_stream_budget else []),
         f"source = {toml_value(engine.source)}",
     ]
