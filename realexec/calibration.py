@@ -89,8 +89,13 @@ def calibrated_profile(
                     progress=echo is not None)
     if load.cpus is not None:
         say(f"other processes kept {describe(load.cpus)} busy while profiling")
-    path.with_suffix(".json").write_text(json.dumps({"fingerprint": parts, "foreign_cpus": load.cpus}) + "\n")
+    write_record(path, parts, load.cpus)
     return Calibrated(path, cached=False, foreign_cpus=load.cpus)
+
+
+def write_record(path: Path, parts: list[str], foreign_cpus: float | None) -> None:
+    """The JSON file beside the profile at ``path``: its fingerprint parts and the load it was measured beside."""
+    path.with_suffix(".json").write_text(json.dumps({"fingerprint": parts, "foreign_cpus": foreign_cpus}) + "\n")
 
 
 def recorded(path: Path) -> dict:
@@ -98,6 +103,12 @@ def recorded(path: Path) -> dict:
     parts, as profilers before the load was recorded wrote it, reads as parts with no load)."""
     data = json.loads(path.with_suffix(".json").read_text())
     return {"fingerprint": data, "foreign_cpus": None} if isinstance(data, list) else data
+
+
+def record_load(path: Path, foreign_cpus: float | None) -> None:
+    """The record beside the profile at ``path`` with another load, its fingerprint kept: when a profile measured
+    earlier replaces the file, so does the load it was measured beside."""
+    write_record(path, recorded(path)["fingerprint"], foreign_cpus)
 
 
 def recorded_load(path: Path) -> float | None:

@@ -315,12 +315,16 @@ def profiles_measured(monkeypatch, held_out_errors: list[float], machine_ratio: 
 def test_a_fresh_profile_whose_fit_missed_its_held_out_steps_is_measured_once_more_and_the_better_kept(tmp_path, monkeypatch):
     """Held-out errors 12 % then 15 %: measured twice, the first kept; a cached profile's error was judged when made."""
     from kvsim.cli import validate as cli_validate
+    from kvsim.realexec import calibration
 
     monkeypatch.setenv("KVSIM_CACHE", str(tmp_path))
     made = profiles_measured(monkeypatch, [0.12, 0.15])
+    loads = iter([0.25, 0.0])  # the load each profile is measured beside
+    monkeypatch.setattr(calibration, "ForeignLoad", lambda: type("Load", (StubLoad,), {"cpus": next(loads)})())
     said: list[str] = []
     path, check = cli_validate.machine_profile(get_backend("cpu"), TINY, False, said.append, step_limit=0.10)
     assert made == [path, path] and load_device(path).held_out_step_mape == 0.12 and check is None
+    assert calibration.recorded_load(path) == 0.25  # the kept profile's record, not the second's
     assert any("the profile's fit missed its own held-out steps by 12.0%, more than the step limit 10%" in line for line in said)
     assert said[-1] == "kept the first profile: its held-out error 12.0% is below the second's 15.0%"
     made.clear()

@@ -15,7 +15,7 @@ from kvsim.cli.errors import user_errors
 from kvsim.cli.execute import REAL_DEFAULTS, WORKLOAD, execute_run, for_backend, open_backend, require_executor_setup
 from kvsim.cli.options import run_config_from, run_options
 from kvsim.realexec.backends import BACKEND_NAMES, KernelBackend
-from kvsim.realexec.calibration import calibrated_profile, rank_model_file, recorded_load
+from kvsim.realexec.calibration import calibrated_profile, rank_model_file, record_load, recorded_load
 from kvsim.realexec.group_profile import profile_for_group
 from kvsim.realexec.host_load import ForeignLoad, describe, load_moved
 from kvsim.realexec.repeatability import (
@@ -169,7 +169,7 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
     kv_dtype = resolve(config).memory.kv_dtype  # the profile must time the KV cache the run will use
     calibrated = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh="--reprofile" if reprofile else None, echo=echo)
     path, current = calibrated.path, load_device(calibrated.path)
-    fresh = [] if calibrated.cached else [current]
+    fresh = [] if calibrated.cached else [(current, calibrated)]
     reason = None if calibrated.cached else missed_held_out(current, step_limit)
     check, checked = None, len(fresh)
     if reason is None:
@@ -184,18 +184,20 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
             baseline = "their time when profiled" if check.profiled_s else "its prediction"
             reason = f"{which}: reference steps took {check.machine_ratio:.2f}x {baseline} on {kernels.clock}"
     while reason is not None and len(fresh) < FRESH_PROFILES:
-        fresh.append(load_device(calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo).path))
-        reason = missed_held_out(fresh[-1], step_limit)
+        again = calibrated_profile(kernels, config.model, kv_dtype=kv_dtype, refresh=reason, echo=echo)
+        fresh.append((load_device(again.path), again))
+        reason = missed_held_out(fresh[-1][0], step_limit)
     if len(fresh) > checked:  # measured after the check: the check read another profile
         check = None
-    if len(fresh) < 2 or any(device.held_out_step_mape is None for device in fresh):
+    if len(fresh) < 2 or any(device.held_out_step_mape is None for device, _ in fresh):
         return path, check
-    best = min(reversed(fresh), key=lambda device: device.held_out_step_mape)  # a tie keeps the newer
-    if best is not fresh[-1]:
-        save_device(best, path)  # an earlier fit predicted its held-out steps better: keep it
+    best, made = min(reversed(fresh), key=lambda pair: pair[0].held_out_step_mape)  # a tie keeps the newer
+    if made is not fresh[-1][1]:  # an earlier fit predicted its held-out steps better: keep it, and the load it was measured beside
+        save_device(best, path)
+        record_load(path, made.foreign_cpus)
         if echo:
             echo(f"kept the first profile: its held-out error {best.held_out_step_mape:.1%} is below the second's "
-                 f"{fresh[-1].held_out_step_mape:.1%}")
+                 f"{fresh[-1][0].held_out_step_mape:.1%}")
     return path, check
 
 
