@@ -83,6 +83,15 @@ def test_a_run_captures_graphs_up_to_twice_its_max_num_seqs_as_vllm_does() -> No
     assert ascend.capture_sizes[-1] == 128 and len(ascend.capture_sizes) == 19 and ascend.capped_from == 51
 
 
-def test_a_bad_stream_budget_names_file_and_field() -> None:
-    with pytest.raises(ValueError, match=r"x\.toml: field engine\.graph_stream_budget must be an integer >= 0"):
-        parse_engine({"mode": "eager", "dispatch_s": 1e-4, "graph_stream_budget": 1.5}, Path("x.toml"))
+@pytest.mark.parametrize("key", ["graph_stream_budget", "moe_chunk_tokens"])
+def test_a_bad_integer_field_names_file_and_field(key: str) -> None:
+    with pytest.raises(ValueError, match=rf"x\.toml: field engine\.{key} must be an integer >= 0"):
+        parse_engine({"mode": "eager", "dispatch_s": 1e-4, key: 1.5}, Path("x.toml"))
+
+
+def test_the_cuda_devices_chunk_fused_moe_as_vllm_does_and_the_table_round_trips(tmp_path: Path) -> None:
+    engine = load_device("h100-sxm").engine
+    assert engine.moe_chunk_tokens == 32768 and load_device("ascend-910b3").engine.moe_chunk_tokens == 0
+    path = tmp_path / "x.toml"
+    path.write_text("\n".join(engine_toml_lines(engine)) + "\n")
+    assert parse_engine(load_toml(path)["engine"], path) == engine

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from kvsim.cli.memory import memory
 from kvsim.sim.perf.device import DEVICES_DIR, load_device
 from kvsim.sim.perf.memory import ModelDoesNotFit, activation_workspace_bytes, plan_memory
-from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.perf.model_spec import DTYPE_BYTES, load_model
 
 
 def test_block_count_follows_vllm_sizing_exactly() -> None:
@@ -38,6 +38,20 @@ def test_activation_workspace_formula_by_hand() -> None:
     assert activation_workspace_bytes(tiny, 512, 64) == max(in_layer, at_head) == in_layer
     # Few tokens but many sampled rows: the logits dominate, and rows are capped by the tokens.
     assert activation_workspace_bytes(tiny, 8, 256) == 4 * 8 * 256 + 2 * 4 * 8 * 4096
+
+
+def test_an_moe_layer_that_gathers_holds_every_members_tokens_up_to_its_chunk() -> None:
+    moe = load_model("small-moe")
+    h, a = moe.hidden_size, DTYPE_BYTES[moe.activation_dtype]
+    per_copy = moe.num_experts_per_tok * (h + 3 * moe.moe_intermediate_size) + 3 * moe.shared_expert_intermediate_size
+    own = activation_workspace_bytes(moe, 512, 1)
+    assert activation_workspace_bytes(moe, 512, 1, moe_tokens=512, moe_chunk_tokens=4096) == own  # nothing gathered
+    # Four members' 512 tokens: the per-copy workspace for all 2048, plus the gathered inputs and combined outputs.
+    four = a * 512 * 3 * h + a * (2048 * per_copy + 2 * 2048 * h)
+    assert activation_workspace_bytes(moe, 512, 1, moe_tokens=2048) == four > own
+    # A 1024-token chunk holds workspace for half of them; the exchange buffers stay whole.
+    assert activation_workspace_bytes(moe, 512, 1, moe_tokens=2048, moe_chunk_tokens=1024) == (
+        a * 512 * 3 * h + a * (1024 * per_copy + 2 * 2048 * h))
 
 
 def test_int8_kv_nearly_doubles_the_blocks() -> None:

@@ -15,6 +15,7 @@ from kvsim.sim.parallel.memory import plan_rank_memory
 from kvsim.sim.parallel.rank_cost import ParallelCostModel
 from kvsim.sim.perf.cost_model import CostModel, StepFeatures
 from kvsim.sim.perf.device import DEVICES_DIR, load_device
+from kvsim.sim.perf.memory import plan_memory
 from kvsim.sim.perf.model_spec import load_model
 
 A2 = load_device("ascend-910b3")
@@ -113,6 +114,22 @@ def test_tp_plan_sizes_each_rank_pool_from_its_shard() -> None:
     assert not one.fits and four.fits
     assert four.weight_bytes == pytest.approx(model.weight_bytes() / 4, rel=0.01)
     assert four.reserve_bytes == A2.runtime_reserve_bytes + A2.topology.buffer_bytes  # one TP group
+
+
+def test_dp_expert_layouts_profile_every_members_tokens_where_the_exchange_gathers_them() -> None:
+    """vLLM's default exchange (and vllm-ascend's all-gather on A2) brings every DP member's dummy batch to
+    each rank's experts in the start-up profile; A3's all-to-all brings only the routed copies."""
+    model = load_model("qwen3-coder-480b-a35b", quantization="w8a8")
+    h200, a3 = load_device("h200"), load_device("ascend-910c")
+    sizing = dict(block_size=16, max_num_batched_tokens=8192, max_num_seqs=1024, max_model_len=32768)
+    gathered = plan_rank_memory(model, h200, ParallelLayout(1, 1, 8, True), **sizing)
+    assert gathered.moe_tokens == 8 * 8192
+    assert plan_rank_memory(model, a3, ParallelLayout(1, 1, 8, True), **sizing).moe_tokens is None
+    assert plan_rank_memory(model, h200, ParallelLayout(8, 1, 1, True), **sizing).moe_tokens is None  # no DP
+    # The gather costs the pool what the larger workspace takes, block for block.
+    own = plan_memory(rank_model(model, ParallelLayout(1, 1, 8, True)), h200, reserve_bytes=gathered.reserve_bytes, **sizing)
+    assert gathered.activation_bytes > own.activation_bytes
+    assert gathered.kv_available_bytes == own.kv_available_bytes - (gathered.activation_bytes - own.activation_bytes)
 
 
 def _decode(batch: float, context: float = 2000.0) -> StepFeatures:

@@ -111,12 +111,13 @@ def memory(
 
 def format_plan(plan: MemoryPlan, seq_len: int, buffer_bytes: int = 0) -> str:
     kv_note = f"{plan.num_blocks} blocks x {_size(plan.bytes_per_block).strip()}"
+    gathered = f"; MoE layers gather {plan.moe_tokens} (every DP member's)" if plan.moe_tokens else ""
     rows = [
         ("device memory", plan.total_bytes, ""),
         (f"budget (x{plan.memory_utilization:g})", plan.budget_bytes, ""),
         ("  weights", plan.weight_bytes, ""),
         ("  activations", plan.activation_bytes,
-         f"{plan.max_num_batched_tokens} tokens, {min(plan.max_num_seqs, plan.max_num_batched_tokens)} sampled rows"),
+         f"{plan.max_num_batched_tokens} tokens, {min(plan.max_num_seqs, plan.max_num_batched_tokens)} sampled rows{gathered}"),
         ("  runtime reserve", plan.reserve_bytes - buffer_bytes, ""),
         ("  KV pool", plan.kv_pool_bytes, kv_note),
         ("  unused", plan.unused_bytes, "less than one block" if plan.fits else ""),

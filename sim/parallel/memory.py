@@ -4,13 +4,17 @@ Each rank sizes its own KV pool from what its share of the weights leaves, as vL
 (every TP rank ends with the same block count: the engine takes the minimum). A rank caches its
 stage's layers for its KV heads (or the whole MLA latent). Collective libraries keep a buffer per
 communication group outside the framework's allocator (HCCL_BUFFSIZE), counted in the reserve.
+Where the experts' exchange gathers the data-parallel members' tokens (``moe_comm_method``'s
+all-gather), the start-up profile's MoE layers work on every member's dummy batch at once, and so
+size the rank's activation peak (sim/perf/memory.py).
 """
 
 from __future__ import annotations
 
 from kvsim.sim.parallel.layout import ParallelLayout, rank_model
+from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS, moe_comm_method
 from kvsim.sim.perf.device import DeviceProfile
-from kvsim.sim.perf.memory import MemoryPlan, plan_memory
+from kvsim.sim.perf.memory import DEFAULT_MAX_NUM_BATCHED_TOKENS, MemoryPlan, plan_memory
 from kvsim.sim.perf.model_spec import ModelSpec
 
 
@@ -26,11 +30,24 @@ def buffer_bytes(device: DeviceProfile, layout: ParallelLayout) -> int:
     return communication_groups(layout) * device.topology.buffer_bytes
 
 
-def plan_rank_memory(model: ModelSpec, device: DeviceProfile, layout: ParallelLayout, **sizing) -> MemoryPlan:
+def gathered_moe_tokens(model: ModelSpec, device: DeviceProfile, layout: ParallelLayout, max_num_batched_tokens: int,
+                        all2all_backend: str = ALL2ALL_BACKENDS[0]) -> int | None:
+    """Tokens one rank's MoE layers work on in the start-up profile's step: every data-parallel member's
+    where the exchange gathers them, else None (the rank's own)."""
+    if not model.is_moe or layout.data_parallel_size == 1:
+        return None
+    method = moe_comm_method(device, layout, model, max_num_batched_tokens, max_num_batched_tokens, all2all_backend)
+    return layout.data_parallel_size * max_num_batched_tokens if method == "all-gather" else None
+
+
+def plan_rank_memory(model: ModelSpec, device: DeviceProfile, layout: ParallelLayout,
+                     all2all_backend: str = ALL2ALL_BACKENDS[0], **sizing) -> MemoryPlan:
     """One rank's memory plan (``sizing``: plan_memory's keywords); the reserve includes the buffers."""
     if layout.is_single_device:
         return plan_memory(model, device, **sizing)
     layout.check(model, device.topology, device.name)
     reserve = sizing.pop("reserve_bytes", None)
     reserve = (device.runtime_reserve_bytes if reserve is None else reserve) + buffer_bytes(device, layout)
-    return plan_memory(rank_model(model, layout), device, reserve_bytes=reserve, **sizing)
+    tokens = sizing.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    moe_tokens = gathered_moe_tokens(model, device, layout, tokens, all2all_backend)
+    return plan_memory(rank_model(model, layout), device, reserve_bytes=reserve, moe_tokens=moe_tokens, **sizing)

@@ -24,6 +24,9 @@ says what the host adds around them, as vLLM and vllm-ascend run a step:
   layer and size, MLA models' included: ``vllm_ascend/platform.py``). Qwen3-8B keeps 48 of 51
   sizes; DeepSeek-V3 under TP8 x DP2 keeps 5, so a step of 2 decodes there runs the graph of 80
   tokens. CUDA graphs have no such budget (0).
+- **fused-MoE chunk** (``moe_chunk_tokens``, memory only): vLLM's fused-MoE kernels work on at most
+  ``VLLM_FUSED_MOE_CHUNK_SIZE`` tokens at a time, so their workspace stops growing there
+  (sim/perf/memory.py); vllm-ascend's MoE path has no such chunk (0).
 - **async scheduling** (``async_scheduling = true``): the engine prepares step ``n + 1`` while the
   device runs step ``n``, so the step takes ``max(execution, host work)`` instead of their sum.
 
@@ -77,6 +80,7 @@ class EngineProfile:
     stream_s: float = 0.0  # vLLM V1's API server: time per streamed token, on a lane beside the admissions
     graph_sizes_per_seq: int = 0  # sizes kept up to this many tokens per max_num_seqs (vLLM's 2; 0: every size)
     graph_stream_budget: int = 0  # ACL graph: device streams the captured graphs may hold (0: no budget, as CUDA graphs)
+    moe_chunk_tokens: int = 0  # tokens a fused-MoE call works on at once (vLLM's VLLM_FUSED_MOE_CHUNK_SIZE; 0: all)
     source: str = ""
     capped_from: int = 0  # capture sizes before a run's settings cut them (0: not cut; :meth:`for_run`)
 
@@ -156,7 +160,7 @@ class EngineProfile:
 def parse_engine(table: dict, path: Path) -> EngineProfile:
     """An ``[engine]`` table of a device TOML; errors name the file and field."""
     allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "admit_s", "v0_seq_s", "stream_s",
-               "graph_sizes_per_seq", "graph_stream_budget", "source"}
+               "graph_sizes_per_seq", "graph_stream_budget", "moe_chunk_tokens", "source"}
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join('engine.' + k for k in unknown)} (allowed: {', '.join(sorted(allowed))})")
@@ -170,7 +174,7 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
         value = table.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{path}: field engine.{key} must be a number >= 0, got {value!r}")
-    for key in ("graph_sizes_per_seq", "graph_stream_budget"):
+    for key in ("graph_sizes_per_seq", "graph_stream_budget", "moe_chunk_tokens"):
         value = table.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{path}: field engine.{key} must be an integer >= 0, got {value!r}")
@@ -188,6 +192,7 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
             stream_s=float(table.get("stream_s", 0.0)),
             graph_sizes_per_seq=table.get("graph_sizes_per_seq", 0),
             graph_stream_budget=table.get("graph_stream_budget", 0),
+            moe_chunk_tokens=table.get("moe_chunk_tokens", 0),
             source=str(table.get("source", "")),
         )
     except ValueError as exc:
@@ -208,5 +213,6 @@ def engine_toml_lines(engine: EngineProfile) -> list[str]:
         f"stream_s = {toml_value(engine.stream_s)}",
         *([f"graph_sizes_per_seq = {engine.graph_sizes_per_seq}"] if engine.graph_sizes_per_seq else []),
         *([f"graph_stream_budget = {engine.graph_stream_budget}"] if engine.graph_stream_budget else []),
+        *([f"moe_chunk_tokens = {engine.moe_chunk_tokens}"] if engine.moe_chunk_tokens else []),
         f"source = {toml_value(engine.source)}",
     ]

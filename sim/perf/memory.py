@@ -26,6 +26,13 @@ larger of two moments (``a`` = activation dtype bytes, ``T`` = max_num_batched_t
     at the head:    a * T * h + 2 * 4 * S * V
         the final hidden states, and fp32 logits plus their softmax for the sampled rows.
 
+An MoE layer may work on more tokens than its rank's step: under data parallelism with an expert
+exchange that gathers (vLLM's default ``allgather_reducescatter`` and its older ``naive``, vllm-ascend's
+all-gather), every member's dummy batch reaches every rank's experts, G = dp * T tokens, and
+the layer also holds the gathered inputs and the combined outputs (2 G h). Its per-copy
+workspace then covers min(G, C) tokens, C the engine's fused-MoE chunk (``[engine]
+moe_chunk_tokens``; vLLM's fused-MoE kernels allocate their workspace for one chunk and loop).
+
 The real peak also depends on kernels' workspaces and the allocator's caching; calibrate the
 runtime reserve against a measured ``kvsim execute`` if the block count must match exactly.
 """
@@ -74,6 +81,7 @@ class MemoryPlan:
     num_blocks: int
     problem: str | None  # why this cannot serve a max_model_len request; None when it can
     kv_scale_bytes: int = 0  # int8 KV's static per-channel scales, allocated once beside the pool
+    moe_tokens: int | None = None  # tokens the MoE layers gathered in the profile's step (None: the step's own)
 
     @property
     def fits(self) -> bool:
@@ -110,19 +118,27 @@ class MemoryPlan:
         return {**asdict(self), "fits": self.fits, "kv_pool_bytes": self.kv_pool_bytes, "unused_bytes": self.unused_bytes}
 
 
-def activation_workspace_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """Peak activation memory of a step with ``max_num_batched_tokens`` tokens (module docstring)."""
+def activation_workspace_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
+                               moe_tokens: int | None = None, moe_chunk_tokens: int = 0) -> int:
+    """Peak activation memory of a step with ``max_num_batched_tokens`` tokens (module docstring).
+
+    ``moe_tokens``: the tokens an MoE layer works on when it differs from the step's, as under data
+    parallelism whose expert exchange gathers every member's tokens (default: the step's);
+    ``moe_chunk_tokens``: the most of them its kernels hold workspace for at once (0: all)."""
     a = DTYPE_BYTES[model.activation_dtype]
     tokens, h = max_num_batched_tokens, model.hidden_size
     sampled = min(max_num_seqs, tokens)
     attention_block = 2 * model.q_size + model.kv_entry_size
     if model.is_mla:  # prefill up-projects latents to per-head K (no-rope part) and V
         attention_block += model.num_heads * (model.qk_nope_head_dim + model.v_head_dim)
-    mlp_block = 3 * model.intermediate_size if model.num_dense_mlp_layers else 0
+    mlp = a * tokens * 3 * model.intermediate_size if model.num_dense_mlp_layers else 0
     if model.is_moe:  # fused MoE: each token's top-k copies, their gate/up outputs and activations
         moe_block = model.num_experts_per_tok * (h + 3 * model.moe_intermediate_size) + 3 * model.shared_expert_intermediate_size
-        mlp_block = max(mlp_block, moe_block)
-    in_layer = a * tokens * (HIDDEN_BUFFERS * h + max(attention_block, mlp_block))
+        gathered = tokens if moe_tokens is None else moe_tokens
+        in_workspace = min(gathered, moe_chunk_tokens) if moe_chunk_tokens else gathered
+        exchange = 2 * gathered * h if gathered > tokens else 0  # the gathered inputs and the combined outputs
+        mlp = max(mlp, a * (in_workspace * moe_block + exchange))
+    in_layer = a * tokens * HIDDEN_BUFFERS * h + max(a * tokens * attention_block, mlp)
     at_head = a * tokens * h + 2 * LOGIT_BYTES * sampled * model.sampled_vocab_size
     return max(in_layer, at_head)
 
@@ -138,11 +154,13 @@ def plan_memory(
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     max_model_len: int | None = None,
     reserve_bytes: int | None = None,
+    moe_tokens: int | None = None,
 ) -> MemoryPlan:
     """Size the KV pool as an engine does at start-up. A model that does not fit is a plan with
     ``problem`` set and no blocks, not an exception (``require_fit`` raises for callers that need blocks).
 
-    ``reserve_bytes`` defaults to the device's ``runtime_reserve_bytes``.
+    ``reserve_bytes`` defaults to the device's ``runtime_reserve_bytes``; ``moe_tokens`` is what an
+    MoE layer works on when it differs from ``max_num_batched_tokens`` (activation_workspace_bytes).
     """
     kv_dtype = kv_dtype or model.kv_dtype
     max_model_len = model.max_position if max_model_len is None else max_model_len
@@ -153,7 +171,8 @@ def plan_memory(
 
     budget = math.ceil(device.hbm_bytes * memory_utilization)
     weights = model.weight_bytes()
-    activations = activation_workspace_bytes(model, max_num_batched_tokens, max_num_seqs)
+    chunk = device.engine.moe_chunk_tokens if device.engine is not None else 0
+    activations = activation_workspace_bytes(model, max_num_batched_tokens, max_num_seqs, moe_tokens, chunk)
     scales = model.kv_scale_bytes(kv_dtype)
     available = budget - weights - activations - reserve - scales
     per_block = model.bytes_per_block(block_size, kv_dtype)
@@ -193,6 +212,7 @@ def plan_memory(
         num_blocks=num_blocks,
         problem=problem,
         kv_scale_bytes=scales,
+        moe_tokens=moe_tokens,
     )
 
 

@@ -382,6 +382,7 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         model,
         device,
         layout,
+        all2all_backend=config.all2all_backend,
         kv_dtype=config.kv_dtype,
         block_size=config.block_size,
         memory_utilization=config.memory_utilization,
