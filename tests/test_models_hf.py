@@ -32,6 +32,8 @@ CARDS = {
     # multi-token-prediction layer (about 4B, not served by default, not counted here: kvsim counts 352.8B), and
     # kvsim's active count takes the embedding and LM head (1.6B) that the card may leave out (33.6B).
     "glm-4.6": (355e9, 32e9, 3e9, 0.01),
+    # https://huggingface.co/Qwen/Qwen3-Coder-480B-A35B-Instruct (480B total, 35B activated)
+    "qwen3-coder-480b-a35b": (480e9, 35e9, 1e9),
 }
 
 
@@ -148,3 +150,12 @@ def test_simulate_summary_names_the_moe_and_quantization_it_used(tmp_path: Path)
     dense = ["simulate", "--max-requests", "5", "--out", str(tmp_path / "dense"), "--decisions", "off", "--quiet"]
     assert CliRunner().invoke(main, dense).exit_code == 0
     assert "model" not in json.loads((tmp_path / "dense" / "summary.json").read_text())["config"]["resolved"]
+
+
+def test_model_list_names_every_bundled_model_in_aligned_columns() -> None:
+    result = CliRunner().invoke(main, ["model", "list"])
+    lines = result.output.splitlines()
+    assert result.exit_code == 0 and any(line.startswith("qwen3-coder-480b-a35b ") for line in lines)
+    # The architecture column starts at one offset on every line, past the longest name.
+    starts = {len(line) - len(line.split(maxsplit=1)[1]) for line in lines}
+    assert len(starts) == 1 and starts.pop() > len("qwen3-coder-480b-a35b")

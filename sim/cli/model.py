@@ -34,10 +34,13 @@ def info(model_name: str, quantization: str | None, as_json: bool) -> None:
 @model.command("list")
 def list_models() -> None:
     """The bundled models, with their architecture and parameter counts."""
-    for name in bundled_models():
+    names = bundled_models()
+    width = max(map(len, names)) + 2
+    for name in names:
         spec = load_model(name)
         counts = spec.param_counts()
-        click.echo(f"{name:<20}{spec.architecture or 'llama-style':<24}{counts.total / 1e9:>9.2f}B {counts.active / 1e9:>8.2f}B active")
+        architecture = spec.architecture or "llama-style"
+        click.echo(f"{name:<{width}}{architecture:<24}{counts.total / 1e9:>9.2f}B {counts.active / 1e9:>8.2f}B active")
 
 
 def model_info(spec: ModelSpec) -> dict:
