@@ -48,6 +48,8 @@ ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_p
                      "kv_prefetch_steps": 1, "prefill_instances": 0, "decode_instances": 0, "decode_router": "least-requests",
                      "decode_router_params": {}, "decode_tensor_parallel_size": 0, "kv_connector": "after-prefill",
                      "kv_link": "auto", "cluster_workers": 0, "cluster_backend": "processes", "kv_store_gb": 0.0}
+# Memory-plan fields added since, with the value a single-device run writes (the same rule as above).
+ADDED_MEMORY_KEYS = {"moe_tokens": None}
 
 
 def workloads() -> dict[str, list[str]]:
@@ -99,9 +101,10 @@ def fingerprint(out: Path) -> dict[str, str]:
     config = summary.get("config", {})
     for key in REMOVED_CONFIG_KEYS:
         config.pop(key, None)
-    for key, off in ADDED_CONFIG_KEYS.items():
-        if key in config and config[key] == off:
-            del config[key]
+    for added, section in ((ADDED_CONFIG_KEYS, config), (ADDED_MEMORY_KEYS, summary.get("memory", {}))):
+        for key, off in added.items():
+            if key in section and section[key] == off:
+                del section[key]
     prints["summary.json"] = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()
     return prints
 
