@@ -245,9 +245,17 @@ def allowance(check: str, threshold: float, spread: float) -> float:
     return float(np.hypot(threshold, spread)) if check == "step_mape" else threshold + spread
 
 
+def noisy_profile(held_out_step_mape: float | None, step_limit: float) -> str | None:
+    """Why a profile cannot carry a fail verdict (the verdict's ``profile_noise``), or None: its fit missed
+    its own held-out steps, timed in the same minutes on the same machine, by more than the step limit."""
+    if held_out_step_mape is None or held_out_step_mape <= step_limit:
+        return None
+    return f"the profile's fit missed its own held-out steps by {held_out_step_mape:.1%}, more than the step limit {step_limit:.0%}"
+
+
 def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict[str, float | None], moved: float,
             thresholds: Thresholds, fit_ratio: float | None = None, advice: str = "rerun it",
-            load_moved: str | None = None) -> Verdict:
+            load_moved: str | None = None, profile_noise: str | None = None) -> Verdict:
     """Pass, fail or inconclusive from the checks and what the machine's own measured behaviour explains.
 
     ``spread``: each timing check's real-vs-real spread (realexec/repeatability.py); checks without
@@ -260,14 +268,19 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
     ``load_moved``: how the CPUs other processes kept busy moved between the profile's measurement
     and the real run, where they moved by more than realexec/host_load.py's margin (None: they did not,
     or were not measured): a machine shared differently from when its profile was measured.
+    ``profile_noise``: why the profile cannot carry a fail (None: it can): its fit missed its own held-out
+    steps by more than the step limit, even after the measurements validate takes again
+    (:func:`noisy_profile`): the machine was too noisy while it was profiled to fit a model that
+    predicts its own steps, so a miss of the run's steps is as likely the profile's noise as the model's error.
 
     - **fail**: a check misses its threshold, and its error, even with the model at the machine's
       speed, is beyond what a model exactly at the threshold could show given the spread
       (:func:`allowance`): more than the machine's repeatability explains.
     - **inconclusive**: a check misses, but within what the machine's speed and spread explain, or
-      beyond it on a machine whose other processes' load moved between the profile and the run;
-      or every check passes while the machine moved by more than the step threshold (a model off
-      by as much as the machine moved would pass too).
+      beyond it where only timing checks miss and either the other processes' load moved between the
+      profile and the run or the profile missed its own held-out steps (a decision or memory miss
+      stays a fail: no machine explains it); or every check passes while the machine moved by more
+      than the step threshold (a model off by as much as the machine moved would pass too).
     - **pass**: every check within its threshold, on a machine that held its profiled speed.
     Thresholds are the user's, unchanged; only the reading of a miss depends on the machine.
     """
@@ -287,10 +300,14 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
             why += (f", and {best:.3f} with the model at the machine's measured speed{fit_note}, beyond the {room:.3f} that a model at "
                     f"the limit could show on measurements that move as this machine's did")
         more = f" (and {len(beyond) - 1} more)" if len(beyond) > 1 else ""
-        if load_moved is not None:
+        timing_only = all(spread.get(c["name"]) is not None for c, _, _ in beyond)
+        if timing_only and load_moved is not None:
             return Verdict("inconclusive", INCONCLUSIVE,
                            f"{why}{more}, but other processes kept {load_moved}: the machine was not shared as it was when "
                            f"its profile was measured, so the miss may be the machine's; {advice}")
+        if timing_only and profile_noise is not None:
+            return Verdict("inconclusive", INCONCLUSIVE, f"{why}{more}, but {profile_noise}: the machine was too noisy "
+                           f"while it was profiled to tell the model's error from the profile's; {advice}")
         return Verdict("fail", FAIL, f"{why}{more}: the model misses by more than the machine's repeatability explains")
     if within:
         c, best, room = within[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsim.realexec.validation import FAIL, INCONCLUSIVE, PASS, Thresholds, allowance, verdict
+from kvsim.realexec.validation import FAIL, INCONCLUSIVE, PASS, Thresholds, allowance, noisy_profile, verdict
 
 T = Thresholds()
 
@@ -78,6 +78,22 @@ def test_a_miss_beyond_the_spread_on_a_machine_shared_differently_from_its_profi
     assert "but other processes kept 1.20 of " in miss.reason and "busy while the profile was measured" in miss.reason
     assert verdict(checks(step_mape=0.19), SPREAD, {"step_mape": 0.18}, moved=0.02, thresholds=T).outcome == "fail"
     assert verdict(checks(), SPREAD, {}, moved=0.02, thresholds=T, load_moved=moved).outcome == "pass"
+
+
+def test_a_profile_that_missed_its_own_held_out_steps_carries_no_fail():
+    """Round 3's twenty-third session: a fresh round on a VM whose speed moved 12-24 % kept the better of two profiles,
+    which still missed its own held-out steps by 11.9 %, and the right model then failed. The held-out error gates
+    the profile's use (issue 27): a timing miss it carries is inconclusive; a pass, a decision or a memory miss stand."""
+    assert noisy_profile(0.10, T.step_mape) is None and noisy_profile(None, T.step_mape) is None
+    noise = noisy_profile(0.119, T.step_mape)
+    assert noise == "the profile's fit missed its own held-out steps by 11.9%, more than the step limit 10%"
+    miss = verdict(checks(step_mape=0.24), SPREAD, {"step_mape": 0.21}, moved=0.24, thresholds=T, profile_noise=noise)
+    assert (miss.outcome, miss.exit_code) == ("inconclusive", INCONCLUSIVE) and f"but {noise}:" in miss.reason
+    assert verdict(checks(step_mape=0.24), SPREAD, {"step_mape": 0.21}, moved=0.24, thresholds=T).outcome == "fail"
+    assert verdict(checks(), SPREAD, {}, moved=0.02, thresholds=T, profile_noise=noise).outcome == "pass"
+    for name in ("decision_identity", "kv_pool_bytes_rel_error"):  # no machine explains these, nor a shared one
+        for gate in ({"profile_noise": noise}, {"load_moved": "1.20 of 2 CPUs busy"}):
+            assert verdict(checks(**{name: 1.0}, step_mape=0.3), SPREAD, {}, moved=0.0, thresholds=T, **gate).outcome == "fail"
 
 
 def test_the_step_mape_allowance_adds_in_quadrature_and_a_single_figure_linearly():

@@ -31,6 +31,7 @@ from kvsim.realexec.speed_check import SpeedCheck, speed_check
 from kvsim.realexec.validation import (
     Thresholds,
     compare_decisions,
+    noisy_profile,
     reference_ratios,
     step_classes,
     step_errors,
@@ -203,11 +204,8 @@ def machine_profile(kernels: KernelBackend, config: RunConfig, reprofile: bool, 
 
 def missed_held_out(device: DeviceProfile, step_limit: float) -> str | None:
     """Why a profile measured just now is measured once more (None: it is not): its fit missed its held-out steps."""
-    held_out = device.held_out_step_mape
-    if held_out is None or held_out <= step_limit:
-        return None
-    return (f"the profile's fit missed its own held-out steps by {held_out:.1%}, more than the step limit "
-            f"{step_limit:.0%} (the machine was noisy while it was profiled)")
+    reason = noisy_profile(device.held_out_step_mape, step_limit)
+    return None if reason is None else f"{reason} (the machine was noisy while it was profiled)"
 
 
 def stale(ratio: float, noise: float | None) -> bool:
@@ -302,9 +300,10 @@ def judge(validation: dict, engines: list[TimedSteps], passes: list[list[list[fl
         again["spread"][name], explained[name] = spread, error
     validation["timing"].update(speed_check=after.to_dict(), speed_check_before=before.to_dict())
     validation["repeatability"] = {**again, "machine_speed": moved.to_dict(), "errors_at_machine_speed": explained,
-                                   "profile_fit_ratio": fit}
+                                   "profile_fit_ratio": fit, "profile_held_out_step_mape": device.held_out_step_mape}
     validation["verdict"] = verdict(validation["checks"], again["spread"], explained, moved.moved, thresholds, fit, advice,
-                                    shared_differently(validation.get("host_load"))).to_dict()
+                                    shared_differently(validation.get("host_load")),
+                                    noisy_profile(device.held_out_step_mape, thresholds.step_mape)).to_dict()
 
 
 def shared_differently(load: dict | None) -> str | None:
