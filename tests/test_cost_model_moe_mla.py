@@ -57,6 +57,19 @@ def test_a_decode_step_reads_far_fewer_expert_weights_than_a_long_prefill() -> N
     assert prefill / decode > 2
 
 
+def test_a_tokens_expert_activations_include_the_combine_of_its_k_outputs() -> None:
+    """Each of a token's k copies goes in and out of two grouped matmuls (h in, 2I out; I in, h out), and the
+    combine that ends vLLM's fused experts (moe_sum; vllm-ascend's finalize-routing) reads the k outputs again
+    and writes their sum: per token and MoE layer k (2h + 3I) + (k + 1) h values beyond the expert weights."""
+    model = load_model("qwen3-30b-a3b")
+    cost = CostModel(model, DEVICE, 128)
+    small, large = 8192.0, 16384.0  # both touch every expert, so the weight reads are equal
+    moved = cost.operator_work(_step(large))["moe"].bytes - cost.operator_work(_step(small))["moe"].bytes
+    h, inter, k = model.hidden_size, model.moe_intermediate_size, model.num_experts_per_tok
+    per_token = model.num_moe_layers * (k * (2 * h + 3 * inter) + (k + 1) * h) * 2  # bf16
+    assert moved == pytest.approx((large - small) * per_token, rel=1e-6)
+
+
 def test_dense_models_have_no_moe_work_and_moe_models_no_dense_mlp_in_gemm() -> None:
     dense = CostModel(load_model("qwen3-32b"), DEVICE, 128).operator_work(_step(512))
     assert dense["moe"] == (0.0, 0.0, 0)

@@ -308,7 +308,9 @@ class CostModel:
             self._elem_flops += W8A8_QUANT_FLOPS * inputs
         self._moe_layers = moe_layers
         self._expert_params = m.expert_params()
-        self._expert_act_elems = 2 * h + 3 * m.moe_intermediate_size  # in, gate/up out, activated, down out
+        # Per token copy: in, gate/up out, activated, down out, and the combine (vLLM's moe_sum, vllm-ascend's
+        # finalize-routing) that reads every copy's output and writes one sum per token (1/k of a row per copy).
+        self._expert_act_elems = (3 + 1 / m.num_experts_per_tok) * h + 3 * m.moe_intermediate_size if moe_layers else 0.0
 
     def unit_costs(self, op: str) -> tuple[float, float, float]:
         """(seconds per flop, seconds per byte, seconds per call) of an operator; 0 for an unread roof."""
@@ -393,7 +395,8 @@ class CostModel:
         """The routed experts of every MoE layer: each token runs top-k experts; the weights read are
         those of the distinct experts the step's tokens touch (sim/perf/expert_routing.py), and each
         touched expert's grouped matmul pays the small-M loss once: ``half_tokens`` rows of that expert, or
-        ``group_flops`` whatever its size (the moe table's).
+        ``group_flops`` whatever its size (the moe table's). Activations move as two grouped matmuls'
+        inputs and outputs plus the top-k combine, which reads each copy's output again.
         Under expert parallelism: the busiest rank's token copies and experts."""
         Lm, Pe = self._moe_layers, self._expert_params
         copies, touched = self.routing.busiest_rank(Tp)
