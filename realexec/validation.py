@@ -253,6 +253,16 @@ def noisy_profile(held_out_step_mape: float | None, step_limit: float) -> str | 
     return f"the profile's fit missed its own held-out steps by {held_out_step_mape:.1%}, more than the step limit {step_limit:.0%}"
 
 
+def _excess(miss: tuple[dict, float | None, float | None]) -> float:
+    """How far a miss lies beyond its allowance, as a ratio: the verdict's line names the farthest first,
+    so a run that misses several checks is not summed up by whichever the check list happens to hold first.
+    A miss with no allowance (decisions, memory) or no figure outranks every timing miss."""
+    _, best, room = miss
+    if best is None or room is None:
+        return float("inf")
+    return best / room if room > 0 else float("inf")
+
+
 def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict[str, float | None], moved: float,
             thresholds: Thresholds, fit_ratio: float | None = None, advice: str = "rerun it",
             load_moved: str | None = None, profile_noise: str | None = None) -> Verdict:
@@ -293,6 +303,7 @@ def verdict(checks: list[dict], spread: dict[str, float | None], explained: dict
         room = None if s is None else allowance(c["name"], c["threshold"], s)
         (beyond if best is None or room is None or best > room else within).append((c, best, room))
     if beyond:
+        beyond.sort(key=_excess, reverse=True)
         c, best, room = beyond[0]
         value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
         why = f"{c['name']} {value} over its limit {c['threshold']:.3f}"

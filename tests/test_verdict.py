@@ -104,6 +104,17 @@ def test_the_step_mape_allowance_adds_in_quadrature_and_a_single_figure_linearly
     assert v.outcome == "fail"
 
 
+def test_the_line_names_the_miss_farthest_beyond_its_allowance():
+    """The step MAPE just past its allowance and throughput far past its own: the line leads with throughput,
+    though the check list holds the steps first."""
+    v = verdict(checks(step_mape=0.12, throughput_rel_error=0.50), SPREAD, {"step_mape": 0.12, "throughput_rel_error": 0.5},
+                moved=0.0, thresholds=T)
+    assert v.outcome == "fail" and v.reason.startswith("throughput_rel_error 0.500") and "(and 1 more)" in v.reason
+    # a decision miss has no allowance at all: it leads whatever the timing checks show
+    v = verdict(checks(decision_identity=1.0, step_mape=0.9), SPREAD, {}, moved=0.0, thresholds=T)
+    assert v.reason.startswith("decision_identity")
+
+
 def test_every_check_passing_while_the_machine_moved_past_the_step_limit_is_inconclusive():
     """A model 15 % slow on a machine that ran 15 % slow passes every check: that pass says nothing."""
     v = verdict(checks(), SPREAD, {}, moved=0.15, thresholds=T)
