@@ -123,7 +123,7 @@ def format_plan(plan: MemoryPlan, seq_len: int, buffer_bytes: int = 0) -> str:
         ("  unused", plan.unused_bytes, "less than one block" if plan.fits else ""),
     ]
     if buffer_bytes:
-        rows.insert(5, ("  collective buffers", buffer_bytes, "one per communication group (HCCL_BUFFSIZE)"))
+        rows.insert(5, ("  collective buffers", buffer_bytes, "one per communication group (HCCL_BUFFSIZE; NCCL and custom all-reduce)"))
     if plan.kv_scale_bytes:
         rows.insert(-1, ("  KV scales", plan.kv_scale_bytes, "static per-channel (C8), once for all blocks"))
     lines = [
