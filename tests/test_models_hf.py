@@ -32,6 +32,10 @@ CARDS = {
     # multi-token-prediction layer (about 4B, not served by default, not counted here: kvsim counts 352.8B), and
     # kvsim's active count takes the embedding and LM head (1.6B) that the card may leave out (33.6B).
     "glm-4.6": (355e9, 32e9, 3e9, 0.01),
+    # https://huggingface.co/zai-org/GLM-4.5-Air (106B total, 12B active), the same reading as GLM-4.6's:
+    # kvsim counts 106.85B without the multi-token-prediction layer, and 13.42B active with the embedding and
+    # LM head (1.24B) the card may leave out.
+    "glm-4.5-air": (106e9, 12e9, 1.5e9, 0.01),
     # https://huggingface.co/Qwen/Qwen3-Coder-480B-A35B-Instruct (480B total, 35B activated)
     "qwen3-coder-480b-a35b": (480e9, 35e9, 1e9),
 }
@@ -74,6 +78,15 @@ def test_glm_4_6_layout_is_read_from_its_config() -> None:
     assert (m.num_experts, m.num_experts_per_tok, m.num_moe_layers, m.num_dense_mlp_layers) == (160, 8, 89, 3)
     assert m.shared_expert_intermediate_size == 1536
     assert m.kv_bytes_per_token() == 92 * 2 * 8 * 128 * 2
+
+
+def test_glm_4_5_air_is_the_smaller_glm4_moe_layout() -> None:
+    """GLM-4.5-Air: the same architecture as GLM-4.6 at 46 layers (one dense), 128 experts of 1408, no q/k norms."""
+    m = load_model("glm-4.5-air")
+    assert (m.is_moe, m.is_mla, m.qkv_bias, m.qk_norm) == (True, False, True, False)
+    assert (m.num_experts, m.num_experts_per_tok, m.num_moe_layers, m.num_dense_mlp_layers) == (128, 8, 45, 1)
+    assert m.shared_expert_intermediate_size == 1408
+    assert m.kv_bytes_per_token() == 46 * 2 * 8 * 128 * 2
 
 
 def test_a_config_directory_and_path_load_the_same_model(tmp_path: Path) -> None:
