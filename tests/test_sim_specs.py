@@ -72,7 +72,8 @@ def test_model_loader_errors_name_file_and_field(tmp_path: Path) -> None:
         load_model("nope")
 
 
-EXPECTED_DEVICES = {"ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4", "ascend-910c", "h100-sxm", "h200", "rtx-3090", "cpu"}
+EXPECTED_DEVICES = {"ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4", "ascend-910c", "a100-sxm", "h100-sxm", "h200",
+                    "rtx-3090", "cpu"}
 
 
 def test_bundled_devices_load_with_sane_figures() -> None:
@@ -89,16 +90,18 @@ def test_bundled_devices_load_with_sane_figures() -> None:
     b2, b3, b4 = (load_device(f"ascend-910b{i}") for i in (2, 3, 4))
     assert b2.matrix_flops["bf16"] > b3.matrix_flops["bf16"] > b4.matrix_flops["bf16"]
     assert b4.hbm_bytes == b2.hbm_bytes // 2 and b4.hbm_bandwidth < b2.hbm_bandwidth
-    assert load_device("h200").hbm_bandwidth > load_device("h100-sxm").hbm_bandwidth
+    assert load_device("h200").hbm_bandwidth > load_device("h100-sxm").hbm_bandwidth > load_device("a100-sxm").hbm_bandwidth
+    assert load_device("h100-sxm").matrix_flops["bf16"] > 3 * load_device("a100-sxm").matrix_flops["bf16"]
 
 
-def test_the_h200_carries_the_h100s_fitted_host_and_server_times() -> None:
-    """h200.toml says its host and API-server times are the H100's fitted ones (same software and host, no H200 row
-    fits them): a refit of the H100 must be copied across, or the H200 answers with stale values."""
-    h100, h200 = load_device("h100-sxm"), load_device("h200")
+@pytest.mark.parametrize("sibling", ["h200", "a100-sxm"])
+def test_the_other_gpus_carry_the_h100s_fitted_host_and_server_times(sibling: str) -> None:
+    """h200.toml and a100-sxm.toml say their host and API-server times are the H100's fitted ones (same software and
+    host, no row of theirs fits them): a refit of the H100 must be copied across, or they answer with stale values."""
+    h100, other = load_device("h100-sxm"), load_device(sibling)
     for field in ("request_s", "admit_s", "stream_s"):
-        assert getattr(h200.engine, field) == getattr(h100.engine, field), field
-    assert h200.operators["host_step"].call_s == h100.operators["host_step"].call_s
+        assert getattr(other.engine, field) == getattr(h100.engine, field), field
+    assert other.operators["host_step"].call_s == h100.operators["host_step"].call_s
 
 
 def test_the_h200_computes_as_the_h100_it_shares_a_die_with() -> None:
