@@ -12,8 +12,9 @@ from click.testing import CliRunner
 
 from kvsim.cli.memory import memory
 from kvsim.sim.perf.device import DEVICES_DIR, load_device
-from kvsim.sim.perf.memory import ModelDoesNotFit, activation_workspace_bytes, plan_memory
+from kvsim.sim.perf.memory import ModelDoesNotFit, activation_workspace_bytes, plan_memory, scheduler_defaults
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, load_model
+from kvsim.sim.run.config import RunConfig, resolve
 
 
 def test_block_count_follows_vllm_sizing_exactly() -> None:
@@ -137,13 +138,14 @@ def test_cli_shows_the_int8_scales_beside_the_pool() -> None:
 
 
 def test_cli_json_matches_the_plan() -> None:
+    """Without --max-num-seqs the CLI samples vLLM's 1024 rows on an H200 (scheduler_defaults), not the 256 below 70 GiB."""
     args = ["--model", "llama-3-8b", "--device", "h200", "--kv-dtype", "int8", "--block-size", "64",
             "--max-model-len", "4096", "--memory-utilization", "0.8", "--max-num-batched-tokens", "8192", "--json"]
     result = CliRunner().invoke(memory, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     plan = plan_memory(load_model("llama-3-8b"), load_device("h200"), kv_dtype="int8", block_size=64,
-                       max_model_len=4096, memory_utilization=0.8, max_num_batched_tokens=8192)
+                       max_model_len=4096, memory_utilization=0.8, max_num_batched_tokens=8192, max_num_seqs=1024)
     assert data["num_blocks"] == plan.num_blocks and data["fits"] is True
     assert data["max_sequences"] == plan.max_sequences(4096) and data["seq_len"] == 4096
 
@@ -163,3 +165,17 @@ def test_cli_reads_a_device_file_from_the_working_directory(tmp_path: Path, monk
     assert json.loads(result.output)["total_bytes"] == 2**37
     bad = CliRunner().invoke(memory, ["--model", "llama-2-7b", "--device", "nosuch"])
     assert bad.exit_code != 0 and "unknown device 'nosuch'" in bad.output
+
+
+@pytest.mark.parametrize("device, tokens, seqs", [("h100-sxm", 8192, 1024), ("h200", 8192, 1024), ("a100-sxm", 2048, 256),
+                                                  ("ascend-910b3", 2048, 256), ("ascend-910c", 2048, 256),
+                                                  ("rtx-3090", 2048, 256)])
+def test_scheduler_defaults_follow_vllms_rule_for_the_device(device: str, tokens: int, seqs: int) -> None:
+    """vLLM's OpenAI server: 8192 tokens and 1024 sequences on a GPU of 70 GiB or more, but not an A100 (#17885);
+    2048 and 256 elsewhere, and on Ascend, whose platform reports no memory to the rule."""
+    assert scheduler_defaults(load_device(device)) == (tokens, seqs)
+    run = resolve(RunConfig(model="qwen3-8b", device=device, max_model_len=4096))
+    assert (run.config.max_num_batched_tokens, run.config.max_num_seqs) == (tokens, seqs)
+    assert (run.engine_config.max_num_batched_tokens, run.engine_config.max_num_seqs) == (tokens, seqs)
+    given = resolve(RunConfig(model="qwen3-8b", device=device, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512))
+    assert (given.engine_config.max_num_batched_tokens, given.engine_config.max_num_seqs) == (512, 64)

@@ -14,10 +14,9 @@ from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
 from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.memory import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MEMORY_UTILIZATION,
     MemoryPlan,
+    scheduler_defaults,
 )
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
 from kvsim.sim.run.outputs import model_fact_lines
@@ -34,9 +33,11 @@ from kvsim.sim.run.outputs import model_fact_lines
 @click.option("--max-model-len", type=click.IntRange(min=1), help="Longest sequence to serve [default: the model's max position].")
 @click.option("--gpu-memory-utilization", "--memory-utilization", "memory_utilization", cls=AliasedOption,
               type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_MEMORY_UTILIZATION, show_default=True)
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_BATCHED_TOKENS, show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, show_default=True,
-              help="Rows sampled in the largest step.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
+              help="Token budget per step [default: vLLM's on the device: 8192 on a GPU of 70 GiB or more but an A100, "
+                   "else 2048].")
+@click.option("--max-num-seqs", type=click.IntRange(min=1),
+              help="Rows sampled in the largest step [default: vLLM's on the device: 1024 where the budget is 8192, else 256].")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Report how many sequences of this length fit [default: max-model-len].")
 @click.option("--tensor-parallel-size", "-tp", "tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Devices that split each layer's heads and columns.")
@@ -55,8 +56,8 @@ def memory(
     block_size: int,
     max_model_len: int | None,
     memory_utilization: float,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
+    max_num_batched_tokens: int | None,
+    max_num_seqs: int | None,
     seq_len: int | None,
     tp: int,
     pp: int,
@@ -73,6 +74,7 @@ def memory(
     try:
         model = load_model(model_name, quantization=quantization)
         device = load_device(device_name, search_dirs=[Path.cwd()])
+        default_tokens, default_seqs = scheduler_defaults(device)
         layout = ParallelLayout(tp, pp, dp, ep)
         plan = plan_rank_memory(
             model,
@@ -81,8 +83,8 @@ def memory(
             kv_dtype=kv_dtype,
             block_size=block_size,
             memory_utilization=memory_utilization,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or default_tokens,
+            max_num_seqs=max_num_seqs or default_seqs,
             max_model_len=max_model_len,
         )
     except ValueError as exc:

@@ -126,8 +126,12 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     (("--num-gpu-blocks-override", "--num-blocks"), "num_blocks",
      {"type": int, "help": "KV blocks, overriding the memory model (0: sized by it)."}),
     (("--max-model-len",), "max_model_len", {"type": int, "help": "Longest prompt + output accepted. [default: the model's]"}),
-    (("--max-num-seqs",), "max_num_seqs", {"type": int, "help": "Running requests at most."}),
-    (("--max-num-batched-tokens",), "max_num_batched_tokens", {"type": int, "help": "Token budget per step."}),
+    (("--max-num-seqs",), "max_num_seqs",
+     {"type": int, "help": "Running requests at most. [default: vLLM's on the device: 1024 on a GPU of 70 GiB or more "
+                           "but an A100, else 256]"}),
+    (("--max-num-batched-tokens",), "max_num_batched_tokens",
+     {"type": int, "help": "Token budget per step. [default: vLLM's on the device: 8192 where --max-num-seqs is 1024, "
+                           "else 2048]"}),
     (("--preemption-mode",), "preemption_mode", {"type": click.Choice(["recompute", "swap"])}),
     (("--swap-space",), "swap_space_gb", {"type": float, "help": "Host swap space in GiB."}),
     (("--kv-offload-host-gb",), "kv_offload_host_gb",
@@ -147,10 +151,16 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
 
 
 def _with_default(kwargs: dict, defaults: RunConfig, field_name: str) -> dict:
+    """The option's help with the command's default: a default the help states stands unless the
+    command's base config sets another (execute's small batch, for one)."""
     value = getattr(defaults, field_name)
     help_text = kwargs.get("help", "")
-    if value is None or "[default:" in help_text:
+    if value is None:
         return kwargs
+    if "[default:" in help_text:
+        if value == getattr(RunConfig(), field_name):
+            return kwargs
+        help_text = help_text[: help_text.index("[default:")].rstrip()
     return {**kwargs, "help": f"{help_text} [default: {value}]".strip()}
 
 

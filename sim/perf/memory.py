@@ -48,10 +48,27 @@ from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 128  # the Ascend paged kernels' recommended size (vllm-ascend forces it)
 DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM SchedulerConfig default
-DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default below 70 GiB of device memory
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's OpenAI-server default below 70 GiB (scheduler_defaults)
+DEFAULT_MAX_NUM_SEQS = 256  # the same
+LARGE_DEVICE_BYTES = 70 * 2**30  # vLLM's threshold for its larger scheduler defaults
 LOGIT_BYTES = 4  # samplers work on fp32 logits
 HIDDEN_BUFFERS = 3  # hidden-size activations live at a layer's peak (module docstring)
+
+
+def scheduler_defaults(device: DeviceProfile) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that `vllm serve` takes on ``device`` when not given.
+
+    vLLM's engine arguments (vllm/engine/arg_utils.py, V1) give the OpenAI server 8192 tokens and 1024
+    sequences on a device of at least 70 GiB (vllm-project/vllm#12369 for the H100 and H200, #17073 by
+    memory size), except on an A100, which keeps 2048 and 256 (#17885: the larger budget cost it up to
+    36 % of throughput); every other device gets 2048 and 256. vllm-ascend's platform reports no memory to
+    that rule (``NPUPlatform.get_device_total_memory`` raises, and vLLM then takes 0), so an Ascend NPU
+    gets 2048 and 256 whatever its memory. The test is vLLM's, on the device's memory and name.
+    """
+    name = device.name.lower()
+    if device.hbm_bytes >= LARGE_DEVICE_BYTES and "a100" not in name and not name.startswith("ascend"):
+        return 8192, 1024
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 
 class ModelDoesNotFit(ValueError):

@@ -31,7 +31,7 @@ from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS, DualBatchOverlap, Par
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import ENGINE_CORES, DeviceProfile, engine_as_run, load_device
 from kvsim.sim.perf.expert_routing import ExpertRouting
-from kvsim.sim.perf.memory import MemoryPlan
+from kvsim.sim.perf.memory import MemoryPlan, scheduler_defaults
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, ModelSpec, load_model
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.schema import Trace
@@ -104,8 +104,8 @@ class RunConfig:
     memory_utilization: float = 0.9
     num_blocks: int = 0  # 0: sized by the memory model
     max_model_len: int | None = None  # None: the model's maximum
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: what `vllm serve` takes on the device (scheduler_defaults)
+    max_num_batched_tokens: int | None = None  # None: as max_num_seqs
     preemption_mode: str = "recompute"
     swap_space_gb: float = 4.0  # vLLM's default swap space
     # KV tiers below HBM (policies/kv_tiers.py), GiB per device as swap_space: evicted prefix blocks
@@ -199,8 +199,8 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("memory_utilization", "must be in (0, 1]", 0 < c.memory_utilization <= 1),
         ("num_blocks", "must be >= 0 (0: sized by the memory model)", c.num_blocks >= 0),
         ("max_model_len", "must be >= 1", c.max_model_len is None or c.max_model_len >= 1),
-        ("max_num_seqs", "must be >= 1", c.max_num_seqs >= 1),
-        ("max_num_batched_tokens", "must be >= 1", c.max_num_batched_tokens >= 1),
+        ("max_num_seqs", "must be >= 1", c.max_num_seqs is None or c.max_num_seqs >= 1),
+        ("max_num_batched_tokens", "must be >= 1", c.max_num_batched_tokens is None or c.max_num_batched_tokens >= 1),
         ("preemption_mode", "must be recompute or swap", c.preemption_mode in ("recompute", "swap")),
         ("swap_space_gb", "must be a finite number >= 0 (GiB)", math.isfinite(c.swap_space_gb) and c.swap_space_gb >= 0),
         ("kv_offload_host_gb", "must be a finite number >= 0 (GiB; 0: no host tier)",
@@ -361,12 +361,20 @@ class ResolvedRun:
         return {**self.config.to_dict(), "resolved": resolved}
 
 
+def with_scheduler_defaults(config: RunConfig, device: DeviceProfile) -> RunConfig:
+    """``config`` with the scheduler budget it leaves unset filled in as vLLM would on ``device``."""
+    tokens, seqs = scheduler_defaults(device)
+    return replace(config, max_num_batched_tokens=config.max_num_batched_tokens or tokens,
+                   max_num_seqs=config.max_num_seqs or seqs)
+
+
 def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> ResolvedRun:
     """Look up the model and device and size the KV pool exactly as an engine would."""
     config = config.validate().normalized()
     model = load_model(config.model, quantization=config.quantization)
     device = engine_as_run(load_device(config.device, search_dirs=search_dirs), config.enforce_eager,
                            config.async_scheduling, config.engine_core)
+    config = with_scheduler_defaults(config, device)
     if config.enable_dbo and device.name.startswith("ascend"):
         raise ValueError(f"enable_dbo: vllm-ascend turns dual batch overlap off on Ascend devices "
                          f"(vllm_ascend/platform.py resets it to False); device {device.name} runs without it")
