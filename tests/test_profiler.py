@@ -268,9 +268,10 @@ def test_base_device_sweep_and_machine_follow_the_backend(monkeypatch: pytest.Mo
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=device_name: name)
         assert cuda.default_profile() == profile_name and cuda.machine_name() == device_name
         assert device_name in cuda.fingerprint_parts()
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    with pytest.raises(ValueError, match="Tesla T4.*--base-device"):
-        cuda.default_profile()
+    for unprofiled in ("Tesla T4", "NVIDIA A100-SXM4-40GB"):  # no bundled profile: half the A100's memory
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=unprofiled: name)
+        with pytest.raises(ValueError, match=f"{unprofiled}.*--base-device"):
+            cuda.default_profile()
 
 
 @pytest.mark.parametrize(
