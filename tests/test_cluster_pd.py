@@ -88,8 +88,8 @@ def test_one_transfer_takes_latency_plus_bytes_over_the_links_bandwidth(kv_link:
                                       if kv_link == "intra" else
                                       (topology.inter_bandwidth, topology.inter_efficiency, topology.inter_latency_s))
     prompt = int(load_run_trace(config).prompt_tokens[0])
-    nbytes = resolved.memory.bytes_per_block * -(-prompt // config.block_size)  # whole blocks, the last one partly filled
-    assert prompt % config.block_size and transfer.link == kv_link and transfer.nbytes == nbytes
+    nbytes = resolved.memory.bytes_per_block * -(-prompt // resolved.config.block_size)  # whole blocks, the last one partly filled
+    assert prompt % resolved.config.block_size and transfer.link == kv_link and transfer.nbytes == nbytes
     assert transfer.delay_s == pytest.approx(latency + nbytes / (bandwidth * efficiency), rel=1e-9)
     (row,) = run.request_tuples()
     assert row[PD_REQUEST_COLUMNS.index("kv_transfer_s")] == pytest.approx(transfer.delay_s)

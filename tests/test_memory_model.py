@@ -12,7 +12,13 @@ from click.testing import CliRunner
 
 from kvsim.cli.memory import memory
 from kvsim.sim.perf.device import DEVICES_DIR, load_device
-from kvsim.sim.perf.memory import ModelDoesNotFit, activation_workspace_bytes, plan_memory, scheduler_defaults
+from kvsim.sim.perf.memory import (
+    ModelDoesNotFit,
+    activation_workspace_bytes,
+    block_size_default,
+    plan_memory,
+    scheduler_defaults,
+)
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, load_model
 from kvsim.sim.run.config import RunConfig, resolve
 
@@ -179,3 +185,15 @@ def test_scheduler_defaults_follow_vllms_rule_for_the_device(device: str, tokens
     assert (run.engine_config.max_num_batched_tokens, run.engine_config.max_num_seqs) == (tokens, seqs)
     given = resolve(RunConfig(model="qwen3-8b", device=device, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512))
     assert (given.engine_config.max_num_batched_tokens, given.engine_config.max_num_seqs) == (512, 64)
+
+
+@pytest.mark.parametrize("device, model, block", [("h100-sxm", "qwen3-8b", 16), ("a100-sxm", "qwen3-8b", 16), ("rtx-3090", "qwen3-8b", 16),
+                                                  ("h200", "small-mla", 64), ("a100-sxm", "small-mla", 16),
+                                                  ("ascend-910b3", "qwen3-8b", 128), ("ascend-910b3", "small-mla", 128),
+                                                  ("cpu", "tiny", 128)])
+def test_the_block_size_default_is_vllms_on_the_device(device: str, model: str, block: int) -> None:
+    """vLLM's CUDA platform: 16, and 64 where FlashMLA serves an MLA model (Hopper only); vllm-ascend: 128."""
+    assert block_size_default(load_device(device), load_model(model)) == block
+    run = resolve(RunConfig(model=model, device=device, max_model_len=4096))
+    assert run.config.block_size == run.engine_config.block_size == block
+    assert resolve(RunConfig(model=model, device=device, max_model_len=4096, block_size=32)).engine_config.block_size == 32

@@ -13,9 +13,9 @@ from kvsim.sim.parallel.layout import ParallelLayout
 from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
 from kvsim.sim.perf.device import load_device
 from kvsim.sim.perf.memory import (
-    DEFAULT_BLOCK_SIZE,
     DEFAULT_MEMORY_UTILIZATION,
     MemoryPlan,
+    block_size_default,
     scheduler_defaults,
 )
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
@@ -29,7 +29,8 @@ from kvsim.sim.run.outputs import model_fact_lines
 @click.option("--device", "device_name", required=True, help="Bundled device, NAME.toml in the working directory, or a .toml path.")
 @click.option("--kv-cache-dtype", "--kv-dtype", "kv_dtype", cls=AliasedOption, type=click.Choice(["fp16", "bf16", "int8", "fp32"]),
               help="KV cache dtype [default: the model's].")
-@click.option("--block-size", type=click.IntRange(min=1), default=DEFAULT_BLOCK_SIZE, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1),
+              help="Tokens per KV block [default: vLLM's on the device: 128 on Ascend, 16 on a GPU, 64 for MLA on Hopper].")
 @click.option("--max-model-len", type=click.IntRange(min=1), help="Longest sequence to serve [default: the model's max position].")
 @click.option("--gpu-memory-utilization", "--memory-utilization", "memory_utilization", cls=AliasedOption,
               type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_MEMORY_UTILIZATION, show_default=True)
@@ -53,7 +54,7 @@ def memory(
     quantization: str | None,
     device_name: str,
     kv_dtype: str | None,
-    block_size: int,
+    block_size: int | None,
     max_model_len: int | None,
     memory_utilization: float,
     max_num_batched_tokens: int | None,
@@ -81,7 +82,7 @@ def memory(
             device,
             layout,
             kv_dtype=kv_dtype,
-            block_size=block_size,
+            block_size=block_size or block_size_default(device, model),
             memory_utilization=memory_utilization,
             max_num_batched_tokens=max_num_batched_tokens or default_tokens,
             max_num_seqs=max_num_seqs or default_seqs,

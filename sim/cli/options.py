@@ -118,7 +118,9 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     ((_switch("enable-chunked-prefill"),), "enable_chunked_prefill",
      {"help": "vLLM's switch: whether prefills may be split across steps (the scheduler's chunked_prefill; "
               "kvsim's `chunked` scheduler is Sarathi-style decode-first and always chunks). [default: on]"}),
-    (("--block-size",), "block_size", {"type": int, "help": "Tokens per KV block."}),
+    (("--block-size",), "block_size",
+     {"type": int, "help": "Tokens per KV block. [default: vLLM's on the device: 128 on Ascend, 16 on a GPU, 64 for an MLA "
+                           "model on Hopper]"}),
     (("--kv-cache-dtype", "--kv-dtype"), "kv_dtype",
      {"type": click.Choice(["auto", *KV_DTYPES]), "help": "KV cache dtype (auto: the model's). [default: auto]"}),
     (("--gpu-memory-utilization", "--memory-utilization"), "memory_utilization",

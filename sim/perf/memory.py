@@ -47,6 +47,9 @@ from kvsim.sim.perf.device import DeviceProfile
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
 
 DEFAULT_BLOCK_SIZE = 128  # the Ascend paged kernels' recommended size (vllm-ascend forces it)
+GPU_BLOCK_SIZE = 16  # vLLM's CUDA platform default
+FLASHMLA_BLOCK_SIZE = 64  # what vLLM forces for FlashMLA, its MLA backend on Hopper
+HOPPER_NAMES = ("h100", "h200", "h800", "h20")
 DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's OpenAI-server default below 70 GiB (scheduler_defaults)
 DEFAULT_MAX_NUM_SEQS = 256  # the same
@@ -69,6 +72,22 @@ def scheduler_defaults(device: DeviceProfile) -> tuple[int, int]:
     if device.hbm_bytes >= LARGE_DEVICE_BYTES and "a100" not in name and not name.startswith("ascend"):
         return 8192, 1024
     return DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
+
+def block_size_default(device: DeviceProfile, model: ModelSpec) -> int:
+    """The KV block size vLLM takes on ``device`` when none is given.
+
+    vllm-ascend forces 128 (its paged kernels' size), and kvsim's CPU device keeps that too. vLLM's
+    CUDA platform sets 16 (``CudaPlatform.check_and_update_config``), except for an MLA model on
+    Hopper, where its default MLA backend, FlashMLA, forces 64. Hopper is read from the device's
+    name, as vLLM reads the GPU's capability. Any other device is taken for a GPU.
+    """
+    name = device.name.lower()
+    if name.startswith("ascend") or name == "cpu":
+        return DEFAULT_BLOCK_SIZE
+    if model.is_mla and any(part in name for part in HOPPER_NAMES):
+        return FLASHMLA_BLOCK_SIZE
+    return GPU_BLOCK_SIZE
 
 
 class ModelDoesNotFit(ValueError):

@@ -31,7 +31,7 @@ from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS, DualBatchOverlap, Par
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import ENGINE_CORES, DeviceProfile, engine_as_run, load_device
 from kvsim.sim.perf.expert_routing import ExpertRouting
-from kvsim.sim.perf.memory import MemoryPlan, scheduler_defaults
+from kvsim.sim.perf.memory import MemoryPlan, block_size_default, scheduler_defaults
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, ModelSpec, load_model
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.schema import Trace
@@ -99,7 +99,7 @@ class RunConfig:
     scheduler_params: dict = field(default_factory=dict)
     block_manager: str = "prefix"
     block_manager_params: dict = field(default_factory=dict)
-    block_size: int = 128  # the Ascend paged kernels' recommended size
+    block_size: int | None = None  # None: vLLM's on the device (block_size_default): 128 on Ascend, 16 on a GPU
     kv_dtype: str | None = None  # None: the model's
     memory_utilization: float = 0.9
     num_blocks: int = 0  # 0: sized by the memory model
@@ -194,7 +194,7 @@ def _range_rules(c: RunConfig) -> list[tuple[str, str, bool]]:
         ("rate_scale", "must be a finite number > 0", _finite_positive(c.rate_scale)),
         ("request_rate", "must be a finite number > 0 (requests per second)", c.request_rate is None or _finite_positive(c.request_rate)),
         ("max_requests", "must be >= 0 (0: all)", c.max_requests >= 0),
-        ("block_size", "must be >= 1", c.block_size >= 1),
+        ("block_size", "must be >= 1", c.block_size is None or c.block_size >= 1),
         ("kv_dtype", f"must be auto or one of {', '.join(KV_DTYPES)}", c.kv_dtype in (None, "auto", *KV_DTYPES)),
         ("memory_utilization", "must be in (0, 1]", 0 < c.memory_utilization <= 1),
         ("num_blocks", "must be >= 0 (0: sized by the memory model)", c.num_blocks >= 0),
@@ -361,11 +361,20 @@ class ResolvedRun:
         return {**self.config.to_dict(), "resolved": resolved}
 
 
-def with_scheduler_defaults(config: RunConfig, device: DeviceProfile) -> RunConfig:
-    """``config`` with the scheduler budget it leaves unset filled in as vLLM would on ``device``."""
+def with_device_defaults(config: RunConfig, device: DeviceProfile, model: ModelSpec) -> RunConfig:
+    """``config`` with the block size and scheduler budget it leaves unset filled in as vLLM would on ``device``."""
     tokens, seqs = scheduler_defaults(device)
     return replace(config, max_num_batched_tokens=config.max_num_batched_tokens or tokens,
-                   max_num_seqs=config.max_num_seqs or seqs)
+                   max_num_seqs=config.max_num_seqs or seqs,
+                   block_size=config.block_size or block_size_default(device, model))
+
+
+def run_block_size(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> int:
+    """The block size a run will take, before it is resolved (its trace's prefix hashes are checked against it)."""
+    if config.block_size is not None:
+        return config.block_size
+    return block_size_default(load_device(config.device, search_dirs=search_dirs),
+                              load_model(config.model, quantization=config.quantization))
 
 
 def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> ResolvedRun:
@@ -374,7 +383,7 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
     model = load_model(config.model, quantization=config.quantization)
     device = engine_as_run(load_device(config.device, search_dirs=search_dirs), config.enforce_eager,
                            config.async_scheduling, config.engine_core)
-    config = with_scheduler_defaults(config, device)
+    config = with_device_defaults(config, device, model)
     if config.enable_dbo and device.name.startswith("ascend"):
         raise ValueError(f"enable_dbo: vllm-ascend turns dual batch overlap off on Ascend devices "
                          f"(vllm_ascend/platform.py resets it to False); device {device.name} runs without it")
@@ -509,10 +518,11 @@ def load_run_trace(config: RunConfig) -> Trace:
         trace = traces.scale_rate(trace, factor)
     _check_arrivals(trace, config, factor)
     if trace.hash_block_size and config.normalized().block_manager == "prefix":
+        block_size = run_block_size(config)
         try:
-            check_block_size_compatible(config.block_size, trace.hash_block_size)
+            check_block_size_compatible(block_size, trace.hash_block_size)
         except ValueError as exc:
-            raise ValueError(f"{config.trace}: block_size {config.block_size}: {exc}") from None
+            raise ValueError(f"{config.trace}: block_size {block_size}: {exc}") from None
     return trace
 
 
