@@ -100,6 +100,7 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "engine.request_s": (1e-5, 1.0),
     "operators.host_step.step_s": (1e-6, 0.1),
     "operators.gemm.compute_efficiency": (0.05, 1.0),
+    "operators.moe.compute_efficiency": (0.05, 1.0),
     "operators.moe.w8a8_compute_efficiency": (0.05, 1.0),
     "operators.gemm.memory_efficiency": (0.2, 1.0),
     "operators.attn_prefill.compute_efficiency": (0.01, 1.0),
