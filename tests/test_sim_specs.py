@@ -114,13 +114,6 @@ def test_the_h200_computes_as_the_h100_it_shares_a_die_with() -> None:
     assert h200.matrix_flops == h100.matrix_flops
 
 
-@pytest.mark.parametrize("sibling", ["h100-sxm", "h200"])
-def test_the_hopper_parts_carry_the_a100s_fitted_expert_matmul_share(sibling: str) -> None:
-    """The bf16 share of vLLM's fused_moe kernels is fitted on an A100 row (no Hopper BF16 row identifies it) and carried
-    (h100-sxm.toml says why): a refit of the A100 must be copied across, or the Hopper parts price experts with a stale share."""
-    assert load_device(sibling).operators["moe"].compute_efficiency == load_device("a100-sxm").operators["moe"].compute_efficiency
-
-
 @pytest.mark.parametrize("sibling", ["ascend-910b1", "ascend-910b2", "ascend-910b4", "ascend-910c"])
 def test_the_other_ascend_parts_carry_the_910b3s_fitted_engine_times(sibling: str) -> None:
     """Their files say dispatch_s, request_s and admit_s are the 910B3's fitted values (same vllm-ascend, no row of
