@@ -263,7 +263,7 @@ def test_base_device_sweep_and_machine_follow_the_backend(monkeypatch: pytest.Mo
     assert npu.needs_batch_blocks_within_pool and npu.clock.startswith("device events")
     cuda = object.__new__(CudaBackend)  # its facts without a GPU
     cuda.device = torch.device("cuda", 0)
-    for device_name, profile_name in (("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200"),
+    for device_name, profile_name in (("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"),
                                       ("NVIDIA A100-SXM4-80GB", "a100-sxm")):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=device_name: name)
         assert cuda.default_profile() == profile_name and cuda.machine_name() == device_name

@@ -72,7 +72,7 @@ def test_model_loader_errors_name_file_and_field(tmp_path: Path) -> None:
         load_model("nope")
 
 
-EXPECTED_DEVICES = {"ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4", "ascend-910c", "a100-sxm", "h100-sxm", "h200",
+EXPECTED_DEVICES = {"ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4", "ascend-910c", "a100-sxm", "h100-sxm", "h100-pcie", "h200",
                     "rtx-3090", "cpu"}
 
 
@@ -94,7 +94,7 @@ def test_bundled_devices_load_with_sane_figures() -> None:
     assert load_device("h100-sxm").matrix_flops["bf16"] > 3 * load_device("a100-sxm").matrix_flops["bf16"]
 
 
-@pytest.mark.parametrize("sibling", ["h200", "a100-sxm"])
+@pytest.mark.parametrize("sibling", ["h200", "h100-pcie", "a100-sxm"])
 def test_the_other_gpus_carry_the_h100s_fitted_host_and_server_times(sibling: str) -> None:
     """h200.toml and a100-sxm.toml say their host and API-server times are the H100's fitted ones (same software and
     host, no row of theirs fits them): a refit of the H100 must be copied across, or they answer with stale values."""
@@ -112,6 +112,16 @@ def test_the_h200_computes_as_the_h100_it_shares_a_die_with() -> None:
     for op in ("gemm", "moe"):
         assert h200.operators[op] == h100.operators[op], op
     assert h200.matrix_flops == h100.matrix_flops
+
+
+def test_the_h100_pcie_runs_the_sxm_parts_shares_at_its_own_datasheet_rates() -> None:
+    """h100-pcie.toml: the same die and vLLM as the SXM part, so the SXM's operator table (its fitted shares among them),
+    at the PCIe card's own peaks (0.76 of the SXM's compute, 2.0 of 3.35 TB/s) and a bridged pair's NVLink."""
+    sxm, pcie = load_device("h100-sxm"), load_device("h100-pcie")
+    assert pcie.operators == sxm.operators
+    assert pcie.matrix_flops["bf16"] == pytest.approx(0.764 * sxm.matrix_flops["bf16"], rel=0.01)
+    assert pcie.hbm_bandwidth == 2.0e12 and pcie.hbm_bytes == sxm.hbm_bytes
+    assert pcie.topology.devices_per_node == 2 and pcie.topology.inter_bandwidth < pcie.topology.intra_bandwidth
 
 
 @pytest.mark.parametrize("sibling", ["ascend-910b1", "ascend-910b2", "ascend-910b4", "ascend-910c"])

@@ -36,7 +36,8 @@ FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split
 
 
 # Bundled profiles a CUDA calibration starts from, by a marker in the device's name.
-CUDA_PROFILES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-sxm"))  # a 40 GB A100 has no profile
+# First match wins: "NVIDIA H100 PCIe" before the SXM part's "NVIDIA H100 80GB HBM3". A 40 GB A100 has no profile.
+CUDA_PROFILES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-sxm"))
 
 
 class CudaStepGraph:
