@@ -51,9 +51,10 @@ def test_a_ring_over_a_switch_does_not_grow_with_n_and_network_groups_pay_the_ni
 
 
 # All-reduce times on 6 x H100 SXM, bf16 (rows x 8192), ms: vLLM PR #24111's device-communicator benchmark
-# ("Isolated primitives benchmark results", H100, TP=6), the torch symmetric-memory multimem kernel vLLM picks
-# at these sizes and NCCL (pynccl). A check: the H100's topology figures are its datasheet's NVLink rate at an
-# estimated 0.8, fitted on nothing.
+# ("Isolated primitives benchmark results", H100, TP=6), the torch symmetric-memory multimem kernel and NCCL
+# (pynccl). vLLM's TP groups took the symmetric-memory path by default from PR #25070 (September 2025, before
+# v0.11.0, the release of the GPUStack rows) until PR #26925 turned it off again in October. A check: the H100's
+# topology figures are its datasheet's NVLink rate at an estimated 0.8, fitted on nothing.
 H100_TP6_ALL_REDUCE_MS = {0.5: (0.013, 0.023), 1: (0.016, 0.025), 1.5: (0.018, 0.032), 2: (0.021, 0.043),
                           3: (0.025, 0.047), 4: (0.031, 0.053)}  # MiB: (symm_mem_multimem, pynccl)
 
