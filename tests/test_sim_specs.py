@@ -72,8 +72,8 @@ def test_model_loader_errors_name_file_and_field(tmp_path: Path) -> None:
         load_model("nope")
 
 
-EXPECTED_DEVICES = {"ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4", "ascend-910c", "a100-sxm", "h100-sxm", "h100-pcie", "h200",
-                    "rtx-3090", "cpu"}
+EXPECTED_DEVICES = {"ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4", "ascend-910c", "a100-sxm", "h100-sxm",
+                    "h100-pcie", "h200", "rtx-3090", "cpu"}
 
 
 def test_bundled_devices_load_with_sane_figures() -> None:
