@@ -36,8 +36,9 @@ from kvsim.sim.perf.model_spec import load_model, save_model
 # 11: a per-call cost fitted below 0 held at 0, not at the base profile's; reference steps over three executors;
 # 12: a captured graph replayed once untimed, so no graph-timed case carries a graph's slower first launch;
 # 13: a prefill entry's block walk beyond the decodes' fitted as its own term where attention is not padded;
-# 14: the MoE combine's re-read of every expert output counted in the moe operator's bytes).
-PROFILER_VERSION = 14
+# 14: the MoE combine's re-read of every expert output counted in the moe operator's bytes;
+# 15: a profile records its platform and generation, which the rules read instead of its name).
+PROFILER_VERSION = 15
 
 Echo = Callable[[str], None]
 

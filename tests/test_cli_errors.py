@@ -42,6 +42,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     (tmp / "boom_plugin.py").write_text(PLUGIN)
     (tmp / "full").mkdir()
     (tmp / "full" / "summary.json").write_text("{}")
+    (tmp / "typo_base.toml").write_text('base = "h100-sxn"\nhbm_bandwidth = 4e12\n')
     sim = ["simulate", "--quiet", "--max-requests", "5"]
     out = ["--out", str(tmp / "run")]
     return {
@@ -71,6 +72,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "real ep without tp": (["execute", "--model", "small-moe", "--enable-expert-parallel", *out],
                                ["--enable-expert-parallel", "--tensor-parallel-size 2"]),
         "kv tiers on the real executor": (["execute", "--kv-offload-host-gb", "1", *out], ["--kv-offload-host-gb", "simulated only"]),
+        "device file's base unknown": (["memory", "--model", "llama-2-7b", "--device", str(tmp / "typo_base.toml")],
+                                       ["typo_base.toml", "base", "'h100-sxn'", "h100-sxm"]),
+        "device info: unknown device": (["device", "info", "--device", "h100-sxn"], ["unknown device 'h100-sxn'", "h100-sxm"]),
         "memory model is a directory": (["memory", "--model", str(tmp / "a_dir"), "--device", "ascend-910b3"], ["a_dir"]),
         "block size vs trace hash block size": (
             ["simulate", "--quiet", "--trace", "mooncake_500", "--block-size", "100", *out], ["block_size 100", "hash block size"]),

@@ -197,3 +197,18 @@ def test_the_block_size_default_is_vllms_on_the_device(device: str, model: str, 
     run = resolve(RunConfig(model=model, device=device, max_model_len=4096))
     assert run.config.block_size == run.engine_config.block_size == block
     assert resolve(RunConfig(model=model, device=device, max_model_len=4096, block_size=32)).engine_config.block_size == 32
+
+
+@pytest.mark.parametrize("base, model, block, budget", [("ascend-910b3", "qwen3-8b", 128, (2048, 256)),
+                                                        ("h200", "small-mla", 64, (8192, 1024)),
+                                                        ("a100-sxm", "qwen3-8b", 16, (2048, 256)),
+                                                        ("cpu", "tiny", 128, (2048, 256))])
+def test_a_what_if_device_of_any_name_takes_the_defaults_of_its_platform(
+        base: str, model: str, block: int, budget: tuple[int, int], tmp_path: Path) -> None:
+    """vLLM's rules read the device file's platform and generation, not its name: a 910B3 with faster HBM named
+    "fast-hbm" stays an Ascend part (block 128, vllm-ascend's budget), where a name test took it for a GPU."""
+    (tmp_path / "fast-hbm.toml").write_text(f'base = "{base}"\nhbm_bandwidth = 9e12\n')
+    device = load_device("fast-hbm", search_dirs=[tmp_path])
+    assert (block_size_default(device, load_model(model)), scheduler_defaults(device)) == (block, budget)
+    run = resolve(RunConfig(model=model, device="fast-hbm", max_model_len=4096), search_dirs=(tmp_path,))
+    assert (run.engine_config.block_size, run.engine_config.max_num_batched_tokens) == (block, budget[0])

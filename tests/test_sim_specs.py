@@ -96,8 +96,9 @@ def test_bundled_devices_load_with_sane_figures() -> None:
 
 @pytest.mark.parametrize("sibling", ["h200", "h100-pcie", "a100-sxm"])
 def test_the_other_gpus_carry_the_h100s_fitted_host_and_server_times(sibling: str) -> None:
-    """h200.toml and a100-sxm.toml say their host and API-server times are the H100's fitted ones (same software and
-    host, no row of theirs fits them): a refit of the H100 must be copied across, or they answer with stale values."""
+    """Their files say their host and API-server times are the H100's fitted ones (same software and host, no row of
+    theirs fits them): they read them from h100-sxm.toml (``base``), so a refit of the H100 reaches them, unless one of
+    them writes a stale copy of its own."""
     h100, other = load_device("h100-sxm"), load_device(sibling)
     for field in ("request_s", "admit_s", "stream_s"):
         assert getattr(other.engine, field) == getattr(h100.engine, field), field
@@ -106,8 +107,8 @@ def test_the_other_gpus_carry_the_h100s_fitted_host_and_server_times(sibling: st
 
 def test_the_h200_computes_as_the_h100_it_shares_a_die_with() -> None:
     """h200.toml takes the H100's fitted GEMM efficiency and its MoE table (the 8-bit share fitted there): the same die and
-    the same vLLM. Until round 3's seventeenth session it kept a lone-matmul microbenchmark's 0.80, which made
-    serving on it 2.3x faster in compute than on the H100 that the serving rows were fitted on."""
+    the same vLLM. It once kept a lone-matmul microbenchmark's 0.80, which made serving on it 2.3x faster in compute
+    than on the H100 that the serving rows were fitted on."""
     h100, h200 = load_device("h100-sxm"), load_device("h200")
     for op in ("gemm", "moe"):
         assert h200.operators[op] == h100.operators[op], op
@@ -144,7 +145,8 @@ def figure_comment_problems(text: str) -> list[str]:
         if line.startswith("["):
             section = line.strip()
             continue
-        if "=" not in line or line.startswith("#") or line.startswith(("name", "source")) or section not in ("", "[matrix_flops]"):
+        identity = line.startswith(("base", "name", "source", "platform", "generation"))  # not figures
+        if "=" not in line or line.startswith("#") or identity or section not in ("", "[matrix_flops]"):
             continue
         j = i - 1
         while j >= 0 and lines[j].startswith("#"):
@@ -218,6 +220,48 @@ def test_device_found_by_name_in_a_search_dir(tmp_path: Path) -> None:
         load_device("mybox")
 
 
+def test_a_device_file_starts_from_its_base_and_replaces_only_what_it_names(tmp_path: Path) -> None:
+    """A what-if part in three lines: the 910B3 with twice its HBM bandwidth and another GEMM share; tables merge key
+    by key (the GEMM's memory share stays the base's; the MoE table, which names no share, follows the new GEMM one as
+    it follows the base's) and the name is the file's, never the base's."""
+    (tmp_path / "fast-hbm.toml").write_text(
+        'base = "ascend-910b3"\nhbm_bandwidth = 3.2e12\n[operators.gemm]\ncompute_efficiency = 0.9\n')
+    b3, fast = load_device("ascend-910b3"), load_device("fast-hbm", search_dirs=[tmp_path])
+    assert fast.name == "fast-hbm" and fast.hbm_bandwidth == 3.2e12
+    assert fast.operators["gemm"] == replace(b3.operators["gemm"], compute_efficiency=0.9)
+    assert fast.operators["moe"] == replace(b3.operators["moe"], compute_efficiency=0.9)
+    assert fast.source == f"fast-hbm.toml over ascend-910b3.toml: {b3.source}"
+    as_base = replace(fast, name=b3.name, source=b3.source, hbm_bandwidth=b3.hbm_bandwidth,
+                      operators={**fast.operators, "gemm": b3.operators["gemm"], "moe": b3.operators["moe"]})
+    assert as_base == b3
+
+
+def test_a_base_chain_resolves_beside_the_file_and_a_local_file_may_shadow_its_bundled_base(tmp_path: Path) -> None:
+    (tmp_path / "h100-sxm.toml").write_text('base = "h100-sxm"\nhbm_bandwidth = 3.0e12\n')  # the bundled one, not itself
+    (tmp_path / "mine.toml").write_text('base = "h100-sxm"\nname = "my-h100"\n[topology]\ndevices_per_node = 4\n')
+    mine, bundled = load_device(tmp_path / "mine.toml"), load_device("h100-sxm")
+    assert mine.name == "my-h100" and mine.hbm_bandwidth == 3.0e12 and mine.topology.devices_per_node == 4
+    assert mine.topology == replace(bundled.topology, devices_per_node=4)
+    assert mine.matrix_flops == bundled.matrix_flops and mine.engine == bundled.engine
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"a.toml": 'base = "b"\n', "b.toml": 'base = "a.toml"\n'}, r"b\.toml: field base makes a cycle \(a\.toml -> b\.toml -> a\.toml\)"),
+        ({"a.toml": 'base = "no-such-part"\n'}, r"a\.toml: field base names unknown device 'no-such-part'; bundled: .*h100-sxm"),
+        ({"a.toml": 'base = "sub/b.toml"\n'}, r"a\.toml: field base 'sub/b\.toml': no such file"),
+        ({"a.toml": "base = 3\n"}, r"a\.toml: field base must be a device name or a \.toml path, got 3"),
+        ({"a.toml": 'base = "h200"\nhbm_bandwith = 1e12\n'}, r"a\.toml: unknown field\(s\) hbm_bandwith"),
+    ],
+)
+def test_a_bad_base_is_named_with_the_file(files: dict[str, str], message: str, tmp_path: Path) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_device(tmp_path / "a.toml")
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -231,6 +275,10 @@ def test_device_found_by_name_in_a_search_dir(tmp_path: Path) -> None:
          r"unknown field\(s\) operators\.kv_write\.compute_efficiency"),
         (("block_s = 2e-8", "block_s = -1.0"), r"field operators\.paged_gather\.block_s must be >= 0"),
         (("[operators.swap]", "[operators.swapp]"), r"unknown field\(s\) operators\.swapp"),
+        (('platform = "ascend"', 'platform = "npu"'), r"field platform must be one of ascend, cuda, cpu, got 'npu'"),
+        (('platform = "ascend"\n', ""), r"field platform must be one of ascend, cuda, cpu, got None"),
+        (('generation = "910b"', 'generation = "hopper"'),
+         r"field generation 'hopper' is not one kvsim knows on platform ascend \(known: 910b, 910c\)"),
     ],
 )
 def test_device_loader_errors_name_file_and_field(edit: tuple[str, str], message: str, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("kvsim.cli.trace:trace", "Inspect, synthesise and convert request traces."),
     "simulate": ("kvsim.cli.simulate:simulate", "Replay a trace through the SimPy simulator."),
     "model": ("kvsim.cli.model:model", "Parameters, MoE / MLA layout and KV bytes of a model (any config.json)."),
+    "device": ("kvsim.cli.device:device", "Memory, rates, links and vLLM's defaults of a device (bundled or a TOML)."),
     "memory": ("kvsim.cli.memory:memory", "HBM breakdown and KV block count for a model on a device."),
     "fidelity": ("kvsim.cli.fidelity:fidelity", "Predicted vs published vLLM / vllm-ascend serving figures."),
     "sweep": ("kvsim.cli.sweep:sweep", "Run many what-if simulations (local processes or Ray)."),

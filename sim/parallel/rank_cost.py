@@ -75,15 +75,15 @@ ALL2ALL_BACKENDS = ("allgather_reducescatter", "deepep_high_throughput", "deepep
 
 def moe_comm_method(device: DeviceProfile, layout: ParallelLayout, model: ModelSpec, tokens: float, max_tokens: int,
                     all2all_backend: str = ALL2ALL_BACKENDS[0]) -> str:
-    """How MoE layers move tokens: vllm-ascend's rule on Ascend (see the constants above; A3 uses
-    all-to-all), elsewhere vLLM's ``all2all_backend`` (all-gather + reduce-scatter, or DeepEP's
+    """How MoE layers move tokens: vllm-ascend's rule on Ascend (see the constants above; A3, the 910C
+    generation, uses all-to-all), elsewhere vLLM's ``all2all_backend`` (all-gather + reduce-scatter, or DeepEP's
     all-to-all); all-reduce without EP."""
     if not layout.enable_expert_parallel:
         return "all-reduce"
     tp, ep = layout.tensor_parallel_size, layout.expert_parallel_size
-    if device.name.startswith("ascend-910c"):
+    if device.platform == "ascend" and device.generation == "910c":
         return "all-to-all"
-    if device.name.startswith("ascend-910b"):
+    if device.platform == "ascend":
         capacity = min(math.ceil(max_tokens / tp), MC2_TOKEN_CAP) * tp
         if model.num_experts // ep <= MC2_MAX_EXPERTS_PER_RANK and ep >= MC2_MIN_EP and tokens <= capacity:
             return "mc2"

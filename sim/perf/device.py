@@ -8,6 +8,8 @@ Layout::
 
     name = "ascend-910b3"
     source = "..."                    # provenance, kept when a calibrated copy is saved
+    platform = "ascend"               # vLLM's platform: ascend, cuda or cpu
+    generation = "910b"               # optional: ascend 910b / 910c, cuda ampere / hopper
     hbm_bytes = 68719476736           # device memory the runtime reports as total
     hbm_bandwidth = 1.6e12            # B/s
     vector_flops = 1.83e13            # FLOP/s of the vector (non-matrix) units
@@ -44,6 +46,12 @@ Layout::
     mode = "graph"                    # (sim/perf/engine_overhead.py; without it, kernels and host
     dispatch_s = 3e-5                 #  terms simply add up, as for the CPU executor)
     capture_sizes = [1, 2, 4, 8]
+
+A file may start from another device with ``base = "h100-sxm"`` (a name, looked up beside the
+file and then among the bundled devices, or a ``.toml`` path relative to the file) and give only
+what differs: its tables merge into the base's key by key, and ``name`` is never inherited. That
+is how a part of the same family carries its sibling's fitted terms (``h200.toml``), and how a
+what-if device ("the 910B3 with twice the HBM bandwidth") is three lines.
 
 Which keys each operator takes is :data:`OPERATOR_KEYS`; the cost model documents what each
 operator's formula does with them.
@@ -100,6 +108,9 @@ OPTIONAL_OPERATORS = frozenset({"host_step", "host_seq", "host_token", "decode_c
 # (kvsim profile) or fitted on MoE serving figures sets its own table; keys that table leaves out
 # are the named operator's (a device file may set only the grouped matmul's half_tokens).
 INHERITED_OPERATORS = {"moe": "gemm"}
+
+PLATFORMS = ("ascend", "cuda", "cpu")
+GENERATIONS = {"ascend": ("910b", "910c"), "cuda": ("ampere", "hopper"), "cpu": ()}
 
 _SCALAR_FIELDS: dict[str, type] = {
     "hbm_bytes": int,
@@ -159,7 +170,12 @@ class DeviceProfile:
     launch_overhead_s: float
     runtime_reserve_bytes: int
     operators: dict[str, OperatorCoefficients]
+    # vLLM's platform for the part (:data:`PLATFORMS`) and its generation within it (:data:`GENERATIONS`; "" for
+    # none the rules name): what vLLM and vllm-ascend decide by (block size, scheduler budget, the MoE exchange,
+    # what a platform turns off), so a device of any name, a what-if one among them, is taken for what it is.
+    platform: str
     source: str = ""
+    generation: str = ""
     # True where the attention kernels run each of a step's decode and prefill groups as one dense
     # batch, every sequence padded to the group's longest query and context in whole blocks (kvsim's
     # portable PyTorch path); False for paged kernels that skip padding (torch_npu, FlashInfer).
@@ -295,7 +311,7 @@ def load_device(name_or_path: str | Path, search_dirs: Iterable[str | Path] = ()
     (``kvsim`` commands pass the working directory) to use it by name.
     """
     path = _resolve(name_or_path, search_dirs)
-    return _parse(load_toml(path), path)
+    return _parse(_with_base(load_toml(path), path, ()), path)
 
 
 def bundled_devices() -> list[str]:
@@ -305,7 +321,10 @@ def bundled_devices() -> list[str]:
 def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     """Write ``profile`` as TOML that :func:`load_device` reads back equal to ``profile``."""
     path = Path(path)
-    lines = [f"name = {toml_value(profile.name)}", f"source = {toml_value(profile.source)}"]
+    lines = [f"name = {toml_value(profile.name)}", f"source = {toml_value(profile.source)}",
+             f"platform = {toml_value(profile.platform)}"]
+    if profile.generation:
+        lines.append(f"generation = {toml_value(profile.generation)}")
     lines += [f"{key} = {toml_value(getattr(profile, key))}" for key in _SCALAR_FIELDS]
     lines += [f"{key} = {toml_value(getattr(profile, key))}" for key in _TIER_FIELDS if getattr(profile, key)]
     lines.append(f"padded_attention = {toml_value(profile.padded_attention)}")
@@ -350,10 +369,53 @@ def _resolve(name_or_path: str | Path, search_dirs: Iterable[str | Path]) -> Pat
     raise ValueError(f"unknown device {str(name_or_path)!r}; bundled: {', '.join(bundled_devices())}; or give a .toml path")
 
 
+def _with_base(data: dict, path: Path, chain: tuple[Path, ...]) -> dict:
+    """``data`` over the device its ``base`` names (recursively); ``data`` itself without a base."""
+    if "base" not in data:
+        return data
+    base = data["base"]
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{path}: field base must be a device name or a .toml path, got {base!r}")
+    base_path = _base_path(base, path)
+    chain = (*chain, path.resolve())
+    if base_path.resolve() in chain:
+        cycle = " -> ".join(p.name for p in (*chain, base_path))
+        raise ValueError(f"{path}: field base makes a cycle ({cycle})")
+    own = {key: value for key, value in data.items() if key != "base"}
+    merged = _merged(_with_base(load_toml(base_path), base_path, chain), own)
+    merged["name"] = own.get("name", path.stem)
+    if "source" not in own:  # the base's provenance, saying which fields are not the base's
+        merged["source"] = f"{path.name} over {base_path.name}: {merged.get('source', '')}"
+    return merged
+
+
+def _base_path(base: str, path: Path) -> Path:
+    """A base named like a path is relative to the file naming it; a name is looked up beside that file
+    (the file itself excepted, so a local ``h100-sxm.toml`` may start from the bundled one), then bundled."""
+    if base.endswith(".toml") or "/" in base:
+        candidate = path.parent / base
+        if not candidate.is_file():
+            raise ValueError(f"{path}: field base {base!r}: no such file {candidate}")
+        return candidate
+    for candidate in (path.parent / f"{base}.toml", DEVICES_DIR / f"{base}.toml"):
+        if candidate.is_file() and candidate.resolve() != path.resolve():
+            return candidate
+    raise ValueError(f"{path}: field base names unknown device {base!r}; bundled: {', '.join(bundled_devices())}")
+
+
+def _merged(base: dict, own: dict) -> dict:
+    """``own`` over ``base``: tables merge key by key, any other value of ``own`` replaces the base's."""
+    merged = dict(base)
+    for key, value in own.items():
+        merged[key] = _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
+
+
 def _parse(data: dict, path: Path) -> DeviceProfile:
     allowed = {f.name for f in fields(DeviceProfile)}
     _reject_unknown(data, allowed, path, "")
     values: dict = {"name": str(data.get("name", path.stem)), "source": str(data.get("source", ""))}
+    values["platform"], values["generation"] = _platform(data, path)
     for key, kind in _SCALAR_FIELDS.items():
         values[key] = _number(data, key, kind, path, "", allow_zero=key in _MAY_BE_ZERO)
     for key, kind in _TIER_FIELDS.items():
@@ -389,6 +451,17 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
         steps = _table(data, "reference_steps_s", path)
         values["reference_steps_s"] = {str(label): _number(steps, label, float, path, "reference_steps_s.") for label in steps}
     return DeviceProfile(**values)
+
+
+def _platform(data: dict, path: Path) -> tuple[str, str]:
+    platform, generation = data.get("platform"), data.get("generation", "")
+    if platform not in PLATFORMS:
+        raise ValueError(f"{path}: field platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    if generation and generation not in GENERATIONS[platform]:
+        known = ", ".join(GENERATIONS[platform]) or "none"
+        raise ValueError(f"{path}: field generation {generation!r} is not one kvsim knows on platform {platform} "
+                         f"(known: {known}); leave it out for a generic part")
+    return platform, generation
 
 
 def _row_counts(table: dict, path: Path) -> dict[int, float]:

@@ -49,7 +49,6 @@ from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
 DEFAULT_BLOCK_SIZE = 128  # the Ascend paged kernels' recommended size (vllm-ascend forces it)
 GPU_BLOCK_SIZE = 16  # vLLM's CUDA platform default
 FLASHMLA_BLOCK_SIZE = 64  # what vLLM forces for FlashMLA, its MLA backend on Hopper
-HOPPER_NAMES = ("h100", "h200", "h800", "h20")
 DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's OpenAI-server default below 70 GiB (scheduler_defaults)
 DEFAULT_MAX_NUM_SEQS = 256  # the same
@@ -66,10 +65,10 @@ def scheduler_defaults(device: DeviceProfile) -> tuple[int, int]:
     memory size), except on an A100, which keeps 2048 and 256 (#17885: the larger budget cost it up to
     36 % of throughput); every other device gets 2048 and 256. vllm-ascend's platform reports no memory to
     that rule (``NPUPlatform.get_device_total_memory`` raises, and vLLM then takes 0), so an Ascend NPU
-    gets 2048 and 256 whatever its memory. The test is vLLM's, on the device's memory and name.
+    gets 2048 and 256 whatever its memory. vLLM reads "A100" in the GPU's name; kvsim reads the device file's
+    ``generation`` (its Ampere parts are the A100 and the RTX 3090, which is under 70 GiB anyway).
     """
-    name = device.name.lower()
-    if device.hbm_bytes >= LARGE_DEVICE_BYTES and "a100" not in name and not name.startswith("ascend"):
+    if device.hbm_bytes >= LARGE_DEVICE_BYTES and device.platform != "ascend" and device.generation != "ampere":
         return 8192, 1024
     return DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
@@ -79,13 +78,12 @@ def block_size_default(device: DeviceProfile, model: ModelSpec) -> int:
 
     vllm-ascend forces 128 (its paged kernels' size), and kvsim's CPU device keeps that too. vLLM's
     CUDA platform sets 16 (``CudaPlatform.check_and_update_config``), except for an MLA model on
-    Hopper, where its default MLA backend, FlashMLA, forces 64. Hopper is read from the device's
-    name, as vLLM reads the GPU's capability. Any other device is taken for a GPU.
+    Hopper, where its default MLA backend, FlashMLA, forces 64. The device file's ``platform`` and
+    ``generation`` say which, as vLLM reads its platform and the GPU's capability.
     """
-    name = device.name.lower()
-    if name.startswith("ascend") or name == "cpu":
+    if device.platform in ("ascend", "cpu"):
         return DEFAULT_BLOCK_SIZE
-    if model.is_mla and any(part in name for part in HOPPER_NAMES):
+    if model.is_mla and device.generation == "hopper":
         return FLASHMLA_BLOCK_SIZE
     return GPU_BLOCK_SIZE
 

@@ -384,10 +384,10 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
     device = engine_as_run(load_device(config.device, search_dirs=search_dirs), config.enforce_eager,
                            config.async_scheduling, config.engine_core)
     config = with_device_defaults(config, device, model)
-    if config.enable_dbo and device.name.startswith("ascend"):
+    if config.enable_dbo and device.platform == "ascend":
         raise ValueError(f"enable_dbo: vllm-ascend turns dual batch overlap off on Ascend devices "
                          f"(vllm_ascend/platform.py resets it to False); device {device.name} runs without it")
-    if config.all2all_backend != ALL2ALL_BACKENDS[0] and device.name.startswith("ascend"):
+    if config.all2all_backend != ALL2ALL_BACKENDS[0] and device.platform == "ascend":
         raise ValueError(f"all2all_backend = {config.all2all_backend!r}: on Ascend devices vllm-ascend chooses the MoE "
                          f"exchange itself (MC2, all-gather or all-to-all); device {device.name} takes no all2all backend")
     layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size,
