@@ -126,14 +126,17 @@ def test_a_clusters_capacity_is_searched_on_the_cluster():
     assert not probe(one, pair.capacity_rps, slo).met  # one instance misses what two serve
 
 
-def test_every_bundled_capacity_example_loads_and_resolves():
-    """examples/capacity_*.toml as a user runs them: the file loads and every grid point is a configuration kvsim
-    resolves (the DeepSeek DBO study's points with and without the overlap, among them)."""
+def test_every_bundled_capacity_example_loads_and_resolves(monkeypatch):
+    """examples/capacity_*.toml as a user runs them, from the repository's root: the file loads and every grid point is
+    a configuration kvsim resolves (the DeepSeek DBO study's points with and without the overlap, and the what-if
+    device that starts from the 910B3, among them)."""
     from pathlib import Path
 
     from kvsim.cli.capacity import load_capacity_file
 
-    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("capacity_*.toml"))
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    examples = sorted((root / "examples").glob("capacity_*.toml"))
     assert len(examples) >= 4
     for path in examples:
         points, _ = load_capacity_file(path, {})
@@ -141,3 +144,7 @@ def test_every_bundled_capacity_example_loads_and_resolves():
             assert resolve(config).cost_model() is not None
     dbo = load_capacity_file(examples[0].parent / "capacity_deepseek_dbo.toml", {})[0]
     assert [config.enable_dbo for _, _, config in dbo] == [False, True]
+    devices = [resolve(config).device for _, _, config in load_capacity_file(root / "examples" / "capacity_device_whatif.toml", {})[0]]
+    assert [d.name for d in devices] == ["ascend-910b3", "910b3-2x-hbm", "ascend-910c"]
+    assert devices[1].hbm_bandwidth == 2 * devices[0].hbm_bandwidth and devices[1].platform == "ascend"
+    assert devices[1].operators == devices[0].operators and devices[1].engine == devices[0].engine
