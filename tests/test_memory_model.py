@@ -97,6 +97,12 @@ def test_a_model_that_does_not_fit_is_a_result_not_a_crash() -> None:
     assert not plan.fits and plan.num_blocks == 0 and plan.kv_available_bytes < 0
     assert plan.max_sequences(4096) == 0
     assert "does not fit on ascend-910b4" in plan.problem and "24.24 GiB" in plan.problem
+    assert plan.problem.endswith("the weights alone exceed it: split the weights over more devices (tensor_parallel_size) "
+                                 "or quantize them (quantization w8a8 or w8a8_dynamic)")
+    tight = plan_memory(model, device, memory_utilization=0.77)  # the weights fit, the rest does not
+    assert tight.weight_bytes < tight.budget_bytes and not tight.fits
+    assert tight.problem.endswith("; lower max_num_batched_tokens, raise memory_utilization or split the weights over "
+                                  "more devices (tensor_parallel_size)")
     with pytest.raises(ModelDoesNotFit, match="does not fit"):
         plan.require_fit()
     assert plan_memory(model, device, memory_utilization=0.9).require_fit().num_blocks > 0

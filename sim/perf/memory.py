@@ -218,7 +218,7 @@ def plan_memory(
         problem = (
             f"{model.name} does not fit on {device.name}: weights {weights / gib:.2f} GiB + activations "
             f"{activations / gib:.2f} GiB + reserve {reserve / gib:.2f} GiB exceed the budget {budget / gib:.2f} GiB "
-            f"({memory_utilization:g} of {device.hbm_bytes / gib:.2f} GiB)"
+            f"({memory_utilization:g} of {device.hbm_bytes / gib:.2f} GiB); {_fit_hint(model, weights, budget)}"
         )
     elif num_blocks * block_size < max_model_len:
         problem = (
@@ -248,6 +248,16 @@ def plan_memory(
         kv_scale_bytes=scales,
         moe_tokens=moe_tokens,
     )
+
+
+def _fit_hint(model: ModelSpec, weights: int, budget: int) -> str:
+    """What would make a plan fit that does not, named by the run's keys."""
+    split = "split the weights over more devices (tensor_parallel_size" + (", enable_expert_parallel)" if model.is_moe else ")")
+    if weights < budget:
+        return f"lower max_num_batched_tokens, raise memory_utilization or {split}"
+    if model.quantization:
+        return f"the weights alone exceed it: {split}"
+    return f"the weights alone exceed it: {split} or quantize them (quantization w8a8 or w8a8_dynamic)"
 
 
 def _check_inputs(
