@@ -30,8 +30,7 @@ def list_devices() -> None:
     width = max(map(len, names)) + 2
     for name in names:
         d = load_device(name)
-        kind = f"{d.platform} {d.generation}".strip()
-        click.echo(f"{name:<{width}}{kind:<16}{d.hbm_bytes / GiB:>7.1f} GiB {d.hbm_bandwidth / 1e12:>6.2f} TB/s "
+        click.echo(f"{name:<{width}}{kind(d):<16}{d.hbm_bytes / GiB:>7.1f} GiB {d.hbm_bandwidth / 1e12:>6.2f} TB/s "
                    f"{d.matrix_flops['bf16'] / 1e12:>8.1f} TFLOP/s bf16")
 
 
@@ -57,11 +56,14 @@ def device_info(dev: DeviceProfile) -> dict:
     return {**asdict(dev), "vllm_defaults": defaults}
 
 
+def kind(dev: DeviceProfile) -> str:
+    return f"{dev.platform} {dev.generation}".strip()
+
+
 def format_info(dev: DeviceProfile, data: dict) -> list[str]:
-    kind = f"{dev.platform} {dev.generation}".strip()
     peaks = ", ".join(f"{dt} {rate / 1e12:.1f}" for dt, rate in dev.matrix_flops.items())
     lines = [
-        f"{dev.name} ({kind})",
+        f"{dev.name} ({kind(dev)})",
         f"Memory: {dev.hbm_bytes / GiB:.2f} GiB at {dev.hbm_bandwidth / 1e12:.2f} TB/s; the runtime holds "
         f"{dev.runtime_reserve_bytes / GiB:.2f} GiB outside the allocator",
         f"Matrix peaks (TFLOP/s): {peaks}; vector {dev.vector_flops / 1e12:.1f}",
@@ -85,4 +87,3 @@ def format_info(dev: DeviceProfile, data: dict) -> list[str]:
     if dev.source:
         lines.append(f"Source: {dev.source}")
     return lines
-
