@@ -358,15 +358,27 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
     return path
 
 
-def _resolve(name_or_path: str | Path, search_dirs: Iterable[str | Path]) -> Path:
+def _is_path(name_or_path: str | Path) -> bool:
+    """A device named like a file (``x.toml``, ``dir/x``) is that file; anything else is a name to look up."""
     path = Path(name_or_path)
-    if path.suffix == ".toml" or len(path.parts) > 1:
-        return path
-    candidates = [Path(d) / f"{path}.toml" for d in search_dirs] + [DEVICES_DIR / f"{path}.toml"]
-    for candidate in candidates:
-        if candidate.is_file():
+    return path.suffix == ".toml" or len(path.parts) > 1
+
+
+def _named(name: str | Path, search_dirs: Iterable[str | Path], skip: Path | None = None) -> Path | None:
+    """``<dir>/<name>.toml`` in ``search_dirs``, then bundled; ``skip`` (a file naming its own base) never counts."""
+    for candidate in [*(Path(d) / f"{name}.toml" for d in search_dirs), DEVICES_DIR / f"{name}.toml"]:
+        if candidate.is_file() and (skip is None or candidate.resolve() != skip.resolve()):
             return candidate
-    raise ValueError(f"unknown device {str(name_or_path)!r}; bundled: {', '.join(bundled_devices())}; or give a .toml path")
+    return None
+
+
+def _resolve(name_or_path: str | Path, search_dirs: Iterable[str | Path]) -> Path:
+    if _is_path(name_or_path):
+        return Path(name_or_path)
+    found = _named(name_or_path, search_dirs)
+    if found is None:
+        raise ValueError(f"unknown device {str(name_or_path)!r}; bundled: {', '.join(bundled_devices())}; or give a .toml path")
+    return found
 
 
 def _with_base(data: dict, path: Path, chain: tuple[Path, ...]) -> dict:
@@ -383,7 +395,8 @@ def _with_base(data: dict, path: Path, chain: tuple[Path, ...]) -> dict:
         raise ValueError(f"{path}: field base makes a cycle ({cycle})")
     own = {key: value for key, value in data.items() if key != "base"}
     merged = _merged(_with_base(load_toml(base_path), base_path, chain), own)
-    merged["name"] = own.get("name", path.stem)
+    if "name" not in own:  # never the base's: _parse names the device after its file
+        merged.pop("name", None)
     if "source" not in own:  # the base's provenance, saying which fields are not the base's
         merged["source"] = f"{path.name} over {base_path.name}: {merged.get('source', '')}"
     return merged
@@ -392,15 +405,15 @@ def _with_base(data: dict, path: Path, chain: tuple[Path, ...]) -> dict:
 def _base_path(base: str, path: Path) -> Path:
     """A base named like a path is relative to the file naming it; a name is looked up beside that file
     (the file itself excepted, so a local ``h100-sxm.toml`` may start from the bundled one), then bundled."""
-    if base.endswith(".toml") or "/" in base:
+    if _is_path(base):
         candidate = path.parent / base
         if not candidate.is_file():
             raise ValueError(f"{path}: field base {base!r}: no such file {candidate}")
         return candidate
-    for candidate in (path.parent / f"{base}.toml", DEVICES_DIR / f"{base}.toml"):
-        if candidate.is_file() and candidate.resolve() != path.resolve():
-            return candidate
-    raise ValueError(f"{path}: field base names unknown device {base!r}; bundled: {', '.join(bundled_devices())}")
+    found = _named(base, [path.parent], skip=path)
+    if found is None:
+        raise ValueError(f"{path}: field base names unknown device {base!r}; bundled: {', '.join(bundled_devices())}")
+    return found
 
 
 def _merged(base: dict, own: dict) -> dict:
