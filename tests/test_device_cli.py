@@ -39,3 +39,11 @@ def test_info_gives_flashmlas_block_on_hopper_and_vllms_larger_budget() -> None:
     data = json.loads(CliRunner().invoke(main, ["device", "info", "--device", "h100-sxm", "--json"]).output)
     assert data["vllm_defaults"] == {"block_size": 16, "block_size_mla": 64, "max_num_batched_tokens": 8192, "max_num_seqs": 1024}
     assert (data["platform"], data["generation"]) == ("cuda", "hopper")
+
+
+def test_info_shows_the_graph_capture_coefficients_where_a_device_has_them() -> None:
+    h100 = CliRunner().invoke(main, ["device", "info", "--device", "h100-sxm"]).output
+    assert "Graph capture: 171 KiB a layer and graph" in h100
+    assert "Graph capture" not in CliRunner().invoke(main, ["device", "info", "--device", "ascend-910b3"]).output
+    data = json.loads(CliRunner().invoke(main, ["device", "info", "--device", "h100-sxm", "--json"]).output)
+    assert data["graph_memory"]["split_accumulators"] == pytest.approx(40.96)

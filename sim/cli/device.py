@@ -78,6 +78,10 @@ def format_info(dev: DeviceProfile, data: dict) -> list[str]:
         e = dev.engine
         graphs = f", {len(e.capture_sizes)} capture sizes up to {max(e.capture_sizes)}" if e.capture_sizes else ""
         lines.append(f"Engine: {e.mode} mode{graphs}; {'async' if e.async_scheduling else 'synchronous'} scheduling")
+    if dev.graph_memory is not None:
+        g = dev.graph_memory
+        lines.append(f"Graph capture: {g.layer_bytes / 2**10:.0f} KiB a layer and graph (+{g.moe_layer_bytes / 2**10:.0f} "
+                     f"an MoE layer), {g.split_accumulators:g} split-KV partials a decode row, {g.pool_bytes / 2**20:.0f} MiB once")
     d = data["vllm_defaults"]
     mla = "" if d["block_size_mla"] == d["block_size"] else f" ({d['block_size_mla']} for an MLA model)"
     lines.append(f"vLLM's defaults here: block size {d['block_size']}{mla}, max_num_batched_tokens "

@@ -202,10 +202,11 @@ def split_label(result: Result, fitted_runs: set) -> str:
 
 
 def format_table(results: list[Result], fitted_runs: set) -> str:
-    lines = [f"{'row':<26}{'split':<7}{'metric':<19}{'measured':>11}{'predicted':>11}{'error':>8}  source"]
+    width = max([26, *(len(r.row.id) + 1 for r in results)])
+    lines = [f"{'row':<{width}}{'split':<7}{'metric':<19}{'measured':>11}{'predicted':>11}{'error':>8}  source"]
     for r in results:
         lines.append(
-            f"{r.row.id:<26}{split_label(r, fitted_runs):<7}{r.row.metric:<19}{r.row.measured:>11.4g}{r.predicted:>11.4g}"
+            f"{r.row.id:<{width}}{split_label(r, fitted_runs):<7}{r.row.metric:<19}{r.row.measured:>11.4g}{r.predicted:>11.4g}"
             f"{r.signed_error:>+8.1%}  {r.row.source}"
         )
     lines.append("check*: a figure of a run that a fit row also comes from (not counted as independent)")

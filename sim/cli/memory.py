@@ -10,8 +10,9 @@ import click
 from kvsim.cli.aliases import AliasedOption
 from kvsim.cli.errors import UserError
 from kvsim.sim.parallel.layout import ParallelLayout
-from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
-from kvsim.sim.perf.device import load_device
+from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory, rank_graph_capture
+from kvsim.sim.perf.device import engine_as_run, load_device
+from kvsim.sim.perf.graph_memory import GraphCapture
 from kvsim.sim.perf.memory import (
     DEFAULT_MEMORY_UTILIZATION,
     MemoryPlan,
@@ -48,6 +49,8 @@ from kvsim.sim.run.outputs import model_fact_lines
               help="Replicas, each with its own KV pool.")
 @click.option("--enable-expert-parallel/--no-enable-expert-parallel", "ep", default=False, show_default=True,
               help="Spread the routed experts over TP x DP devices.")
+@click.option("--enforce-eager/--no-enforce-eager", default=None,
+              help="vLLM's switch: no captured graphs, so no graph-capture memory. [default: the device's]")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def memory(
     model_name: str,
@@ -64,17 +67,19 @@ def memory(
     pp: int,
     dp: int,
     ep: bool,
+    enforce_eager: bool | None,
     as_json: bool,
 ) -> None:
     """HBM breakdown (weights, activations, reserve, KV pool) and KV block count, sized as vLLM sizes it.
 
     Under a parallel layout every figure is one rank's (each rank sizes its own pool, as vLLM's
-    workers do). Exits with status 1 when the model does not fit or the pool cannot hold one
-    max-length sequence.
+    workers do). The graph capture is reported beside the budget: vLLM before v0.21 captures after
+    sizing the pool, from the headroom the utilisation leaves. Exits with status 1 when the model does
+    not fit or the pool cannot hold one max-length sequence.
     """
     try:
         model = load_model(model_name, quantization=quantization)
-        device = load_device(device_name, search_dirs=[Path.cwd()])
+        device = engine_as_run(load_device(device_name, search_dirs=[Path.cwd()]), enforce_eager)
         default_tokens, default_seqs = scheduler_defaults(device)
         layout = ParallelLayout(tp, pp, dp, ep)
         plan = plan_rank_memory(
@@ -88,19 +93,24 @@ def memory(
             max_num_seqs=max_num_seqs or default_seqs,
             max_model_len=max_model_len,
         )
+        capture = rank_graph_capture(device, model, layout, plan.max_num_seqs)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     seq_len = seq_len or plan.max_model_len
     buffers = buffer_bytes(device, layout)
+    graphs = graph_lines(plan, capture, device.name, device.engine is not None and device.engine.mode == "graph")
     if as_json:
         parallel = {} if layout.is_single_device else {
             "layout": layout.describe(), "world_size": layout.world_size, "per_rank": True,
             "communication_buffer_bytes": buffers, "blocks_per_rank": plan.num_blocks,
             "kv_blocks_of_the_instance": plan.num_blocks * dp}
         click.echo(json.dumps({**plan.to_dict(), "seq_len": seq_len, "max_sequences": plan.max_sequences(seq_len),
+                               "graph_capture": capture.to_dict() if capture else None,
                                "model_facts": model.facts(), **({"parallel": parallel} if parallel else {})}, indent=2))
     else:
         click.echo(format_plan(plan, seq_len, buffers))
+        if graphs:
+            click.echo("\n".join(graphs))
         if not layout.is_single_device:
             click.echo(f"{layout.describe()}: every figure above is one rank's; the instance holds "
                        f"{plan.num_blocks * dp} blocks ({dp} data-parallel pool{'s' if dp > 1 else ''})")
@@ -140,6 +150,21 @@ def format_plan(plan: MemoryPlan, seq_len: int, buffer_bytes: int = 0) -> str:
         f"{f'sequences of {seq_len}':<22}{plan.max_sequences(seq_len):>10d}",
     ]
     return "\n".join(lines)
+
+
+def graph_lines(plan: MemoryPlan, capture: GraphCapture | None, device: str, graph_mode: bool) -> list[str]:
+    """The graph capture beside the budget, and a warning where the headroom cannot hold it."""
+    if capture is None:
+        return [f"{'graph capture':<22}{'unknown':>14}  no measured capture on {device}'s platform"] if graph_mode else []
+    headroom = plan.total_bytes - plan.budget_bytes
+    note = (f"{capture.piecewise_graphs} piecewise + {capture.full_graphs} full graphs of {capture.layers} layers; "
+            f"outside the budget, in the {_size(headroom).strip()} headroom")
+    lines = [f"{'graph capture':<22}{_size(capture.total_bytes)}  {note}"]
+    if capture.total_bytes > headroom:
+        lines.append(f"warning: the graph capture needs {_size(capture.total_bytes).strip()} where {1 - plan.memory_utilization:.2g} "
+                     f"of the device leaves {_size(headroom).strip()}: vLLM before v0.21 runs out of memory capturing; "
+                     f"lower --gpu-memory-utilization or run --enforce-eager")
+    return lines
 
 
 def _size(num_bytes: int) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from kvsim.sim.parallel.layout import ParallelLayout, rank_model
 from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS, moe_comm_method
 from kvsim.sim.perf.device import DeviceProfile
+from kvsim.sim.perf.graph_memory import GraphCapture, graph_capture
 from kvsim.sim.perf.memory import DEFAULT_MAX_NUM_BATCHED_TOKENS, MemoryPlan, plan_memory
 from kvsim.sim.perf.model_spec import ModelSpec
 
@@ -51,3 +52,13 @@ def plan_rank_memory(model: ModelSpec, device: DeviceProfile, layout: ParallelLa
     tokens = sizing.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
     moe_tokens = gathered_moe_tokens(model, device, layout, tokens, all2all_backend)
     return plan_memory(rank_model(model, layout), device, reserve_bytes=reserve, moe_tokens=moe_tokens, **sizing)
+
+
+def rank_graph_capture(device: DeviceProfile, model: ModelSpec, layout: ParallelLayout, max_num_seqs: int) -> GraphCapture | None:
+    """One rank's graph capture on ``device`` as its engine runs (the sizes a run of ``max_num_seqs`` keeps:
+    sim/perf/engine_overhead.py); None where nothing is captured (eager) or the device has no ``[graph_memory]``."""
+    engine = device.engine
+    if device.graph_memory is None or engine is None or engine.mode != "graph":
+        return None
+    run = engine.for_run(max_num_seqs, model.num_layers, layout.tensor_parallel_size, layout.data_parallel_size)
+    return graph_capture(device.graph_memory, rank_model(model, layout), run.capture_sizes, max_num_seqs)

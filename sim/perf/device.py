@@ -65,6 +65,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from kvsim.sim.perf.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
+from kvsim.sim.perf.graph_memory import GraphMemory, graph_memory_toml_lines, parse_graph_memory
 from kvsim.sim.perf.topology import Topology, parse_topology, topology_toml_lines
 from kvsim.sim.toml_io import load_toml, toml_value
 
@@ -220,6 +221,8 @@ class DeviceProfile:
     engine: EngineProfile | None = None
     # How devices are wired inside and between nodes (sim/perf/topology.py); None: a single device.
     topology: Topology | None = None
+    # What a graph capture takes (sim/perf/graph_memory.py); None: no figure for this platform.
+    graph_memory: GraphMemory | None = None
     # The KV tiers' figures (host DRAM per device, the host link's latency, the SSD's bandwidth and
     # latency); 0: not stated, and a run that needs one says so.
     host_memory_bytes: int = 0
@@ -339,6 +342,8 @@ def save_device(profile: DeviceProfile, path: str | Path) -> Path:
         lines += ["", *engine_toml_lines(profile.engine)]
     if profile.topology is not None:
         lines += ["", *topology_toml_lines(profile.topology)]
+    if profile.graph_memory is not None:
+        lines += ["", *graph_memory_toml_lines(profile.graph_memory)]
     if profile.row_count_s:
         lines += ["", "[row_count_s]"]
         lines += [f'"{rows}" = {toml_value(seconds)}' for rows, seconds in sorted(profile.row_count_s.items())]
@@ -458,6 +463,8 @@ def _parse(data: dict, path: Path) -> DeviceProfile:
         values["engine"] = parse_engine(_table(data, "engine", path), path)
     if "topology" in data:
         values["topology"] = parse_topology(_table(data, "topology", path), path)
+    if "graph_memory" in data:
+        values["graph_memory"] = parse_graph_memory(_table(data, "graph_memory", path), path)
     if "row_count_s" in data:
         values["row_count_s"] = _row_counts(_table(data, "row_count_s", path), path)
     if "reference_steps_s" in data:

@@ -60,7 +60,7 @@ import numpy as np
 
 from kvsim.policies.registry import SCHEDULERS
 from kvsim.sim.parallel.layout import ParallelLayout
-from kvsim.sim.parallel.memory import plan_rank_memory
+from kvsim.sim.parallel.memory import plan_rank_memory, rank_graph_capture
 from kvsim.sim.perf.device import (
     ENGINE_CORES,
     SHAPE_KEYS,
@@ -69,6 +69,7 @@ from kvsim.sim.perf.device import (
     engine_as_run,
     load_device,
 )
+from kvsim.sim.perf.graph_memory import GraphMemory
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
 from kvsim.sim.run.clients import bench_metric, bench_run
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
@@ -92,8 +93,9 @@ SPLITS = ("fit", "check")
 WORKLOADS = ("batch", "burst", "poisson", "concurrency", "memory")
 METRICS = (
     "ttft_mean", "ttft_median", "ttft_p99", "tpot_mean", "tpot_median", "itl_median", "e2e_mean", "batch_latency",
-    "output_throughput", "total_throughput", "request_throughput", "num_blocks",
+    "output_throughput", "total_throughput", "request_throughput", "num_blocks", "graph_gib",
 )  # fmt: skip
+MEMORY_METRICS = ("num_blocks", "graph_gib")  # a memory row's: the KV pool's blocks, or what the graph capture took
 # Parameters a fit row may solve, and the range searched (log-spaced bisection).
 PARAMETERS: dict[str, tuple[float, float]] = {
     "engine.dispatch_s": (1e-7, 1e-3),
@@ -112,6 +114,10 @@ PARAMETERS: dict[str, tuple[float, float]] = {
     "engine.v0_seq_s": (1e-7, 1e-2),
     "engine.stream_s": (1e-7, 1e-2),
     "operators.moe.group_flops": (1e6, 1e12),
+    "graph_memory.pool_bytes": (1e6, 1e10),
+    "graph_memory.layer_bytes": (1e3, 1e8),
+    "graph_memory.moe_layer_bytes": (1e3, 1e8),
+    "graph_memory.split_accumulators": (0.5, 256.0),
 }
 # Parameters that refine another where a device sets them (without one, the cost model runs on the other):
 # a refinement left out of a fit is left unset, so its value is the other's, not its range's log-centre.
@@ -298,8 +304,8 @@ def _check_row(row: Row, sources: dict[str, Source], path: Path, where: str) -> 
         problems.append("poisson rows need rate > 0")
     if row.workload == "concurrency" and row.concurrency < 1:
         problems.append("concurrency rows need concurrency >= 1")
-    if row.workload == "memory" and not (row.metric == "num_blocks" and row.total_gib > 0):
-        problems.append("memory rows give metric num_blocks and total_gib")
+    if row.workload == "memory" and not (row.metric in MEMORY_METRICS and row.total_gib > 0):
+        problems.append(f"memory rows give total_gib and a metric of {', '.join(MEMORY_METRICS)}")
     if row.workload != "memory" and row.num_prompts < 1:
         problems.append("serving rows need num_prompts >= 1")
     if row.workload != "memory" and not ((row.input_len > 0 and row.output_len > 0) or (row.input_total > 0 and row.output_total > 0)):
@@ -321,6 +327,9 @@ def set_parameter(device: DeviceProfile, name: str, value: float) -> DeviceProfi
         if device.engine is None:
             raise ValueError(f"device {device.name} has no [engine] table to fit {name}")
         return replace(device, engine=replace(device.engine, **{rest[0]: value}))
+    if kind == "graph_memory":
+        coefficients = device.graph_memory or GraphMemory(pool_bytes=0.0, layer_bytes=0.0)
+        return replace(device, graph_memory=replace(coefficients, **{rest[0]: value}))
     op, key = rest
     current = device.operators[op]
     if key in ("step_s", "seq_s", "token_s", "launch_s", "block_s"):
@@ -336,6 +345,8 @@ def get_parameter(device: DeviceProfile, name: str) -> float:
     kind, *rest = name.split(".")
     if kind == "engine":
         return float(getattr(device.engine, rest[0]))
+    if kind == "graph_memory":
+        return float(getattr(device.graph_memory, rest[0])) if device.graph_memory else 0.0
     op, key = rest
     coeffs: OperatorCoefficients = device.operators[op]
     if key in ("step_s", "seq_s", "token_s", "launch_s", "block_s"):
@@ -458,7 +469,7 @@ def predict_row(row: Row, device: DeviceProfile, lengths: str = "auto") -> float
     where a ShareGPT row's lengths come from (:data:`LENGTH_SOURCES`)."""
     device = row_device(row, device)
     if row.workload == "memory":
-        return float(_memory_blocks(row, device))
+        return _graph_gib(row, device) if row.metric == "graph_gib" else float(_memory_blocks(row, device))
     resolved = _resolved(row, device)
     trace = row_trace(row, lengths)
     # offline tests (batch) send straight into the engine; served rows pass the API server
@@ -523,6 +534,13 @@ def _memory_blocks(row: Row, device: DeviceProfile) -> int:
         max_model_len=row.max_model_len or None,
     )  # fmt: skip
     return plan.num_blocks
+
+
+def _graph_gib(row: Row, device: DeviceProfile) -> float:
+    """GiB one rank's graph capture takes (sim/perf/graph_memory.py); 0 where the device has no figure."""
+    model = load_model(row.model, quantization=row.quantization or None)
+    capture = rank_graph_capture(device, model, row.layout, row.max_num_seqs)
+    return capture.total_bytes / 2**30 if capture else 0.0
 
 
 # --- fit and table ---------------------------------------------------------------------------
