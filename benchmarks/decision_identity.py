@@ -41,7 +41,8 @@ ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_p
                      "pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False,
                      "enable_dbo": False, "dbo_decode_token_threshold": 32, "dbo_prefill_token_threshold": 512,
                      "all2all_backend": "allgather_reducescatter",
-                     "enforce_eager": None, "async_scheduling": None, "engine_core": "v1", "api_server": False,
+                     "enforce_eager": None, "async_scheduling": None, "engine_core": "v1", "estimate_cudagraph_memory": False,
+                     "api_server": False,
                      "max_concurrency": 0, "instances": 1,
                      "router": "round-robin", "router_params": {}, "router_staleness_s": 0.0, "autoscaler": "",
                      "autoscaler_params": {}, "kv_offload_host_gb": 0.0, "kv_offload_ssd_gb": 0.0,
@@ -49,7 +50,7 @@ ADDED_CONFIG_KEYS = {"quantization": None, "expert_routing_skew": 0.0, "tensor_p
                      "decode_router_params": {}, "decode_tensor_parallel_size": 0, "kv_connector": "after-prefill",
                      "kv_link": "auto", "cluster_workers": 0, "cluster_backend": "processes", "kv_store_gb": 0.0}
 # Memory-plan fields added since, with the value a single-device run writes (the same rule as above).
-ADDED_MEMORY_KEYS = {"moe_tokens": None}
+ADDED_MEMORY_KEYS = {"moe_tokens": None, "graph_bytes": 0}
 
 
 def workloads() -> dict[str, list[str]]:

@@ -14,6 +14,7 @@ from kvsim.sim.parallel.memory import rank_graph_capture
 from kvsim.sim.perf.device import engine_as_run, load_device, save_device
 from kvsim.sim.perf.graph_memory import GraphMemory, graph_capture
 from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.run.config import RunConfig, resolve
 
 H100 = load_device("h100-sxm")
 SIZES = H100.engine.capture_sizes  # vLLM's 51 default sizes up to 512
@@ -97,3 +98,26 @@ def test_kvsim_memory_warns_when_the_headroom_cannot_hold_the_capture() -> None:
 def test_a_device_without_a_figure_says_so() -> None:
     result = CliRunner().invoke(main, ["memory", "--model", "qwen2.5-7b", "--device", "ascend-910b3"])
     assert "graph capture" in result.output and "no measured capture" in result.output
+
+
+def test_from_v021_the_capture_comes_off_the_budget_before_the_pool() -> None:
+    before = json.loads(CliRunner().invoke(main, [*MEMORY, "--json"]).output)
+    after = json.loads(CliRunner().invoke(main, [*MEMORY, "--json", "--estimate-cudagraph-memory"]).output)
+    capture = after["graph_capture"]["total_bytes"]
+    assert before["graph_bytes"] == 0 and after["graph_bytes"] == capture
+    assert after["kv_available_bytes"] == before["kv_available_bytes"] - capture
+    assert after["num_blocks"] == after["kv_available_bytes"] // after["bytes_per_block"] < before["num_blocks"]
+    text = CliRunner().invoke(main, [*MEMORY, "--estimate-cudagraph-memory"]).output
+    assert "  graph capture" in text and "taken off the budget first (vLLM v0.21+)" in text and "headroom" not in text
+
+
+def test_the_switch_reaches_a_simulated_run_and_is_refused_where_no_figure_exists(tmp_path: Path) -> None:
+    base = RunConfig(trace="demo", model="llama-3.1-8b", device="h100-sxm", max_model_len=8192)
+    plain, budgeted = resolve(base).memory, resolve(RunConfig(**{**base.to_dict(), "estimate_cudagraph_memory": True})).memory
+    assert budgeted.graph_bytes > 0 and budgeted.num_blocks < plain.num_blocks and plain.graph_bytes == 0
+    eager = resolve(RunConfig(**{**base.to_dict(), "estimate_cudagraph_memory": True, "enforce_eager": True})).memory
+    assert eager.graph_bytes == 0 and eager.num_blocks == plain.num_blocks  # vLLM captures nothing eagerly
+    result = CliRunner().invoke(main, ["simulate", "--trace", "demo", "--model", "qwen2.5-7b", "--device", "ascend-910b3",
+                                       "--estimate-cudagraph-memory", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "no [graph_memory] figure" in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -10,7 +10,7 @@ import click
 from kvsim.cli.aliases import AliasedOption
 from kvsim.cli.errors import UserError
 from kvsim.sim.parallel.layout import ParallelLayout
-from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory, rank_graph_capture
+from kvsim.sim.parallel.memory import budgeted_graph_bytes, buffer_bytes, plan_rank_memory, rank_graph_capture
 from kvsim.sim.perf.device import engine_as_run, load_device
 from kvsim.sim.perf.graph_memory import GraphCapture
 from kvsim.sim.perf.memory import (
@@ -51,6 +51,9 @@ from kvsim.sim.run.outputs import model_fact_lines
               help="Spread the routed experts over TP x DP devices.")
 @click.option("--enforce-eager/--no-enforce-eager", default=None,
               help="vLLM's switch: no captured graphs, so no graph-capture memory. [default: the device's]")
+@click.option("--estimate-cudagraph-memory/--no-estimate-cudagraph-memory", default=False, show_default=True,
+              help="vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default from v0.21: the graph capture comes "
+                   "off the KV budget before the pool is sized (off: captured in the headroom, as up to v0.20).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def memory(
     model_name: str,
@@ -68,6 +71,7 @@ def memory(
     dp: int,
     ep: bool,
     enforce_eager: bool | None,
+    estimate_cudagraph_memory: bool,
     as_json: bool,
 ) -> None:
     """HBM breakdown (weights, activations, reserve, KV pool) and KV block count, sized as vLLM sizes it.
@@ -82,6 +86,8 @@ def memory(
         device = engine_as_run(load_device(device_name, search_dirs=[Path.cwd()]), enforce_eager)
         default_tokens, default_seqs = scheduler_defaults(device)
         layout = ParallelLayout(tp, pp, dp, ep)
+        seqs = max_num_seqs or default_seqs
+        graph_bytes = budgeted_graph_bytes(device, model, layout, seqs) if estimate_cudagraph_memory else 0
         plan = plan_rank_memory(
             model,
             device,
@@ -90,8 +96,9 @@ def memory(
             block_size=block_size or block_size_default(device, model),
             memory_utilization=memory_utilization,
             max_num_batched_tokens=max_num_batched_tokens or default_tokens,
-            max_num_seqs=max_num_seqs or default_seqs,
+            max_num_seqs=seqs,
             max_model_len=max_model_len,
+            graph_bytes=graph_bytes,
         )
         capture = rank_graph_capture(device, model, layout, plan.max_num_seqs)
     except ValueError as exc:
@@ -137,6 +144,8 @@ def format_plan(plan: MemoryPlan, seq_len: int, buffer_bytes: int = 0) -> str:
     ]
     if buffer_bytes:
         rows.insert(5, ("  collective buffers", buffer_bytes, "one per communication group (HCCL_BUFFSIZE; NCCL and custom all-reduce)"))
+    if plan.graph_bytes:
+        rows.insert(-2, ("  graph capture", plan.graph_bytes, "estimated and taken off the budget first (vLLM v0.21+)"))
     if plan.kv_scale_bytes:
         rows.insert(-1, ("  KV scales", plan.kv_scale_bytes, "static per-channel (C8), once for all blocks"))
     lines = [
@@ -156,6 +165,8 @@ def graph_lines(plan: MemoryPlan, capture: GraphCapture | None, device: str, gra
     """The graph capture beside the budget, and a warning where the headroom cannot hold it."""
     if capture is None:
         return [f"{'graph capture':<22}{'unknown':>14}  no measured capture on {device}'s platform"] if graph_mode else []
+    if plan.graph_bytes:  # already a row of the budget
+        return []
     headroom = plan.total_bytes - plan.budget_bytes
     note = (f"{capture.piecewise_graphs} piecewise + {capture.full_graphs} full graphs of {capture.layers} layers; "
             f"outside the budget, in the {_size(headroom).strip()} headroom")

@@ -62,3 +62,17 @@ def rank_graph_capture(device: DeviceProfile, model: ModelSpec, layout: Parallel
         return None
     run = engine.for_run(max_num_seqs, model.num_layers, layout.tensor_parallel_size, layout.data_parallel_size)
     return graph_capture(device.graph_memory, rank_model(model, layout), run.capture_sizes, max_num_seqs)
+
+
+def budgeted_graph_bytes(device: DeviceProfile, model: ModelSpec, layout: ParallelLayout, max_num_seqs: int) -> int:
+    """The graph capture vLLM takes off the KV budget from v0.21 (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``):
+    one rank's, as :func:`rank_graph_capture` prices it; 0 for an eager engine. A device that captures graphs
+    but has no ``[graph_memory]`` figure is an error: kvsim would otherwise leave the pool as large as before."""
+    engine = device.engine
+    if engine is None or engine.mode != "graph":
+        return 0
+    capture = rank_graph_capture(device, model, layout, max_num_seqs)
+    if capture is None:
+        raise ValueError(f"estimate_cudagraph_memory: device {device.name} has no [graph_memory] figure to take off the "
+                         f"KV budget (no measured capture of its platform); run without it or with --enforce-eager")
+    return capture.total_bytes

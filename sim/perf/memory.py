@@ -109,13 +109,14 @@ class MemoryPlan:
     weight_bytes: int
     activation_bytes: int  # peak workspace of the largest step (module docstring)
     reserve_bytes: int  # runtime memory outside the framework's allocator
-    kv_available_bytes: int  # budget - weights - activations - reserve - int8 scales; negative when over
+    kv_available_bytes: int  # budget - weights - activations - reserve - int8 scales - graph_bytes; negative when over
     kv_bytes_per_token: int  # all layers, K and V
     bytes_per_block: int
     num_blocks: int
     problem: str | None  # why this cannot serve a max_model_len request; None when it can
     kv_scale_bytes: int = 0  # int8 KV's static per-channel scales, allocated once beside the pool
     moe_tokens: int | None = None  # tokens the MoE layers gathered in the profile's step (None: the step's own)
+    graph_bytes: int = 0  # a graph capture taken off the budget first, as vLLM does from v0.21 (sim/perf/graph_memory.py)
 
     @property
     def fits(self) -> bool:
@@ -189,12 +190,15 @@ def plan_memory(
     max_model_len: int | None = None,
     reserve_bytes: int | None = None,
     moe_tokens: int | None = None,
+    graph_bytes: int = 0,
 ) -> MemoryPlan:
     """Size the KV pool as an engine does at start-up. A model that does not fit is a plan with
     ``problem`` set and no blocks, not an exception (``require_fit`` raises for callers that need blocks).
 
     ``reserve_bytes`` defaults to the device's ``runtime_reserve_bytes``; ``moe_tokens`` is what an
-    MoE layer works on when it differs from ``max_num_batched_tokens`` (activation_workspace_bytes).
+    MoE layer works on when it differs from ``max_num_batched_tokens`` (activation_workspace_bytes);
+    ``graph_bytes`` is a graph capture's estimate that comes off the budget before the pool (vLLM from
+    v0.21; before, the capture goes in the headroom and this is 0).
     """
     kv_dtype = kv_dtype or model.kv_dtype
     max_model_len = model.max_position if max_model_len is None else max_model_len
@@ -208,7 +212,7 @@ def plan_memory(
     chunk = device.engine.moe_chunk_tokens if device.engine is not None else 0
     activations = activation_workspace_bytes(model, max_num_batched_tokens, max_num_seqs, moe_tokens, chunk)
     scales = model.kv_scale_bytes(kv_dtype)
-    available = budget - weights - activations - reserve - scales
+    available = budget - weights - activations - reserve - scales - graph_bytes
     per_block = model.bytes_per_block(block_size, kv_dtype)
     num_blocks = max(available, 0) // per_block
 
@@ -217,7 +221,8 @@ def plan_memory(
     if available <= 0:
         problem = (
             f"{model.name} does not fit on {device.name}: weights {weights / gib:.2f} GiB + activations "
-            f"{activations / gib:.2f} GiB + reserve {reserve / gib:.2f} GiB exceed the budget {budget / gib:.2f} GiB "
+            f"{activations / gib:.2f} GiB + reserve {reserve / gib:.2f} GiB"
+            f"{f' + graph capture {graph_bytes / gib:.2f} GiB' if graph_bytes else ''} exceed the budget {budget / gib:.2f} GiB "
             f"({memory_utilization:g} of {device.hbm_bytes / gib:.2f} GiB); {_fit_hint(model, weights, budget)}"
         )
     elif num_blocks * block_size < max_model_len:
@@ -247,6 +252,7 @@ def plan_memory(
         problem=problem,
         kv_scale_bytes=scales,
         moe_tokens=moe_tokens,
+        graph_bytes=graph_bytes,
     )
 
 

@@ -26,7 +26,7 @@ from kvsim.policies.hashing import check_block_size_compatible
 from kvsim.policies.kv_store import StoreSpec
 from kvsim.policies.kv_tiers import TierConfig, TierSpec
 from kvsim.sim.parallel.layout import ParallelLayout
-from kvsim.sim.parallel.memory import buffer_bytes, plan_rank_memory
+from kvsim.sim.parallel.memory import budgeted_graph_bytes, buffer_bytes, plan_rank_memory
 from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS, DualBatchOverlap, ParallelCostModel
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import ENGINE_CORES, DeviceProfile, engine_as_run, load_device
@@ -68,6 +68,9 @@ class RunConfig:
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
     engine_core: str = "v1"
+    # vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS (on by default from v0.21): the graph capture's memory
+    # comes off the KV budget before the pool is sized (sim/parallel/memory.py budgeted_graph_bytes)
+    estimate_cudagraph_memory: bool = False
     # The benchmark client in front (sim/run/clients.py, as vLLM bench serve runs): latencies through the
     # device's API server (its [engine] admit_s, request_s, stream_s), and at most max_concurrency requests
     # in flight (0: each sent at its arrival)
@@ -406,6 +409,7 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
+        graph_bytes=budgeted_graph_bytes(device, model, layout, config.max_num_seqs) if config.estimate_cudagraph_memory else 0,
     )
     dp = layout.data_parallel_size
     num_blocks = config.num_blocks or memory.require_fit().num_blocks * dp
