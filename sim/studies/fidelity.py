@@ -124,7 +124,8 @@ PARAMETERS: dict[str, tuple[float, float]] = {
 REFINES = {"operators.moe.w8a8_compute_efficiency": "operators.moe.compute_efficiency"}
 # Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
 # row is still reported as a fit row, never as accuracy.
-HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS"}
+HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS",
+               "memory.nccl_pipeline_buffers": "kvsim.sim.parallel.memory.NCCL_PIPELINE_BUFFERS"}
 LENGTH_SOURCES = ("auto", "sharegpt", "sharegpt-scaled", "lognormal")  # how ShareGPT rows get their lengths (module docstring)
 # The tokenizer vLLM's benchmark counted a model's ShareGPT lengths with (traces/tokenizers.py).
 SHAREGPT_TOKENIZERS = {"qwen2.5-7b": "qwen2.5", "qwen3-8b": "qwen3", "qwen3-14b": "qwen3", "qwen3-32b": "qwen3",
