@@ -14,6 +14,7 @@ from kvsim.sim.parallel.memory import rank_graph_capture
 from kvsim.sim.perf.device import engine_as_run, load_device, save_device
 from kvsim.sim.perf.graph_memory import GraphMemory, graph_capture
 from kvsim.sim.perf.model_spec import load_model
+from kvsim.sim.perf.vllm_release import estimates_graph_memory, parse_version, sampler_logit_bytes
 from kvsim.sim.run.config import RunConfig, resolve
 
 H100 = load_device("h100-sxm")
@@ -121,3 +122,36 @@ def test_the_switch_reaches_a_simulated_run_and_is_refused_where_no_figure_exist
                                        "--estimate-cudagraph-memory", "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "no [graph_memory] figure" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_release_sets_the_samplers_peak_and_from_021_the_graph_estimate() -> None:
+    assert parse_version("0.19.0") == (0, 19) and parse_version("v0.11") == (0, 11) and parse_version("0.21.0rc1") == (0, 21)
+    with pytest.raises(ValueError, match="vllm_version must be a vLLM release"):
+        parse_version("latest")
+    assert sampler_logit_bytes("") == 8.0 and sampler_logit_bytes("0.16.0") == 38.4 and sampler_logit_bytes("0.17.0") == 14.9
+    assert not estimates_graph_memory("0.20.1") and estimates_graph_memory("0.21.0") and not estimates_graph_memory("")
+    qwen = ["memory", "--model", "qwen2.5-7b", "--device", "h100-sxm", "--max-model-len", "8192", "--json"]
+    plans = {v: json.loads(CliRunner().invoke(main, [*qwen, "--vllm-version", v]).output) for v in ("0.11.0", "0.19.0", "0.21.0")}
+    default = json.loads(CliRunner().invoke(main, qwen).output)
+    # 1,024 sampled rows of Qwen's 152,064-entry vocabulary at 38.4 and 14.9 bytes, and kvsim's own 8 where no
+    # release is named (the bundled H100's case); the final hidden states on top
+    hidden = 2 * 8192 * 3584
+    assert default["activation_bytes"] == hidden + 8 * 1024 * 152064
+    assert plans["0.11.0"]["activation_bytes"] == hidden + round(38.4 * 1024 * 152064)
+    assert plans["0.19.0"]["activation_bytes"] == hidden + round(14.9 * 1024 * 152064)
+    assert plans["0.19.0"]["graph_bytes"] == 0 and plans["0.21.0"]["graph_bytes"] == plans["0.21.0"]["graph_capture"]["total_bytes"]
+    off = json.loads(CliRunner().invoke(main, [*qwen, "--vllm-version", "0.21.0", "--no-estimate-cudagraph-memory"]).output)
+    assert off["graph_bytes"] == 0 and off["num_blocks"] == plans["0.19.0"]["num_blocks"]
+
+
+def test_a_release_is_refused_off_cuda_and_a_bad_one_in_a_device_file_is_named(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["memory", "--model", "qwen2.5-7b", "--device", "ascend-910b3", "--vllm-version", "0.19.0"])
+    assert result.exit_code == 2 and "release rules are vLLM's on CUDA devices" in result.output
+    path = tmp_path / "mine.toml"
+    path.write_text('base = "h100-sxm"\nname = "mine"\n\n[engine]\nvllm_version = "next"\n')
+    bad = CliRunner().invoke(main, ["memory", "--model", "qwen2.5-7b", "--device", str(path)])
+    assert bad.exit_code == 2 and "mine.toml" in bad.output and "engine.vllm_version must be a vLLM release" in bad.output
+    named = tmp_path / "v19.toml"
+    named.write_text('base = "h100-sxm"\nname = "v19"\n\n[engine]\nvllm_version = "0.19.0"\n')
+    assert load_device(named).engine.vllm_version == "0.19.0"
+    assert load_device(save_device(load_device(named), tmp_path / "again.toml")).engine.vllm_version == "0.19.0"

@@ -20,6 +20,7 @@ from kvsim.sim.perf.memory import (
     scheduler_defaults,
 )
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
+from kvsim.sim.perf.vllm_release import with_vllm_version
 from kvsim.sim.run.outputs import model_fact_lines
 
 
@@ -51,9 +52,12 @@ from kvsim.sim.run.outputs import model_fact_lines
               help="Spread the routed experts over TP x DP devices.")
 @click.option("--enforce-eager/--no-enforce-eager", default=None,
               help="vLLM's switch: no captured graphs, so no graph-capture memory. [default: the device's]")
-@click.option("--estimate-cudagraph-memory/--no-estimate-cudagraph-memory", default=False, show_default=True,
-              help="vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default from v0.21: the graph capture comes "
-                   "off the KV budget before the pool is sized (off: captured in the headroom, as up to v0.20).")
+@click.option("--vllm-version", help="The vLLM release whose KV-pool sizing a GPU follows: its profile run's sampler peak "
+                                     "(changed in 0.17) and, from 0.21, the graph capture taken off the budget. "
+                                     "[default: the device's; none named: kvsim's own count]")
+@click.option("--estimate-cudagraph-memory/--no-estimate-cudagraph-memory", default=None,
+              help="vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: the graph capture comes off the KV budget before "
+                   "the pool is sized (off: captured in the headroom). [default: the release's, on from 0.21]")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def memory(
     model_name: str,
@@ -71,7 +75,8 @@ def memory(
     dp: int,
     ep: bool,
     enforce_eager: bool | None,
-    estimate_cudagraph_memory: bool,
+    vllm_version: str | None,
+    estimate_cudagraph_memory: bool | None,
     as_json: bool,
 ) -> None:
     """HBM breakdown (weights, activations, reserve, KV pool) and KV block count, sized as vLLM sizes it.
@@ -83,11 +88,11 @@ def memory(
     """
     try:
         model = load_model(model_name, quantization=quantization)
-        device = engine_as_run(load_device(device_name, search_dirs=[Path.cwd()]), enforce_eager)
+        device = with_vllm_version(engine_as_run(load_device(device_name, search_dirs=[Path.cwd()]), enforce_eager), vllm_version)
         default_tokens, default_seqs = scheduler_defaults(device)
         layout = ParallelLayout(tp, pp, dp, ep)
         seqs = max_num_seqs or default_seqs
-        graph_bytes = budgeted_graph_bytes(device, model, layout, seqs) if estimate_cudagraph_memory else 0
+        graph_bytes = budgeted_graph_bytes(device, model, layout, seqs, estimate_cudagraph_memory)
         plan = plan_rank_memory(
             model,
             device,

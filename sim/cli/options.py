@@ -66,10 +66,12 @@ RUN_OPTIONS: list[tuple[tuple[str, ...], str, dict]] = [
     ((_switch("enforce-eager"),), "enforce_eager",
      {"help": "vLLM's switch: every step dispatched kernel by kernel, no captured graphs (simulate: the device's "
               "engine runs eagerly; execute / validate: the executor captures none). [default: the device's]"}),
+    (("--vllm-version",), "vllm_version",
+     {"help": "The vLLM release whose KV-pool sizing a GPU follows: its profile run's sampler peak (changed in 0.17) "
+              "and, from 0.21, the graph capture taken off the budget. [default: the device's; none named: kvsim's own count]"}),
     ((_switch("estimate-cudagraph-memory"),), "estimate_cudagraph_memory",
-     {"help": "vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default from v0.21: the graph capture's memory "
-              "(the device's [graph_memory]) comes off the KV budget before the pool is sized. [default: off, as up "
-              "to v0.20]"}),
+     {"help": "vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: the graph capture's memory (the device's "
+              "[graph_memory]) comes off the KV budget before the pool is sized. [default: the release's, on from 0.21]"}),
     ((_switch("async-scheduling"),), "async_scheduling",
      {"help": "vLLM's switch: the next step is scheduled while the device runs this one (simulated only). "
               "[default: the device's]"}),

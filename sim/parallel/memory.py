@@ -17,6 +17,7 @@ from kvsim.sim.perf.device import DeviceProfile
 from kvsim.sim.perf.graph_memory import GraphCapture, graph_capture
 from kvsim.sim.perf.memory import DEFAULT_MAX_NUM_BATCHED_TOKENS, MemoryPlan, plan_memory
 from kvsim.sim.perf.model_spec import ModelSpec
+from kvsim.sim.perf.vllm_release import device_vllm_version, estimates_graph_memory
 
 
 def communication_groups(layout: ParallelLayout) -> int:
@@ -75,12 +76,16 @@ def rank_graph_capture(device: DeviceProfile, model: ModelSpec, layout: Parallel
     return graph_capture(device.graph_memory, rank_model(model, layout), run.capture_sizes, max_num_seqs)
 
 
-def budgeted_graph_bytes(device: DeviceProfile, model: ModelSpec, layout: ParallelLayout, max_num_seqs: int) -> int:
-    """The graph capture vLLM takes off the KV budget from v0.21 (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``):
-    one rank's, as :func:`rank_graph_capture` prices it; 0 for an eager engine. A device that captures graphs
-    but has no ``[graph_memory]`` figure is an error: kvsim would otherwise leave the pool as large as before."""
+def budgeted_graph_bytes(device: DeviceProfile, model: ModelSpec, layout: ParallelLayout, max_num_seqs: int,
+                         estimate: bool | None = None) -> int:
+    """The graph capture vLLM takes off the KV budget (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``; ``estimate``
+    None: the device engine's release decides, on from v0.21): one rank's, as :func:`rank_graph_capture` prices
+    it; 0 when not estimated or for an eager engine. A device that captures graphs but has no ``[graph_memory]``
+    figure is an error when asked: kvsim would otherwise leave the pool as large as before."""
     engine = device.engine
-    if engine is None or engine.mode != "graph":
+    if estimate is None:
+        estimate = estimates_graph_memory(device_vllm_version(device))
+    if not estimate or engine is None or engine.mode != "graph":
         return 0
     capture = rank_graph_capture(device, model, layout, max_num_seqs)
     if capture is None:

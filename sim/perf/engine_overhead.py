@@ -56,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsim.sim.perf.vllm_release import parse_version
 from kvsim.sim.toml_io import toml_value
 
 Num = float | np.ndarray
@@ -81,6 +82,7 @@ class EngineProfile:
     graph_sizes_per_seq: int = 0  # sizes kept up to this many tokens per max_num_seqs (vLLM's 2; 0: every size)
     graph_stream_budget: int = 0  # ACL graph: device streams the captured graphs may hold (0: no budget, as CUDA graphs)
     moe_chunk_tokens: int = 0  # tokens a fused-MoE call works on at once (vLLM's VLLM_FUSED_MOE_CHUNK_SIZE; 0: all)
+    vllm_version: str = ""  # the vLLM release whose KV-pool sizing rules apply (sim/perf/vllm_release.py; "": none named)
     source: str = ""
     capped_from: int = 0  # capture sizes before a run's settings cut them (0: not cut; :meth:`for_run`)
 
@@ -160,7 +162,7 @@ class EngineProfile:
 def parse_engine(table: dict, path: Path) -> EngineProfile:
     """An ``[engine]`` table of a device TOML; errors name the file and field."""
     allowed = {"mode", "dispatch_s", "capture_sizes", "async_scheduling", "request_s", "admit_s", "v0_seq_s", "stream_s",
-               "graph_sizes_per_seq", "graph_stream_budget", "moe_chunk_tokens", "source"}
+               "graph_sizes_per_seq", "graph_stream_budget", "moe_chunk_tokens", "vllm_version", "source"}
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join('engine.' + k for k in unknown)} (allowed: {', '.join(sorted(allowed))})")
@@ -180,6 +182,12 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
             raise ValueError(f"{path}: field engine.{key} must be an integer >= 0, got {value!r}")
     if not isinstance(table.get("async_scheduling", False), bool):
         raise ValueError(f"{path}: field engine.async_scheduling must be true or false")
+    version = table.get("vllm_version", "")
+    try:
+        if version != "":
+            parse_version(str(version))
+    except ValueError as exc:
+        raise ValueError(f"{path}: field engine.{exc}") from None
     try:
         return EngineProfile(
             mode=str(table["mode"]),
@@ -193,6 +201,7 @@ def parse_engine(table: dict, path: Path) -> EngineProfile:
             graph_sizes_per_seq=table.get("graph_sizes_per_seq", 0),
             graph_stream_budget=table.get("graph_stream_budget", 0),
             moe_chunk_tokens=table.get("moe_chunk_tokens", 0),
+            vllm_version=str(version),
             source=str(table.get("source", "")),
         )
     except ValueError as exc:
@@ -214,5 +223,6 @@ def engine_toml_lines(engine: EngineProfile) -> list[str]:
         *([f"graph_sizes_per_seq = {engine.graph_sizes_per_seq}"] if engine.graph_sizes_per_seq else []),
         *([f"graph_stream_budget = {engine.graph_stream_budget}"] if engine.graph_stream_budget else []),
         *([f"moe_chunk_tokens = {engine.moe_chunk_tokens}"] if engine.moe_chunk_tokens else []),
+        *([f"vllm_version = {toml_value(engine.vllm_version)}"] if engine.vllm_version else []),
         f"source = {toml_value(engine.source)}",
     ]

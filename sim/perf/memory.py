@@ -23,8 +23,10 @@ larger of two moments (``a`` = activation dtype bytes, ``T`` = max_num_batched_t
         buffers is read off vLLM's own profile: 3h + 3I is 110,592 bytes a token for Llama 3.1
         8B, where vLLM logged (17.06 - 14.99) GiB for 20,000 tokens = 111,196 (fidelity row
         vllm10517-20k, a fit row; 2h + 3I, the earlier count, was 8 % short);
-    at the head:    a * T * h + 2 * 4 * S * V
-        the final hidden states, and fp32 logits plus their softmax for the sampled rows.
+    at the head:    a * T * h + b * S * V
+        the final hidden states, and the dummy sampler's b bytes per sampled logit: 8 (fp32 logits
+        plus their softmax) for an engine that names no vLLM release, else that release's figure
+        read off vLLM's logs (38.4 before v0.17, 14.9 from it: sim/perf/vllm_release.py).
 
 An MoE layer may work on more tokens than its rank's step: under data parallelism with an expert
 exchange that gathers (vLLM's default ``allgather_reducescatter`` and its older ``naive``, vllm-ascend's
@@ -45,6 +47,7 @@ from dataclasses import asdict, dataclass
 from kvsim.policies.blocks import cdiv
 from kvsim.sim.perf.device import DeviceProfile
 from kvsim.sim.perf.model_spec import DTYPE_BYTES, ModelSpec
+from kvsim.sim.perf.vllm_release import SAMPLER_BYTES_UNVERSIONED, device_vllm_version, sampler_logit_bytes
 
 DEFAULT_BLOCK_SIZE = 128  # the Ascend paged kernels' recommended size (vllm-ascend forces it)
 GPU_BLOCK_SIZE = 16  # vLLM's CUDA platform default
@@ -53,7 +56,6 @@ DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's OpenAI-server default below 70 GiB (scheduler_defaults)
 DEFAULT_MAX_NUM_SEQS = 256  # the same
 LARGE_DEVICE_BYTES = 70 * 2**30  # vLLM's threshold for its larger scheduler defaults
-LOGIT_BYTES = 4  # samplers work on fp32 logits
 HIDDEN_BUFFERS = 3  # hidden-size activations live at a layer's peak (module docstring)
 
 
@@ -154,12 +156,14 @@ class MemoryPlan:
 
 
 def activation_workspace_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int,
-                               moe_tokens: int | None = None, moe_chunk_tokens: int = 0) -> int:
+                               moe_tokens: int | None = None, moe_chunk_tokens: int = 0,
+                               sampler_bytes: float = SAMPLER_BYTES_UNVERSIONED) -> int:
     """Peak activation memory of a step with ``max_num_batched_tokens`` tokens (module docstring).
 
     ``moe_tokens``: the tokens an MoE layer works on when it differs from the step's, as under data
     parallelism whose expert exchange gathers every member's tokens (default: the step's);
-    ``moe_chunk_tokens``: the most of them its kernels hold workspace for at once (0: all)."""
+    ``moe_chunk_tokens``: the most of them its kernels hold workspace for at once (0: all);
+    ``sampler_bytes``: bytes per sampled logit at the sampler's peak (sim/perf/vllm_release.py)."""
     a = DTYPE_BYTES[model.activation_dtype]
     tokens, h = max_num_batched_tokens, model.hidden_size
     sampled = min(max_num_seqs, tokens)
@@ -174,7 +178,7 @@ def activation_workspace_bytes(model: ModelSpec, max_num_batched_tokens: int, ma
         exchange = 2 * gathered * h if gathered > tokens else 0  # the gathered inputs and the combined outputs
         mlp = max(mlp, a * (in_workspace * moe_block + exchange))
     in_layer = a * tokens * HIDDEN_BUFFERS * h + max(a * tokens * attention_block, mlp)
-    at_head = a * tokens * h + 2 * LOGIT_BYTES * sampled * model.sampled_vocab_size
+    at_head = a * tokens * h + round(sampler_bytes * sampled * model.sampled_vocab_size)
     return max(in_layer, at_head)
 
 
@@ -210,7 +214,8 @@ def plan_memory(
     budget = math.ceil(device.hbm_bytes * memory_utilization)
     weights = model.weight_bytes()
     chunk = device.engine.moe_chunk_tokens if device.engine is not None else 0
-    activations = activation_workspace_bytes(model, max_num_batched_tokens, max_num_seqs, moe_tokens, chunk)
+    sampler = sampler_logit_bytes(device_vllm_version(device))
+    activations = activation_workspace_bytes(model, max_num_batched_tokens, max_num_seqs, moe_tokens, chunk, sampler)
     scales = model.kv_scale_bytes(kv_dtype)
     available = budget - weights - activations - reserve - scales - graph_bytes
     per_block = model.bytes_per_block(block_size, kv_dtype)

@@ -33,6 +33,7 @@ from kvsim.sim.perf.device import ENGINE_CORES, DeviceProfile, engine_as_run, lo
 from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.memory import MemoryPlan, block_size_default, scheduler_defaults
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, ModelSpec, load_model
+from kvsim.sim.perf.vllm_release import with_vllm_version
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.schema import Trace
 
@@ -68,9 +69,11 @@ class RunConfig:
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
     engine_core: str = "v1"
-    # vLLM's VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS (on by default from v0.21): the graph capture's memory
-    # comes off the KV budget before the pool is sized (sim/parallel/memory.py budgeted_graph_bytes)
-    estimate_cudagraph_memory: bool = False
+    # The vLLM release whose KV-pool sizing rules apply on a GPU (sim/perf/vllm_release.py; "": the device
+    # engine's), and its VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: the graph capture's memory off the KV budget
+    # before the pool is sized (sim/parallel/memory.py budgeted_graph_bytes; None: the release's, on from 0.21)
+    vllm_version: str = ""
+    estimate_cudagraph_memory: bool | None = None
     # The benchmark client in front (sim/run/clients.py, as vLLM bench serve runs): latencies through the
     # device's API server (its [engine] admit_s, request_s, stream_s), and at most max_concurrency requests
     # in flight (0: each sent at its arrival)
@@ -386,6 +389,7 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
     model = load_model(config.model, quantization=config.quantization)
     device = engine_as_run(load_device(config.device, search_dirs=search_dirs), config.enforce_eager,
                            config.async_scheduling, config.engine_core)
+    device = with_vllm_version(device, config.vllm_version)
     config = with_device_defaults(config, device, model)
     if config.enable_dbo and device.platform == "ascend":
         raise ValueError(f"enable_dbo: vllm-ascend turns dual batch overlap off on Ascend devices "
@@ -409,7 +413,7 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
-        graph_bytes=budgeted_graph_bytes(device, model, layout, config.max_num_seqs) if config.estimate_cudagraph_memory else 0,
+        graph_bytes=budgeted_graph_bytes(device, model, layout, config.max_num_seqs, config.estimate_cudagraph_memory),
     )
     dp = layout.data_parallel_size
     num_blocks = config.num_blocks or memory.require_fit().num_blocks * dp

@@ -71,6 +71,7 @@ from kvsim.sim.perf.device import (
 )
 from kvsim.sim.perf.graph_memory import GraphMemory
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
+from kvsim.sim.perf.vllm_release import parse_version, with_vllm_version
 from kvsim.sim.run.clients import bench_metric, bench_run
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
 from kvsim.sim.toml_io import load_toml
@@ -125,6 +126,8 @@ REFINES = {"operators.moe.w8a8_compute_efficiency": "operators.moe.compute_effic
 # Fit rows whose parameter is a structural choice made by hand on that row (not solved here): the
 # row is still reported as a fit row, never as accuracy.
 HAND_FITTED = {"memory.hidden_buffers": "kvsim.sim.perf.memory.HIDDEN_BUFFERS",
+               "memory.sampler_bytes_before_v017": "kvsim.sim.perf.vllm_release.SAMPLER_BYTES_BEFORE_V017",
+               "memory.sampler_bytes_from_v017": "kvsim.sim.perf.vllm_release.SAMPLER_BYTES_FROM_V017",
                "memory.nccl_pipeline_buffers": "kvsim.sim.parallel.memory.NCCL_PIPELINE_BUFFERS"}
 LENGTH_SOURCES = ("auto", "sharegpt", "sharegpt-scaled", "lognormal")  # how ShareGPT rows get their lengths (module docstring)
 # The tokenizer vLLM's benchmark counted a model's ShareGPT lengths with (traces/tokenizers.py).
@@ -160,6 +163,7 @@ class Row:
     async_scheduling: bool | None = None
     scheduler: str = "fcfs"  # vLLM V1's; "vllm-v0" = prefill-first (V0, vllm-ascend's AscendScheduler)
     engine_core: str = "v1"  # "v0": vLLM's V0 LLMEngine, which pays [engine] v0_seq_s per sequence per step
+    vllm_version: str = ""  # the release whose KV-pool sizing rules apply where not the device engine's (GPUs)
     watermark: float = 0.0  # fraction of KV blocks admission keeps free (V0 and AscendScheduler: 0.01)
     enable_prefix_caching: bool | None = None  # vLLM's switch; None: the engine generation's default (see block_manager)
     num_prompts: int = 0
@@ -280,6 +284,11 @@ def _check_row(row: Row, sources: dict[str, Source], path: Path, where: str) -> 
         problems.append(f"split must be one of {SPLITS}")
     if row.metric not in METRICS:
         problems.append(f"metric must be one of {METRICS}")
+    if row.vllm_version:
+        try:
+            parse_version(row.vllm_version)
+        except ValueError as exc:
+            problems.append(str(exc))
     if row.scheduler not in SCHEDULERS:
         problems.append(f"scheduler must be one of {sorted(SCHEDULERS)}")
     if row.engine_core not in ENGINE_CORES:
@@ -358,10 +367,10 @@ def get_parameter(device: DeviceProfile, name: str) -> float:
 
 
 def row_device(row: Row, device: DeviceProfile) -> DeviceProfile:
-    """The device as the row's engine ran it: its mode and async scheduling where the row says,
-    and for a V0 engine the V0 host time per sequence added to the cost model's ``host_seq``."""
+    """The device as the row's engine ran it: its mode and async scheduling where the row says, for a V0
+    engine the V0 host time per sequence added to the cost model's ``host_seq``, and the row's vLLM release."""
     enforce_eager = {"eager": True, "graph": False}.get(row.engine_mode)
-    return engine_as_run(device, enforce_eager, row.async_scheduling, row.engine_core)
+    return with_vllm_version(engine_as_run(device, enforce_eager, row.async_scheduling, row.engine_core), row.vllm_version)
 
 
 # --- replay ----------------------------------------------------------------------------------
@@ -457,6 +466,7 @@ def _resolved(row: Row, device: DeviceProfile) -> ResolvedRun:
         memory_utilization=row.memory_utilization, max_num_seqs=row.max_num_seqs,
         max_num_batched_tokens=row.max_num_batched_tokens, max_model_len=row.max_model_len or None,
         block_manager=row.block_manager, scheduler=row.scheduler, watermark=row.watermark, seed=row.seed, engine_core=row.engine_core,
+        vllm_version=row.vllm_version,
         quantization=row.quantization or None, tensor_parallel_size=row.tensor_parallel_size,
         pipeline_parallel_size=row.pipeline_parallel_size, data_parallel_size=row.data_parallel_size,
         enable_expert_parallel=row.enable_expert_parallel,
@@ -507,6 +517,8 @@ def row_command(row: Row, trace_file: str) -> list[str] | None:
         command.append("--async-scheduling" if row.async_scheduling else "--no-async-scheduling")
     if row.engine_core != "v1":
         command += ["--engine-core", row.engine_core]
+    if row.vllm_version:
+        command += ["--vllm-version", row.vllm_version]
     if row.workload == "batch":
         command += ["--max-concurrency", str(row.num_prompts)]
     else:
