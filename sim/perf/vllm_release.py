@@ -12,8 +12,8 @@ differ by release:
   1.89 GiB, row llmd-llama8b-tp1-blocks; Qwen2.5-7B's and Qwen3-8B's 2.21 GiB give 14.9 too).
   Without a release, kvsim's own count: fp32 logits and their softmax, 8 bytes. The bundled GPUs
   name none: whether v0.11.0 (the release of the GPUStack rows their times are fitted on) has the
-  38.4 bytes is not known, and GPUStack ran Qwen3-32B's 32K requests on one 80 GB H100 with it,
-  which 38.4 bytes at 1,024 rows would not leave room for.
+  38.4 bytes is not known: GPUStack ran Qwen3-32B's 32K requests on one 80 GB H100 under it,
+  where 38.4 bytes at 1,024 rows would leave a pool of 16,800 tokens, not one such request.
 - **The graph capture.** From v0.21 vLLM estimates its CUDA-graph memory and takes it off the KV
   budget first (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``; sim/parallel/memory.py).
 
