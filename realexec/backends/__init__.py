@@ -46,7 +46,7 @@ def get_backend(name: str, device: str | None = None, enforce_eager: bool = Fals
     if backend.supports_graphs and not enforce_eager:
         from kvsim.sim.perf.device import load_device
 
-        engine = load_device(backend.default_profile()).engine
-        if engine is not None and engine.mode == "graph":
-            backend.capture_sizes = engine.capture_sizes
+        profile = load_device(backend.default_profile())
+        if profile.captures_graphs:
+            backend.capture_sizes = profile.engine.capture_sizes
     return backend

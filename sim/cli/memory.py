@@ -20,7 +20,6 @@ from kvsim.sim.perf.memory import (
     scheduler_defaults,
 )
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
-from kvsim.sim.perf.vllm_release import with_vllm_version
 from kvsim.sim.run.outputs import model_fact_lines
 
 
@@ -88,11 +87,11 @@ def memory(
     """
     try:
         model = load_model(model_name, quantization=quantization)
-        device = with_vllm_version(engine_as_run(load_device(device_name, search_dirs=[Path.cwd()]), enforce_eager), vllm_version)
+        device = engine_as_run(load_device(device_name, search_dirs=[Path.cwd()]), enforce_eager, vllm_version=vllm_version)
         default_tokens, default_seqs = scheduler_defaults(device)
         layout = ParallelLayout(tp, pp, dp, ep)
         seqs = max_num_seqs or default_seqs
-        graph_bytes = budgeted_graph_bytes(device, model, layout, seqs, estimate_cudagraph_memory)
+        capture = rank_graph_capture(device, model, layout, seqs)
         plan = plan_rank_memory(
             model,
             device,
@@ -103,14 +102,13 @@ def memory(
             max_num_batched_tokens=max_num_batched_tokens or default_tokens,
             max_num_seqs=seqs,
             max_model_len=max_model_len,
-            graph_bytes=graph_bytes,
+            graph_bytes=budgeted_graph_bytes(device, capture, estimate_cudagraph_memory),
         )
-        capture = rank_graph_capture(device, model, layout, plan.max_num_seqs)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     seq_len = seq_len or plan.max_model_len
     buffers = buffer_bytes(device, layout)
-    graphs = graph_lines(plan, capture, device.name, device.engine is not None and device.engine.mode == "graph")
+    graphs = graph_lines(plan, capture, device.name, device.captures_graphs)
     if as_json:
         parallel = {} if layout.is_single_device else {
             "layout": layout.describe(), "world_size": layout.world_size, "per_rank": True,

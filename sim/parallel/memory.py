@@ -69,25 +69,21 @@ def plan_rank_memory(model: ModelSpec, device: DeviceProfile, layout: ParallelLa
 def rank_graph_capture(device: DeviceProfile, model: ModelSpec, layout: ParallelLayout, max_num_seqs: int) -> GraphCapture | None:
     """One rank's graph capture on ``device`` as its engine runs (the sizes a run of ``max_num_seqs`` keeps:
     sim/perf/engine_overhead.py); None where nothing is captured (eager) or the device has no ``[graph_memory]``."""
-    engine = device.engine
-    if device.graph_memory is None or engine is None or engine.mode != "graph":
+    if device.graph_memory is None or not device.captures_graphs:
         return None
-    run = engine.for_run(max_num_seqs, model.num_layers, layout.tensor_parallel_size, layout.data_parallel_size)
+    run = device.engine.for_run(max_num_seqs, model.num_layers, layout.tensor_parallel_size, layout.data_parallel_size)
     return graph_capture(device.graph_memory, rank_model(model, layout), run.capture_sizes, max_num_seqs)
 
 
-def budgeted_graph_bytes(device: DeviceProfile, model: ModelSpec, layout: ParallelLayout, max_num_seqs: int,
-                         estimate: bool | None = None) -> int:
-    """The graph capture vLLM takes off the KV budget (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``; ``estimate``
-    None: the device engine's release decides, on from v0.21): one rank's, as :func:`rank_graph_capture` prices
-    it; 0 when not estimated or for an eager engine. A device that captures graphs but has no ``[graph_memory]``
-    figure is an error when asked: kvsim would otherwise leave the pool as large as before."""
-    engine = device.engine
+def budgeted_graph_bytes(device: DeviceProfile, capture: GraphCapture | None, estimate: bool | None = None) -> int:
+    """What vLLM takes off the KV budget for ``capture`` (:func:`rank_graph_capture`'s) under
+    ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (``estimate`` None: the device engine's release decides, on
+    from v0.21); 0 when not estimated or for an eager engine. A device that captures graphs but has no
+    ``[graph_memory]`` figure is an error when asked: kvsim would otherwise leave the pool as large as before."""
     if estimate is None:
         estimate = estimates_graph_memory(device_vllm_version(device))
-    if not estimate or engine is None or engine.mode != "graph":
+    if not estimate or not device.captures_graphs:
         return 0
-    capture = rank_graph_capture(device, model, layout, max_num_seqs)
     if capture is None:
         raise ValueError(f"estimate_cudagraph_memory: device {device.name} has no [graph_memory] figure to take off the "
                          f"KV budget (no measured capture of its platform); run without it or with --enforce-eager")

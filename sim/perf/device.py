@@ -67,6 +67,7 @@ from pathlib import Path
 from kvsim.sim.perf.engine_overhead import EngineProfile, engine_toml_lines, parse_engine
 from kvsim.sim.perf.graph_memory import GraphMemory, graph_memory_toml_lines, parse_graph_memory
 from kvsim.sim.perf.topology import Topology, parse_topology, topology_toml_lines
+from kvsim.sim.perf.vllm_release import parse_version
 from kvsim.sim.toml_io import load_toml, toml_value
 
 DEVICES_DIR = Path(__file__).parents[1] / "devices"  # sim/devices/, the data beside the rooms
@@ -230,6 +231,11 @@ class DeviceProfile:
     ssd_bandwidth: float = 0.0
     ssd_latency_s: float = 0.0
 
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether the device's engine replays captured graphs (CUDA graphs, ACL graphs)."""
+        return self.engine is not None and self.engine.mode == "graph"
+
     def matrix_peak(self, dtype: str) -> float:
         try:
             return self.matrix_flops[dtype]
@@ -248,14 +254,21 @@ ENGINE_CORES = ("v0", "v1")  # vLLM's engine generation: V0 LLMEngine, V1 Engine
 
 
 def engine_as_run(device: DeviceProfile, enforce_eager: bool | None = None, async_scheduling: bool | None = None,
-                  engine_core: str = "v1") -> DeviceProfile:
+                  engine_core: str = "v1", vllm_version: str | None = None) -> DeviceProfile:
     """The device as a given vLLM setup runs it: ``enforce_eager`` (None: the device's mode; True:
-    eager dispatch; False: graph replay), ``async_scheduling`` (None: the device's), and vLLM's V0
-    engine, which pays ``[engine] v0_seq_s`` host time per sequence per step on top of ``host_seq``.
-    A device without an ``[engine]`` (an executor's calibrated CPU profile) runs every step eagerly:
-    enforce_eager changes nothing there, and the other two have nothing to apply to."""
+    eager dispatch; False: graph replay), ``async_scheduling`` (None: the device's), vLLM's V0
+    engine, which pays ``[engine] v0_seq_s`` host time per sequence per step on top of ``host_seq``,
+    and ``vllm_version``, the release whose KV-pool sizing rules a GPU's engine follows (None or "":
+    the device's; sim/perf/vllm_release.py). A device without an ``[engine]`` (an executor's calibrated
+    CPU profile) runs every step eagerly: enforce_eager changes nothing there, and the others have
+    nothing to apply to."""
     if engine_core not in ENGINE_CORES:
         raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, got {engine_core!r}")
+    if vllm_version:
+        parse_version(vllm_version)
+        if device.platform != "cuda" or device.engine is None:
+            raise ValueError(f"vllm_version {vllm_version}: release rules are vLLM's on CUDA devices; {device.name} "
+                             f"({device.platform}) runs its own engine's")
     engine = device.engine
     if engine is None:
         if async_scheduling is not None or engine_core != "v1":
@@ -269,6 +282,8 @@ def engine_as_run(device: DeviceProfile, enforce_eager: bool | None = None, asyn
         updates["mode"] = "eager" if enforce_eager else "graph"
     if async_scheduling is not None:
         updates["async_scheduling"] = async_scheduling
+    if vllm_version:
+        updates["vllm_version"] = vllm_version
     if updates:
         device = replace(device, engine=replace(engine, **updates))
     if engine_core == "v0" and engine.v0_seq_s > 0:

@@ -17,13 +17,13 @@ differ by release:
 - **The graph capture.** From v0.21 vLLM estimates its CUDA-graph memory and takes it off the KV
   budget first (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``; sim/parallel/memory.py).
 
-Only vLLM on CUDA is covered: a release named for another platform's device is an error.
+Only vLLM on CUDA is covered: a release named for another platform's device is an error
+(``engine_as_run`` in sim/perf/device.py applies a run's release).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,17 +55,6 @@ def sampler_logit_bytes(version: str) -> float:
 def estimates_graph_memory(version: str) -> bool:
     """Whether ``version`` takes its graph estimate off the KV budget by default."""
     return bool(version) and parse_version(version) >= GRAPH_ESTIMATE_FROM
-
-
-def with_vllm_version(device: DeviceProfile, version: str | None) -> DeviceProfile:
-    """``device`` with its engine following vLLM ``version`` (None or "": as it is)."""
-    if not version:
-        return device
-    parse_version(version)
-    if device.platform != "cuda" or device.engine is None:
-        raise ValueError(f"vllm_version {version}: release rules are vLLM's on CUDA devices; {device.name} "
-                         f"({device.platform}) runs its own engine's")
-    return replace(device, engine=replace(device.engine, vllm_version=version))
 
 
 def device_vllm_version(device: DeviceProfile) -> str:

@@ -26,14 +26,13 @@ from kvsim.policies.hashing import check_block_size_compatible
 from kvsim.policies.kv_store import StoreSpec
 from kvsim.policies.kv_tiers import TierConfig, TierSpec
 from kvsim.sim.parallel.layout import ParallelLayout
-from kvsim.sim.parallel.memory import budgeted_graph_bytes, buffer_bytes, plan_rank_memory
+from kvsim.sim.parallel.memory import budgeted_graph_bytes, buffer_bytes, plan_rank_memory, rank_graph_capture
 from kvsim.sim.parallel.rank_cost import ALL2ALL_BACKENDS, DualBatchOverlap, ParallelCostModel
 from kvsim.sim.perf.cost_model import CostModel
 from kvsim.sim.perf.device import ENGINE_CORES, DeviceProfile, engine_as_run, load_device
 from kvsim.sim.perf.expert_routing import ExpertRouting
 from kvsim.sim.perf.memory import MemoryPlan, block_size_default, scheduler_defaults
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, ModelSpec, load_model
-from kvsim.sim.perf.vllm_release import with_vllm_version
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.schema import Trace
 
@@ -388,8 +387,7 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
     config = config.validate().normalized()
     model = load_model(config.model, quantization=config.quantization)
     device = engine_as_run(load_device(config.device, search_dirs=search_dirs), config.enforce_eager,
-                           config.async_scheduling, config.engine_core)
-    device = with_vllm_version(device, config.vllm_version)
+                           config.async_scheduling, config.engine_core, config.vllm_version)
     config = with_device_defaults(config, device, model)
     if config.enable_dbo and device.platform == "ascend":
         raise ValueError(f"enable_dbo: vllm-ascend turns dual batch overlap off on Ascend devices "
@@ -413,7 +411,8 @@ def resolve(config: RunConfig, search_dirs: tuple[str | Path, ...] = (".",)) -> 
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
-        graph_bytes=budgeted_graph_bytes(device, model, layout, config.max_num_seqs, config.estimate_cudagraph_memory),
+        graph_bytes=budgeted_graph_bytes(device, rank_graph_capture(device, model, layout, config.max_num_seqs),
+                                         config.estimate_cudagraph_memory),
     )
     dp = layout.data_parallel_size
     num_blocks = config.num_blocks or memory.require_fit().num_blocks * dp

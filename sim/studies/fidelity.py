@@ -71,7 +71,7 @@ from kvsim.sim.perf.device import (
 )
 from kvsim.sim.perf.graph_memory import GraphMemory
 from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
-from kvsim.sim.perf.vllm_release import parse_version, with_vllm_version
+from kvsim.sim.perf.vllm_release import parse_version
 from kvsim.sim.run.clients import bench_metric, bench_run
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
 from kvsim.sim.toml_io import load_toml
@@ -370,7 +370,7 @@ def row_device(row: Row, device: DeviceProfile) -> DeviceProfile:
     """The device as the row's engine ran it: its mode and async scheduling where the row says, for a V0
     engine the V0 host time per sequence added to the cost model's ``host_seq``, and the row's vLLM release."""
     enforce_eager = {"eager": True, "graph": False}.get(row.engine_mode)
-    return with_vllm_version(engine_as_run(device, enforce_eager, row.async_scheduling, row.engine_core), row.vllm_version)
+    return engine_as_run(device, enforce_eager, row.async_scheduling, row.engine_core, row.vllm_version)
 
 
 # --- replay ----------------------------------------------------------------------------------
