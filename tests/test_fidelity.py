@@ -375,6 +375,23 @@ def test_a_fit_cut_off_before_its_fixed_point_says_it_is_not_one() -> None:
     assert result.to_dict()["converged"] is False
 
 
+def test_graph_rows_solve_their_four_coefficients_together_in_one_pass(published) -> None:
+    """Graph figures are linear in the four coefficients, and one at a time (bisection, row by row) the
+    pool, 11 % of the one row that fits it, kept moving pass after pass: solved together they are
+    matched exactly in the first pass, and the second moves nothing."""
+    truth = {"graph_memory.pool_bytes": 9e7, "graph_memory.layer_bytes": 1.2e5,
+             "graph_memory.moe_layer_bytes": 8e4, "graph_memory.split_accumulators": 24.0}
+    device = load_device("h100-sxm")
+    for name, value in truth.items():
+        device = set_parameter(device, name, value)
+    rows = [replace(r, measured=predict_row(r, device)) for r in published.rows if r.metric == "graph_gib" and r.split == "fit"]
+    assert sorted(r.fits for r in rows) == sorted(truth)
+    result = fit_to_fixed_point(rows, {"h100-sxm": load_device("h100-sxm")}, tolerance=1e-6, max_passes=3)
+    assert result.converged and len(result.moves) == 2 and result.moves[-1][1] < 1e-6
+    for name, value in truth.items():
+        assert get_parameter(result.devices["h100-sxm"], name) == pytest.approx(value, rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "name, value, changes",
     [

@@ -557,37 +557,74 @@ def _graph_gib(row: Row, device: DeviceProfile) -> float:
 
 
 # --- fit and table ---------------------------------------------------------------------------
+# Metrics whose figure is linear in the parameters their fit rows solve (graph_memory.py prices a capture
+# as a sum of coefficient x count): a device's fit rows of one such metric are solved together, exactly.
+LINEAR_METRICS = ("graph_gib",)
+
+
 def fit_parameters(
     rows: list[Row], devices: dict[str, DeviceProfile], steps: int = 14, passes: int = 2, lengths: str = "auto"
 ) -> dict[str, DeviceProfile]:
     """Solve each fit row's parameter on its device so that row is matched, rows in file order,
     ``passes`` times over (a later row's parameter moves an earlier row's figure a little).
 
-    Log-spaced bisection inside the parameter's range; a row whose figure the range cannot
-    reach keeps the end that comes closest. Check rows are never read.
+    A row is solved alone by :func:`bisect_row`; the rows of a :data:`LINEAR_METRICS` metric on
+    one device are solved together by :func:`solve_linear_rows`, where the first of them stands in
+    the order (one at a time, coupled linear rows converge only slowly). Check rows are never read.
     """
     devices = dict(devices)
-    for row in [r for r in rows if r.split == "fit" and r.fits in PARAMETERS] * passes:
-        lo, hi = PARAMETERS[row.fits]
-        device = devices[row.device]
-
-        def error(value: float) -> float:  # called within this iteration only
-            return predict_row(row, set_parameter(device, row.fits, value), lengths) / row.measured - 1.0  # noqa: B023
-
-        e_lo, e_hi = error(lo), error(hi)
-        if e_lo * e_hi > 0:
-            best = lo if abs(e_lo) <= abs(e_hi) else hi
-        else:
-            for _ in range(steps):
-                mid = math.sqrt(lo * hi)
-                e_mid = error(mid)
-                if e_mid * e_lo > 0:
-                    lo, e_lo = mid, e_mid
-                else:
-                    hi, e_hi = mid, e_mid
-            best = lo if abs(e_lo) <= abs(e_hi) else hi
-        devices[row.device] = set_parameter(device, row.fits, best)
+    fit_rows = [r for r in rows if r.split == "fit" and r.fits in PARAMETERS]
+    for _ in range(passes):
+        solved: set[tuple[str, str]] = set()
+        for row in fit_rows:
+            if row.metric not in LINEAR_METRICS:
+                devices[row.device] = bisect_row(row, devices[row.device], steps, lengths)
+            elif (row.device, row.metric) not in solved:
+                solved.add((row.device, row.metric))
+                group = [r for r in fit_rows if (r.device, r.metric) == (row.device, row.metric)]
+                devices[row.device] = solve_linear_rows(group, devices[row.device], lengths)
     return devices
+
+
+def bisect_row(row: Row, device: DeviceProfile, steps: int, lengths: str) -> DeviceProfile:
+    """``device`` with the row's parameter set so the row is matched: log-spaced bisection inside the
+    parameter's range; a row whose figure the range cannot reach keeps the end that comes closest."""
+    lo, hi = PARAMETERS[row.fits]
+
+    def error(value: float) -> float:
+        return predict_row(row, set_parameter(device, row.fits, value), lengths) / row.measured - 1.0
+
+    e_lo, e_hi = error(lo), error(hi)
+    if e_lo * e_hi <= 0:
+        for _ in range(steps):
+            mid = math.sqrt(lo * hi)
+            e_mid = error(mid)
+            if e_mid * e_lo > 0:
+                lo, e_lo = mid, e_mid
+            else:
+                hi, e_hi = mid, e_mid
+    return set_parameter(device, row.fits, lo if abs(e_lo) <= abs(e_hi) else hi)
+
+
+def solve_linear_rows(rows: list[Row], device: DeviceProfile, lengths: str) -> DeviceProfile:
+    """``device`` with the rows' parameters set so the rows are matched together, their figures being
+    linear in those parameters: one Newton step from the device's values, each column of the Jacobian
+    from one parameter moved by its own value (or its range's low end, from 0), is then exact.
+    Least squares on relative errors where rows outnumber parameters; each value kept in its range."""
+    names = list(dict.fromkeys(r.fits for r in rows))
+    measured = np.array([r.measured for r in rows])
+    base = np.array([predict_row(r, device, lengths) for r in rows])
+    values = np.array([get_parameter(device, n) for n in names])
+    jacobian = np.empty((len(rows), len(names)))
+    for j, name in enumerate(names):
+        step = max(values[j], PARAMETERS[name][0])
+        moved = set_parameter(device, name, values[j] + step)
+        jacobian[:, j] = [(predict_row(r, moved, lengths) - b) / step for r, b in zip(rows, base, strict=True)]
+    delta = np.linalg.lstsq(jacobian / measured[:, None], (measured - base) / measured, rcond=None)[0]
+    for name, value in zip(names, values + delta, strict=True):
+        lo, hi = PARAMETERS[name]
+        device = set_parameter(device, name, float(min(max(value, lo), hi)))
+    return device
 
 
 FIT_TOLERANCE = 1e-3  # a pass that moves no fitted parameter by more than this (relative) ends the fit
