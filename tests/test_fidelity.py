@@ -291,6 +291,22 @@ def test_a_source_fitted_perfectly_in_sample_shows_its_error_when_left_out() -> 
     assert summary["rows"] == 3 and summary["per_source"]["a"]["median_abs_error"] > 0.2
 
 
+def test_sources_left_out_in_worker_processes_give_what_one_process_gives() -> None:
+    base = _serving_row(metric="batch_latency", engine_mode="eager")
+    name = "engine.dispatch_s"
+    rows = [
+        _measured_at(base, name, 1e-4, id="b1", source="b", split="fit", fits=name, output_len=24),
+        _measured_at(base, name, 2.5e-4, id="a1", source="a", split="fit", fits=name),
+        _measured_at(base, name, 2.5e-4, id="c1", source="c", num_prompts=4, output_len=32),
+    ]
+    bundled = {"ascend-910b3": load_device("ascend-910b3")}
+    fitted = fit_parameters(rows, bundled)
+    full = [Result(r, predict_row(r, fitted[r.device])) for r in rows]
+    one = leave_one_source_out(rows, bundled, fitted, full, jobs=1)
+    two = leave_one_source_out(rows, bundled, fitted, full, jobs=2)
+    assert [s.source for s in two] == ["b", "a", "c"] and two == one
+
+
 def test_a_parameter_only_the_left_out_source_fits_takes_a_prior_and_is_named() -> None:
     """Not the bundled value (fitted on these very rows): the same parameter fitted on another device
     by another source where there is one, else the log-centre of its search range."""

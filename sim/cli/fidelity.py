@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -55,8 +56,10 @@ from kvsim.traces.errors import FIDELITY_EXTRA
               help="The fit runs pass after pass until a pass moves no parameter by more than this (relative).")
 @click.option("--max-fit-passes", type=click.IntRange(min=1), default=FIT_MAX_PASSES, show_default=True,
               help="At most this many fit passes; the output says whether the fit reached a fixed point.")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="Worker processes for leaving sources out, one source each (the same results as one)  [default: one per core].")
 def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str, loso: bool, fit_tolerance: float,
-             max_fit_passes: int) -> None:
+             max_fit_passes: int, jobs: int | None) -> None:
     """Replay published vLLM / vllm-ascend measurements; print predicted vs measured and signed errors."""
     try:
         published = load_published(data_path)
@@ -74,8 +77,8 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str,
     if convergence:
         devices = convergence.devices
     results = evaluate(rows, devices, lengths)
-    left_out = (leave_one_source_out(rows, bundled, devices, results, fit_tolerance, max_fit_passes, lengths)
-                if fit and loso else [])
+    left_out = (leave_one_source_out(rows, bundled, devices, results, fit_tolerance, max_fit_passes, lengths,
+                                     jobs or os.cpu_count() or 1) if fit and loso else [])
     loso_summary = summarize_left_out(left_out) if left_out else None
     fitted = {
         f"{r.device}:{r.fits}": {"row": r.id, "value": get_parameter(devices[r.device], r.fits)}

@@ -74,6 +74,7 @@ from kvsim.sim.perf.model_spec import QUANTIZATIONS, load_model
 from kvsim.sim.perf.vllm_release import parse_version
 from kvsim.sim.run.clients import bench_metric, bench_run
 from kvsim.sim.run.config import ResolvedRun, RunConfig, resolve
+from kvsim.sim.studies.sweep import parallel_map
 from kvsim.sim.toml_io import load_toml
 from kvsim.traces.errors import MissingExtraError
 from kvsim.traces.schema import Trace
@@ -754,7 +755,7 @@ def prior_value(name: str) -> float:
 
 def leave_one_source_out(
     rows: list[Row], bundled: dict[str, DeviceProfile], fitted: dict[str, DeviceProfile], full: list[Result],
-    tolerance: float = FIT_TOLERANCE, max_passes: int = FIT_MAX_PASSES, lengths: str = "auto",
+    tolerance: float = FIT_TOLERANCE, max_passes: int = FIT_MAX_PASSES, lengths: str = "auto", jobs: int = 1,
 ) -> list[SourceLeftOut]:
     """For each source (in file order), its rows predicted after fitting every parameter on the other
     sources' fit rows alone.
@@ -769,33 +770,40 @@ def leave_one_source_out(
     ``fitted``: the full fit's devices; ``full``: every row's result with them. A device's fitted
     parameters depend only on its own fit rows, so only the devices where the left-out source has
     fit rows are fitted again (:func:`fit_to_fixed_point`, starting from ``bundled``); the other
-    devices and a source without fit rows reuse the full fit.
+    devices and a source without fit rows reuse the full fit. Sources are independent of each
+    other: ``jobs`` worker processes take them in parallel, with the same results as one.
     """
-    full_by_id = {r.row.id: r for r in full}
+    tasks = [(source, rows, bundled, fitted, full, tolerance, max_passes, lengths) for source in dict.fromkeys(r.source for r in rows)]
+    return parallel_map(_leave_out, tasks, jobs=jobs)
+
+
+def _leave_out(
+    source: str, rows: list[Row], bundled: dict[str, DeviceProfile], fitted: dict[str, DeviceProfile], full: list[Result],
+    tolerance: float, max_passes: int, lengths: str,
+) -> SourceLeftOut:
+    """One source of :func:`leave_one_source_out`."""
     fitters = {(r.device, r.fits): r for r in rows if r.split == "fit" and r.fits in PARAMETERS}
-    out = []
-    for source in dict.fromkeys(r.source for r in rows):
-        own = [r for r in rows if r.source == source]
-        others = [r for r in rows if r.source != source]
-        refit = sorted({r.device for r in own if (r.device, r.fits) in fitters})
-        devices = dict(fitted)
-        priors: dict[str, tuple[float, str]] = {}
-        fits: dict[str, FixedPoint] = {}
-        for name in refit:
-            device = bundled[name]
-            for dev, parameter in fitters:
-                if dev != name or any(r.device == dev and r.fits == parameter for r in others):
-                    continue
-                value, origin = _prior(parameter, dev, source, fitters, fitted, device)
-                priors[f"{dev}:{parameter}"] = (value, origin)
-                device = set_parameter(device, parameter, value)
-            fits[name] = fit_to_fixed_point([r for r in others if r.device == name], {name: device}, tolerance, max_passes,
-                                            lengths=lengths)
-            devices[name] = fits[name].devices[name]
-        results = [Result(r, predict_row(r, devices[r.device], lengths)) if r.device in refit else full_by_id[r.id] for r in own]
-        hand = sorted({r.fits for r in own if r.fits in HAND_FITTED})
-        out.append(SourceLeftOut(source, results, priors, hand, fits))
-    return out
+    own = [r for r in rows if r.source == source]
+    others = [r for r in rows if r.source != source]
+    refit = sorted({r.device for r in own if (r.device, r.fits) in fitters})
+    devices = dict(fitted)
+    priors: dict[str, tuple[float, str]] = {}
+    fits: dict[str, FixedPoint] = {}
+    for name in refit:
+        device = bundled[name]
+        for dev, parameter in fitters:
+            if dev != name or any(r.device == dev and r.fits == parameter for r in others):
+                continue
+            value, origin = _prior(parameter, dev, source, fitters, fitted, device)
+            priors[f"{dev}:{parameter}"] = (value, origin)
+            device = set_parameter(device, parameter, value)
+        fits[name] = fit_to_fixed_point([r for r in others if r.device == name], {name: device}, tolerance, max_passes,
+                                        lengths=lengths)
+        devices[name] = fits[name].devices[name]
+    full_by_id = {r.row.id: r for r in full}
+    results = [Result(r, predict_row(r, devices[r.device], lengths)) if r.device in refit else full_by_id[r.id] for r in own]
+    hand = sorted({r.fits for r in own if r.fits in HAND_FITTED})
+    return SourceLeftOut(source, results, priors, hand, fits)
 
 
 def _prior(parameter: str, device: str, source: str, fitters: dict[tuple[str, str], Row],
