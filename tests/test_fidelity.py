@@ -25,6 +25,7 @@ from kvsim.sim.studies.fidelity import (
     Row,
     _resolved,
     dataset_lengths,
+    evaluate,
     fit_parameters,
     fit_to_fixed_point,
     get_parameter,
@@ -369,6 +370,22 @@ def test_the_fit_runs_to_a_fixed_point_and_says_so() -> None:
     assert "a fixed point after 3 passes" in result.describe() and result.to_dict()["converged"] is True
     again = fit_to_fixed_point(rows, result.devices, tolerance=1e-3, max_passes=6)  # from its own result: nothing moves
     assert again.converged and len(again.moves) == 1 and again.moves[0][1] == 0.0
+
+
+def test_devices_fit_apart_in_worker_processes_as_in_one_and_report_each_pass_largest_move() -> None:
+    """Two devices, each with its own coupled rows: fitted in two worker processes, the devices, the moves
+    and every row's prediction are those of one process; a pass's move is the larger of the two devices'."""
+    rows, _ = _coupled_fit_rows()
+    h100 = [replace(r, id=f"h100-{r.id}", device="h100-sxm", source="h") for r in rows]
+    both = [*rows, *h100]
+    bundled = {"ascend-910b3": load_device("ascend-910b3"), "h100-sxm": load_device("h100-sxm")}
+    one = fit_to_fixed_point(both, bundled, jobs=1)
+    two = fit_to_fixed_point(both, bundled, jobs=2)
+    assert two == one and one.converged
+    alone = [fit_to_fixed_point(subset, bundled) for subset in (rows, h100)]
+    assert len(one.moves) == max(len(a.moves) for a in alone)
+    assert one.moves[0] == max((a.moves[0] for a in alone), key=lambda kv: kv[1])
+    assert evaluate(both, one.devices, jobs=2) == evaluate(both, one.devices, jobs=1)
 
 
 def test_a_fit_from_a_parameter_the_device_file_leaves_unset_runs_to_its_fixed_point() -> None:

@@ -57,7 +57,8 @@ from kvsim.traces.errors import FIDELITY_EXTRA
 @click.option("--max-fit-passes", type=click.IntRange(min=1), default=FIT_MAX_PASSES, show_default=True,
               help="At most this many fit passes; the output says whether the fit reached a fixed point.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
-              help="Worker processes for leaving sources out, one source each (the same results as one)  [default: one per core].")
+              help="Worker processes: devices fitted, rows predicted and sources left out in parallel (the same results as one)  "
+              "[default: one per core].")
 def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str, loso: bool, fit_tolerance: float,
              max_fit_passes: int, jobs: int | None) -> None:
     """Replay published vLLM / vllm-ascend measurements; print predicted vs measured and signed errors."""
@@ -72,13 +73,13 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str,
         lengths_text = describe_lengths(rows, lengths)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    jobs = jobs or os.cpu_count() or 1
     bundled = devices = bundled_devices_for(rows)
-    convergence = fit_to_fixed_point(rows, devices, fit_tolerance, max_fit_passes, lengths=lengths) if fit else None
+    convergence = fit_to_fixed_point(rows, devices, fit_tolerance, max_fit_passes, lengths=lengths, jobs=jobs) if fit else None
     if convergence:
         devices = convergence.devices
-    results = evaluate(rows, devices, lengths)
-    left_out = (leave_one_source_out(rows, bundled, devices, results, fit_tolerance, max_fit_passes, lengths,
-                                     jobs or os.cpu_count() or 1) if fit and loso else [])
+    results = evaluate(rows, devices, lengths, jobs)
+    left_out = leave_one_source_out(rows, bundled, devices, results, fit_tolerance, max_fit_passes, lengths, jobs) if fit and loso else []
     loso_summary = summarize_left_out(left_out) if left_out else None
     fitted = {
         f"{r.device}:{r.fits}": {"row": r.id, "value": get_parameter(devices[r.device], r.fits)}

@@ -665,7 +665,26 @@ class FixedPoint:
 
 def fit_to_fixed_point(
     rows: list[Row], devices: dict[str, DeviceProfile], tolerance: float = FIT_TOLERANCE,
-    max_passes: int = FIT_MAX_PASSES, steps: int = 14, lengths: str = "auto",
+    max_passes: int = FIT_MAX_PASSES, steps: int = 14, lengths: str = "auto", jobs: int = 1,
+) -> FixedPoint:
+    """Each device's fit rows fitted to their fixed point (:func:`device_fixed_point`); the moves of a
+    pass are the largest over the devices still fitting in it.
+
+    A device's parameters depend on its own rows alone, so devices are fitted apart, and ``jobs``
+    worker processes take them in parallel, with the same results as one.
+    """
+    names = sorted({r.device for r in rows if r.split == "fit" and r.fits in PARAMETERS})
+    if not names:
+        return FixedPoint(devices, [("", 0.0)], tolerance)
+    tasks = [([r for r in rows if r.device == name], {name: devices[name]}, tolerance, max_passes, steps, lengths) for name in names]
+    fits = parallel_map(device_fixed_point, tasks, jobs=jobs)
+    passes = max(len(fit.moves) for fit in fits)
+    moves = [max((fit.moves[i] for fit in fits if i < len(fit.moves)), key=lambda kv: kv[1]) for i in range(passes)]
+    return FixedPoint({**devices, **{name: fit.devices[name] for name, fit in zip(names, fits, strict=True)}}, moves, tolerance)
+
+
+def device_fixed_point(
+    rows: list[Row], devices: dict[str, DeviceProfile], tolerance: float, max_passes: int, steps: int, lengths: str,
 ) -> FixedPoint:
     """:func:`fit_parameters` one pass at a time, each from the previous pass's result, until a pass
     moves no fitted parameter by more than ``tolerance`` (relative), or ``max_passes`` passes.
@@ -698,8 +717,10 @@ def bundled_devices_for(rows: list[Row]) -> dict[str, DeviceProfile]:
     return {name: load_device(name) for name in sorted({r.device for r in rows})}
 
 
-def evaluate(rows: list[Row], devices: dict[str, DeviceProfile], lengths: str = "auto") -> list[Result]:
-    return [Result(row, predict_row(row, devices[row.device], lengths)) for row in rows]
+def evaluate(rows: list[Row], devices: dict[str, DeviceProfile], lengths: str = "auto", jobs: int = 1) -> list[Result]:
+    """Every row predicted; rows are independent, so ``jobs`` worker processes share them (the same results)."""
+    predicted = parallel_map(predict_row, [(row, devices[row.device], lengths) for row in rows], jobs=jobs)
+    return [Result(row, value) for row, value in zip(rows, predicted, strict=True)]
 
 
 def runs_with_fit_rows(rows: list[Row]) -> set[Row]:
