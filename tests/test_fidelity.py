@@ -265,24 +265,29 @@ def _measured_at(row: Row, name: str, value: float, **changes) -> Row:
     return replace(row, measured=predict_row(row, set_parameter(load_device(row.device), name, value)))
 
 
-def _loso(rows: list[Row]) -> tuple[list[Result], dict]:
+def _loso(rows: list[Row], jobs: int = 1) -> tuple[list[Result], dict]:
     bundled = {name: load_device(name) for name in {r.device for r in rows}}
     fitted = fit_parameters(rows, bundled)
     full = [Result(r, predict_row(r, fitted[r.device])) for r in rows]
-    return full, {s.source: s for s in leave_one_source_out(rows, bundled, fitted, full)}
+    return full, {s.source: s for s in leave_one_source_out(rows, bundled, fitted, full, jobs=jobs)}
+
+
+def _dispatch_rows(a2_source: str = "a") -> list[Row]:
+    """Source "a" measured at dispatch_s 2.5e-4 and fits it last; source "b" measured at 1e-4; row
+    "a2" (a check row) from ``a2_source``."""
+    base = _serving_row(metric="batch_latency", engine_mode="eager")
+    name = "engine.dispatch_s"
+    return [
+        _measured_at(base, name, 1e-4, id="b1", source="b", split="fit", fits=name, output_len=24),
+        _measured_at(base, name, 2.5e-4, id="a1", source="a", split="fit", fits=name),
+        _measured_at(base, name, 2.5e-4, id="a2", source=a2_source, num_prompts=4, output_len=32),
+    ]
 
 
 def test_a_source_fitted_perfectly_in_sample_shows_its_error_when_left_out() -> None:
     """Source "a" measured its two figures where dispatch_s is 2.5e-4 and fits it last (so in sample
     it is matched); source "b" measured at 1e-4. Without "a", the parameter comes from "b" alone."""
-    base = _serving_row(metric="batch_latency", engine_mode="eager")
-    name = "engine.dispatch_s"
-    rows = [
-        _measured_at(base, name, 1e-4, id="b1", source="b", split="fit", fits=name, output_len=24),
-        _measured_at(base, name, 2.5e-4, id="a1", source="a", split="fit", fits=name),
-        _measured_at(base, name, 2.5e-4, id="a2", source="a", num_prompts=4, output_len=32),
-    ]
-    full, left_out = _loso(rows)
+    full, left_out = _loso(_dispatch_rows())
     in_sample = {r.row.id: abs(r.signed_error) for r in full}
     assert in_sample["a1"] < 0.01 and in_sample["a2"] < 0.01
     out_of_sample = {r.row.id: abs(r.signed_error) for r in left_out["a"].results}
@@ -295,19 +300,10 @@ def test_a_source_fitted_perfectly_in_sample_shows_its_error_when_left_out() -> 
 
 
 def test_sources_left_out_in_worker_processes_give_what_one_process_gives() -> None:
-    base = _serving_row(metric="batch_latency", engine_mode="eager")
-    name = "engine.dispatch_s"
-    rows = [
-        _measured_at(base, name, 1e-4, id="b1", source="b", split="fit", fits=name, output_len=24),
-        _measured_at(base, name, 2.5e-4, id="a1", source="a", split="fit", fits=name),
-        _measured_at(base, name, 2.5e-4, id="c1", source="c", num_prompts=4, output_len=32),
-    ]
-    bundled = {"ascend-910b3": load_device("ascend-910b3")}
-    fitted = fit_parameters(rows, bundled)
-    full = [Result(r, predict_row(r, fitted[r.device])) for r in rows]
-    one = leave_one_source_out(rows, bundled, fitted, full, jobs=1)
-    two = leave_one_source_out(rows, bundled, fitted, full, jobs=2)
-    assert [s.source for s in two] == ["b", "a", "c"] and two == one
+    rows = _dispatch_rows(a2_source="c")
+    _, one = _loso(rows, jobs=1)
+    _, two = _loso(rows, jobs=2)
+    assert list(two) == ["b", "a", "c"] and two == one
 
 
 def test_a_parameter_only_the_left_out_source_fits_takes_a_prior_and_is_named() -> None:

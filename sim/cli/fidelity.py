@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import click
@@ -73,7 +72,6 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str,
         lengths_text = describe_lengths(rows, lengths)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    jobs = jobs or os.cpu_count() or 1
     bundled = devices = bundled_devices_for(rows)
     convergence = fit_to_fixed_point(rows, devices, fit_tolerance, max_fit_passes, lengths=lengths, jobs=jobs) if fit else None
     if convergence:
@@ -84,7 +82,7 @@ def fidelity(data_path: Path, out_dir: Path, fit: bool, only: str, lengths: str,
     fitted = {
         f"{r.device}:{r.fits}": {"row": r.id, "value": get_parameter(devices[r.device], r.fits)}
         for r in rows
-        if r.split == "fit" and r.fits in PARAMETERS
+        if r.solved_by_fit
     }
     fitted.update({r.fits: {"row": r.id, "value": float(eval_hand_fitted(r.fits))} for r in rows if r.fits in HAND_FITTED})
     fitted_runs = runs_with_fit_rows(rows)

@@ -191,6 +191,11 @@ class Row:
     enable_expert_parallel: bool = False
 
     @property
+    def solved_by_fit(self) -> bool:
+        """A fit row whose parameter the fit solves (:data:`PARAMETERS`), not a constant set by hand."""
+        return self.split == "fit" and self.fits in PARAMETERS
+
+    @property
     def layout(self) -> ParallelLayout:
         return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
                               self.enable_expert_parallel)
@@ -574,7 +579,7 @@ def fit_parameters(
     the order (one at a time, coupled linear rows converge only slowly). Check rows are never read.
     """
     devices = dict(devices)
-    fit_rows = [r for r in rows if r.split == "fit" and r.fits in PARAMETERS]
+    fit_rows = [r for r in rows if r.solved_by_fit]
     for _ in range(passes):
         solved: set[tuple[str, str]] = set()
         for row in fit_rows:
@@ -665,15 +670,15 @@ class FixedPoint:
 
 def fit_to_fixed_point(
     rows: list[Row], devices: dict[str, DeviceProfile], tolerance: float = FIT_TOLERANCE,
-    max_passes: int = FIT_MAX_PASSES, steps: int = 14, lengths: str = "auto", jobs: int = 1,
+    max_passes: int = FIT_MAX_PASSES, steps: int = 14, lengths: str = "auto", jobs: int | None = 1,
 ) -> FixedPoint:
     """Each device's fit rows fitted to their fixed point (:func:`device_fixed_point`); the moves of a
     pass are the largest over the devices still fitting in it.
 
     A device's parameters depend on its own rows alone, so devices are fitted apart, and ``jobs``
-    worker processes take them in parallel, with the same results as one.
+    worker processes (None: one per core) take them in parallel, with the same results as one.
     """
-    names = sorted({r.device for r in rows if r.split == "fit" and r.fits in PARAMETERS})
+    names = sorted({r.device for r in rows if r.solved_by_fit})
     if not names:
         return FixedPoint(devices, [("", 0.0)], tolerance)
     tasks = [([r for r in rows if r.device == name], {name: devices[name]}, tolerance, max_passes, steps, lengths) for name in names]
@@ -694,7 +699,7 @@ def device_fixed_point(
     own resolution (``steps`` halvings of the log range: under 0.1 % for every range of
     :data:`PARAMETERS` at 14 steps), or rounding alone keeps the fit from converging.
     """
-    fitted = sorted({(r.device, r.fits) for r in rows if r.split == "fit" and r.fits in PARAMETERS})
+    fitted = sorted({(r.device, r.fits) for r in rows if r.solved_by_fit})
     moves: list[tuple[str, float]] = []
     for _ in range(max_passes):
         before = {(d, n): get_parameter(devices[d], n) for d, n in fitted}
@@ -717,8 +722,9 @@ def bundled_devices_for(rows: list[Row]) -> dict[str, DeviceProfile]:
     return {name: load_device(name) for name in sorted({r.device for r in rows})}
 
 
-def evaluate(rows: list[Row], devices: dict[str, DeviceProfile], lengths: str = "auto", jobs: int = 1) -> list[Result]:
-    """Every row predicted; rows are independent, so ``jobs`` worker processes share them (the same results)."""
+def evaluate(rows: list[Row], devices: dict[str, DeviceProfile], lengths: str = "auto", jobs: int | None = 1) -> list[Result]:
+    """Every row predicted; rows are independent, so ``jobs`` worker processes share them (the same results;
+    None: one per core)."""
     predicted = parallel_map(predict_row, [(row, devices[row.device], lengths) for row in rows], jobs=jobs)
     return [Result(row, value) for row, value in zip(rows, predicted, strict=True)]
 
@@ -776,7 +782,7 @@ def prior_value(name: str) -> float:
 
 def leave_one_source_out(
     rows: list[Row], bundled: dict[str, DeviceProfile], fitted: dict[str, DeviceProfile], full: list[Result],
-    tolerance: float = FIT_TOLERANCE, max_passes: int = FIT_MAX_PASSES, lengths: str = "auto", jobs: int = 1,
+    tolerance: float = FIT_TOLERANCE, max_passes: int = FIT_MAX_PASSES, lengths: str = "auto", jobs: int | None = 1,
 ) -> list[SourceLeftOut]:
     """For each source (in file order), its rows predicted after fitting every parameter on the other
     sources' fit rows alone.
@@ -803,7 +809,7 @@ def _leave_out(
     tolerance: float, max_passes: int, lengths: str,
 ) -> SourceLeftOut:
     """One source of :func:`leave_one_source_out`."""
-    fitters = {(r.device, r.fits): r for r in rows if r.split == "fit" and r.fits in PARAMETERS}
+    fitters = {(r.device, r.fits): r for r in rows if r.solved_by_fit}
     own = [r for r in rows if r.source == source]
     others = [r for r in rows if r.source != source]
     refit = sorted({r.device for r in own if (r.device, r.fits) in fitters})
